@@ -1,0 +1,191 @@
+"""The root of the ``loops`` command tree and its entry point.
+
+Only typer and the small ``cli`` modules are imported here: ``loops --help``, ``--version`` and
+tab completion must stay fast, so httpx, pydantic, yaml, keyring and torch are imported inside
+command bodies. ``main()`` is the one place where errors become messages and exit codes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from baseten_loops_cli import __version__
+from baseten_loops_cli.cli import (
+    auth,
+    checkpoints,
+    completion,
+    config,
+    deploy,
+    runs,
+    sample,
+    samplers,
+    server,
+    train,
+    usage,
+)
+from baseten_loops_cli.cli._state import get_state
+from baseten_loops_cli.errors import EXIT_CODE_HELP
+
+HELP = f"""\
+Loops: LoRA post-training of LLMs on Baseten, or on the embedded local backend.
+
+Manage runs, samplers, checkpoints and deployments; run YAML-defined SFT and RL loops with `loops train`. With no Baseten key set up, commands use the local backend (`loops server`).
+
+Global options (-o, --jq, -q, --profile, --debug) may be given anywhere on the line.
+
+Exit codes: {EXIT_CODE_HELP}.
+"""
+
+EPILOG = """\
+Examples:
+
+  loops train run examples/tiny-sft.yaml --yes
+
+  loops runs list -o json
+
+  loops checkpoints download RUN:final -O ./adapter
+"""
+
+app = typer.Typer(
+    name="loops",
+    help=HELP,
+    epilog=EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+RUNS = "Runs"
+CHECKPOINTS = "Checkpoints"
+TRAINING = "Training"
+SETUP = "Setup"
+
+app.add_typer(runs.app, name="runs", rich_help_panel=RUNS)
+app.add_typer(samplers.app, name="samplers", rich_help_panel=RUNS)
+app.command("usage", rich_help_panel=RUNS)(usage.usage)
+app.command("sample", rich_help_panel=RUNS)(sample.sample)
+app.add_typer(checkpoints.app, name="checkpoints", rich_help_panel=CHECKPOINTS)
+app.add_typer(deploy.app, name="deploy", rich_help_panel=CHECKPOINTS)
+app.add_typer(train.app, name="train", rich_help_panel=TRAINING)
+app.add_typer(auth.app, name="auth", rich_help_panel=SETUP)
+app.add_typer(config.app, name="config", rich_help_panel=SETUP)
+app.add_typer(server.app, name="server", rich_help_panel=SETUP)
+app.add_typer(completion.app, name="completion", rich_help_panel=SETUP)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"loops {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    output: Annotated[
+        Optional[str],
+        typer.Option("-o", "--output", help="Output format: table, json, jsonl, yaml or none.", envvar="LOOPS_OUTPUT", show_envvar=True),
+    ] = None,
+    jq: Annotated[
+        Optional[str], typer.Option("--jq", help="Filter JSON output with a jq expression (implies -o json).")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print IDs only, no messages.")] = False,
+    profile: Annotated[
+        Optional[str],
+        typer.Option("--profile", help="Profile to use (default: LOOPS_PROFILE, then the active one).", envvar="LOOPS_PROFILE", show_envvar=True),
+    ] = None,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks and HTTP debug logs (keys redacted).")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version_callback, is_eager=True, help="Show the version and exit."),
+    ] = False,
+) -> None:
+    state = get_state(ctx)
+    state.output_format = output
+    state.jq = jq
+    state.quiet = quiet
+    state.profile = profile
+    state.debug = debug or state.debug
+    if state.debug:
+        os.environ["LOOPS_DEBUG"] = "1"
+    ctx.call_on_close(state.close)
+
+
+# Options that belong to the root but that users type after the subcommand
+# (`loops runs list -o json`). They are moved in front of the subcommand before parsing.
+_GLOBAL_WITH_VALUE = {"-o", "--output", "--jq", "--profile"}
+_GLOBAL_FLAGS = {"-q", "--quiet", "--debug"}
+
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """Move global options found after the subcommand to the front (stops at ``--``)."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest.extend(argv[i:])
+            break
+        name = arg.split("=", 1)[0] if arg.startswith("--") else arg
+        if name in _GLOBAL_WITH_VALUE:
+            if "=" in arg and arg.startswith("--"):
+                front.append(arg)
+            elif i + 1 < len(argv):
+                front.extend([arg, argv[i + 1]])
+                i += 1
+            else:
+                rest.append(arg)  # let the parser report the missing value
+        elif arg.startswith("-o") and len(arg) > 2 and not arg.startswith("--"):
+            front.append(arg)  # -ojson
+        elif arg in _GLOBAL_FLAGS:
+            front.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    return front + rest
+
+
+def _print_error(message: str, hint: str | None) -> None:
+    stream = sys.stderr
+    color = stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+    prefix = "\x1b[31mError:\x1b[0m" if color else "Error:"
+    print(f"{prefix} {message}", file=stream)
+    if hint:
+        print(f"Hint: {hint}", file=stream)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the app, map errors to one line and an exit code."""
+    from baseten_loops_cli.errors import ExitCode, LoopsError
+
+    args = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
+    debug = "--debug" in args or os.environ.get("LOOPS_DEBUG", "") in {"1", "true"}
+    try:
+        app(args=args, prog_name="loops")
+    except LoopsError as exc:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        _print_error(exc.message, exc.hint)
+        sys.exit(int(exc.exit_code))
+    except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
+        sys.exit(int(ExitCode.INTERRUPTED))
+    except Exception as exc:  # an unexpected failure: one line, traceback only with --debug
+        if debug:
+            raise
+        _print_error(
+            f"unexpected {type(exc).__name__}: {exc}",
+            "Run again with --debug for the traceback, and report it if it persists.",
+        )
+        sys.exit(int(ExitCode.ERROR))
