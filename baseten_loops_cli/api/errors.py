@@ -50,7 +50,7 @@ class ApiError(LoopsError):
         hint: str | None = None,
         exit_code: int | None = None,
     ):
-        super().__init__(one_line(message), hint=hint, exit_code=exit_code)
+        super().__init__(one_line(message), hint=hint or self.default_hint, exit_code=exit_code)
         self.status = status
         self.error_class = error_class
         self.reason = reason

@@ -24,7 +24,7 @@ def list_profiles(ctx: typer.Context) -> None:
       loops config list -o json
     """
     from baseten_loops_cli.settings import credentials, paths
-    from baseten_loops_cli.settings.profiles import ConfigFile, select_profile_name
+    from baseten_loops_cli.settings.profiles import BASETEN_DEFAULT_URL, ConfigFile, select_profile_name
 
     state = get_state(ctx)
     config = ConfigFile.load()
@@ -51,7 +51,7 @@ def list_profiles(ctx: typer.Context) -> None:
             ("", lambda r: "*" if r["active"] else " "),
             ("NAME", "name"),
             ("KIND", "kind"),
-            ("BASE URL", lambda r: r["base_url"] or ("(local server)" if r["kind"] == "local" else None)),
+            ("BASE URL", lambda r: r["base_url"] or ("(local server)" if r["kind"] == "local" else BASETEN_DEFAULT_URL)),
             ("KEY", "key_source"),
         ],
     )
@@ -79,7 +79,10 @@ def get(ctx: typer.Context, key: Annotated[str, typer.Argument(help=KEYS_HELP + 
         value = resolved.base_url if key == "base_url" else getattr(resolved.profile, key)
     else:
         raise UsageError(f"unknown setting {key!r}", hint=f"Settings: {KEYS_HELP}, active.")
-    state.output.emit({"key": key, "value": value}, id_key="value", fields=[(key, "value")])
+    if state.output.human:
+        typer.echo("" if value is None else value)  # bare, like `git config --get`
+    else:
+        state.output.emit({"key": key, "value": value}, id_key="value")
 
 
 @app.command("set")

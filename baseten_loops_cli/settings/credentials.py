@@ -34,7 +34,7 @@ def keyring_disabled() -> bool:
 
 
 def _usable_keyring():
-    """Return the keyring module if a real backend is available, else None."""
+    """Return the keyring backend if a real one is available, else None."""
     if keyring_disabled():
         return None
     try:
@@ -49,11 +49,10 @@ def _usable_keyring():
         return None
     if isinstance(backend, (keyring.backends.fail.Keyring, keyring.backends.null.Keyring)):
         return None
-    # A chainer with no usable members behaves like the fail backend.
-    if getattr(backend, "priority", 1) <= 0 and type(backend).__name__ == "ChainerBackend":
-        if not getattr(backend, "backends", None):
-            return None
-    return keyring
+    # A chainer with no members behaves like the fail backend.
+    if type(backend).__name__ == "ChainerBackend" and not getattr(backend, "backends", None):
+        return None
+    return backend
 
 
 def _read_file() -> dict[str, str]:

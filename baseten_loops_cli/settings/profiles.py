@@ -136,7 +136,7 @@ class ConfigFile:
 def _builtin_profiles() -> dict[str, Profile]:
     return {
         "local": Profile(name="local", kind="local"),
-        "baseten": Profile(name="baseten", kind="baseten", base_url=BASETEN_DEFAULT_URL),
+        "baseten": Profile(name="baseten", kind="baseten"),
     }
 
 

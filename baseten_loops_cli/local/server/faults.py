@@ -1,0 +1,148 @@
+"""Test-only fault injection (enabled with ``--enable-fault-hooks``).
+
+Lets tests of the *clients* (retry policies, long-poll loops, error rendering) make a
+real server misbehave on cue, instead of mocking HTTP:
+
+    POST /v1/local/faults
+    {"path": "/trainers/*/forward_backward",   # fnmatch pattern on the URL path
+     "method": "POST",                         # optional; any method when omitted
+     "times": 2,                               # how many matching requests it hits
+     "status": 503,                            # optional; omit to only delay
+     "retry_after": 1,                         # optional Retry-After header (seconds)
+     "delay_s": 0.5,                           # optional delay before answering/passing on
+     "body": {...}}                            # optional JSON body (default: our error shape)
+    -> 200 {"fault": {..., "id": "f1", "remaining": 2}}
+
+    GET /v1/local/faults      -> {"faults": [...]}
+    DELETE /v1/local/faults   -> {"cleared": n}
+
+Faults apply in the order they were added; a request consumes at most one. The fault
+routes themselves are never faulted. Without the flag none of this exists (404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fnmatch
+import itertools
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from baseten_loops_cli.local.server.errors import bad_request
+
+FAULTS_PATH = "/v1/local/faults"
+
+
+@dataclasses.dataclass
+class Fault:
+    id: str
+    path: str
+    method: str | None
+    remaining: int
+    status: int | None
+    retry_after: float | None
+    delay_s: float
+    body: Any
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.remaining > 0 and (self.method is None or self.method == method)
+                and fnmatch.fnmatchcase(path, self.path))
+
+    def describe(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class FaultInjector:
+    def __init__(self) -> None:
+        self._faults: list[Fault] = []
+        self._ids = itertools.count(1)
+
+    def add(self, spec: dict[str, Any]) -> Fault:
+        if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
+            raise bad_request("A fault needs 'path' (an fnmatch pattern such as "
+                              "'/trainers/*/forward_backward').", "InvalidFault")
+        status = spec.get("status")
+        delay = float(spec.get("delay_s") or 0)
+        if status is None and delay <= 0:
+            raise bad_request("A fault needs 'status' (e.g. 503) and/or 'delay_s' > 0.",
+                              "InvalidFault")
+        if status is not None and not (isinstance(status, int) and 100 <= status <= 599):
+            raise bad_request(f"'status' must be an HTTP status code, got {status!r}.",
+                              "InvalidFault")
+        times = spec.get("times", 1)
+        if not isinstance(times, int) or times < 1:
+            raise bad_request(f"'times' must be an integer >= 1, got {times!r}.", "InvalidFault")
+        method = spec.get("method")
+        fault = Fault(
+            id=f"f{next(self._ids)}", path=spec["path"],
+            method=method.upper() if isinstance(method, str) else None,
+            remaining=times, status=status, retry_after=spec.get("retry_after"),
+            delay_s=delay, body=spec.get("body"),
+        )
+        self._faults.append(fault)
+        return fault
+
+    def take(self, method: str, path: str) -> Fault | None:
+        for fault in self._faults:
+            if fault.matches(method, path):
+                fault.remaining -= 1
+                if fault.remaining == 0:
+                    self._faults.remove(fault)
+                return fault
+        return None
+
+    def clear(self) -> int:
+        count = len(self._faults)
+        self._faults.clear()
+        return count
+
+    def list(self) -> list[dict[str, Any]]:
+        return [f.describe() for f in self._faults]
+
+
+class FaultMiddleware:
+    """Runs after auth, so a faulted request still needs the token."""
+
+    def __init__(self, app: ASGIApp, injector: FaultInjector) -> None:
+        self.app = app
+        self.injector = injector
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == FAULTS_PATH:
+            await self.app(scope, receive, send)
+            return
+        fault = self.injector.take(scope["method"], scope["path"])
+        if fault is None:
+            await self.app(scope, receive, send)
+            return
+        if fault.delay_s > 0:
+            await asyncio.sleep(fault.delay_s)
+        if fault.status is None:
+            await self.app(scope, receive, send)
+            return
+        headers = {}
+        if fault.retry_after is not None:
+            headers["Retry-After"] = str(fault.retry_after)
+        body = fault.body if fault.body is not None else {
+            "detail": f"Injected fault {fault.id} ({fault.status}) for testing.",
+            "error_class": "InjectedFault",
+        }
+        await JSONResponse(body, status_code=fault.status, headers=headers)(scope, receive, send)
+
+
+async def faults_endpoint(request: Request) -> JSONResponse:
+    injector: FaultInjector = request.app.state.faults
+    if request.method == "GET":
+        return JSONResponse({"faults": injector.list()})
+    if request.method == "DELETE":
+        return JSONResponse({"cleared": injector.clear()})
+    try:
+        spec = json.loads(await request.body() or b"null")
+    except ValueError:
+        raise bad_request("The fault spec must be a JSON object.", "InvalidFault") from None
+    return JSONResponse({"fault": injector.add(spec).describe()})

@@ -1,0 +1,129 @@
+"""The real `loops` entry point in a subprocess: exit codes, one-line errors, option placement,
+auth and config commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import file_mode
+
+SECRET = "sk-test-0123456789abcdef"
+
+
+@pytest.fixture
+def env(tmp_path):
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_"))}
+    base.pop("NO_COLOR", None)
+    for name in ("CONFIG", "STATE", "DATA", "CACHE"):
+        base[f"LOOPS_{name}_DIR"] = str(tmp_path / name.lower())
+    base["LOOPS_NO_AUTOSTART"] = "1"
+    base["LOOPS_KEYRING_DISABLED"] = "1"
+    return base
+
+
+def loops(env, *args, stdin=None):
+    return subprocess.run(
+        [sys.executable, "-m", "baseten_loops_cli", *args],
+        env=env, input=stdin, capture_output=True, text=True, timeout=60,
+    )
+
+
+def assert_one_line_error(result, code, *needles):
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in result.stderr
+
+
+def test_version_and_help(env):
+    assert loops(env, "--version").stdout.strip().startswith("loops ")
+    help_text = loops(env, "--help").stdout
+    for word in ("runs", "checkpoints", "train", "auth", "Exit codes"):
+        assert word in help_text
+
+
+def test_unknown_profile_exits_2_with_suggestion(env):
+    loops(env, "config", "set", "base_url", "https://prod.example", "--profile", "prod")
+    result = loops(env, "config", "get", "kind", "--profile", "prdo")
+    assert_one_line_error(result, 2, "unknown profile 'prdo'", "'prod'")
+
+
+def test_unknown_output_format_exits_2(env):
+    assert_one_line_error(loops(env, "config", "list", "-o", "xml"), 2, "unknown output format")
+
+
+def test_jq_syntax_error_exits_2(env):
+    assert_one_line_error(loops(env, "config", "list", "--jq", ".profiles["), 2, "--jq")
+
+
+def test_unknown_command_is_a_usage_error(env):
+    assert loops(env, "runz").returncode == 2
+
+
+def test_global_options_work_before_and_after_the_subcommand(env):
+    before = loops(env, "-o", "json", "config", "list")
+    after = loops(env, "config", "list", "-o", "json")
+    assert before.returncode == after.returncode == 0
+    assert json.loads(before.stdout) == json.loads(after.stdout)
+
+
+def test_malformed_config_names_file_and_line_and_is_not_overwritten(env, tmp_path):
+    cfg = Path(env["LOOPS_CONFIG_DIR"]) / "config.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text("[profiles.prod\n")
+    result = loops(env, "config", "use", "local")
+    assert_one_line_error(result, 1, str(cfg), "line 1")
+    assert cfg.read_text() == "[profiles.prod\n"
+
+
+def test_auth_status_without_key_exits_4_with_login_hint(env):
+    result = loops(env, "auth", "status", "--profile", "baseten")
+    assert result.returncode == 4
+    assert "loops auth login --profile baseten" in result.stderr
+
+
+def test_login_with_key_from_stdin_then_status_never_shows_the_key(env):
+    result = loops(env, "auth", "login", "--with-key", "--no-verify", "--profile", "prod",
+                   "--base-url", "https://prod.example", stdin=SECRET + "\n")
+    assert result.returncode == 0, result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    creds = Path(env["LOOPS_CONFIG_DIR"]) / "credentials.toml"
+    assert file_mode(creds) == 0o600
+    assert file_mode(Path(env["LOOPS_CONFIG_DIR"]) / "config.toml") == 0o600
+    status = loops(env, "auth", "status", "-o", "json")
+    assert status.returncode == 0
+    doc = json.loads(status.stdout)
+    assert doc["profile"] == "prod" and doc["key_source"] == "file"
+    assert doc["base_url"] == "https://prod.example"
+    assert SECRET not in status.stdout + status.stderr
+    # The SDK's variable wins over the stored key.
+    env2 = dict(env, BASETEN_API_KEY="other")
+    assert json.loads(loops(env2, "auth", "status", "-o", "json").stdout)["key_source"] == "env"
+    out = loops(env, "auth", "logout")
+    assert out.returncode == 0
+    assert loops(env, "auth", "status").returncode == 4
+
+
+def test_login_without_terminal_or_with_key_flag_is_refused(env):
+    result = loops(env, "auth", "login", "--no-verify", stdin="")
+    assert_one_line_error(result, 2, "--with-key")
+
+
+def test_config_set_get_use(env):
+    assert loops(env, "config", "set", "base_url", "https://s.example", "--profile", "staging").returncode == 0
+    assert loops(env, "config", "use", "staging").returncode == 0
+    assert loops(env, "config", "get", "active").stdout.strip() == "staging"
+    assert loops(env, "config", "get", "base_url").stdout.strip() == "https://s.example"
+    env2 = dict(env, LOOPS_BASE_URL="http://127.0.0.1:1")
+    assert loops(env2, "config", "get", "base_url").stdout.strip() == "http://127.0.0.1:1"
+    bad = loops(env, "config", "set", "base_ulr", "x")
+    assert_one_line_error(bad, 2, "did you mean 'base_url'")
+    assert_one_line_error(loops(env, "config", "use", "nope"), 2, "unknown profile")

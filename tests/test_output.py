@@ -1,0 +1,150 @@
+"""The output sink: every format, TTY and non-TTY behaviour, jq, quiet, confirmations."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import datetime, timezone
+
+import pytest
+
+from baseten_loops_cli.errors import CancelledError, UsageError
+from baseten_loops_cli.output.sink import Output, Streams
+
+ROWS = [
+    {"id": "abc1234", "base_model": "loops-local/tiny", "status": "ACTIVE",
+     "created_at": datetime(2026, 12, 3, 9, 30, tzinfo=timezone.utc)},
+    {"id": "def5678", "base_model": "loops-local/tiny", "status": "INACTIVE",
+     "created_at": datetime(2026, 12, 2, 8, 0, tzinfo=timezone.utc)},
+]
+COLUMNS = [("ID", "id"), ("BASE MODEL", "base_model"), ("STATUS", "status"), ("CREATED", "created_at")]
+
+
+def make(fmt=None, *, tty=False, stdin="", **kwargs):
+    streams = Streams(
+        stdin=io.StringIO(stdin), stdout=io.StringIO(), stderr=io.StringIO(),
+        stdin_tty=tty, stdout_tty=tty, stderr_tty=tty,
+    )
+    return Output(fmt, streams=streams, **kwargs), streams
+
+
+def emit_runs(out):
+    out.emit({"runs": ROWS}, rows=ROWS, columns=COLUMNS, empty="No runs.", empty_hint="Pass --all.")
+
+
+def test_json_is_stable_snake_case_with_utc_timestamps():
+    out, s = make("json")
+    emit_runs(out)
+    doc = json.loads(s.stdout.getvalue())
+    assert doc["runs"][0]["created_at"] == "2026-12-03T09:30:00Z"
+    assert set(doc["runs"][0]) == {"id", "base_model", "status", "created_at"}
+    assert s.stderr.getvalue() == ""
+
+
+def test_jsonl_prints_one_object_per_row():
+    out, s = make("jsonl")
+    emit_runs(out)
+    lines = s.stdout.getvalue().splitlines()
+    assert [json.loads(l)["id"] for l in lines] == ["abc1234", "def5678"]
+
+
+def test_yaml_output():
+    import yaml
+
+    out, s = make("yaml")
+    emit_runs(out)
+    assert yaml.safe_load(s.stdout.getvalue())["runs"][1]["status"] == "INACTIVE"
+
+
+def test_none_prints_nothing():
+    out, s = make("none")
+    emit_runs(out)
+    assert s.stdout.getvalue() == ""
+
+
+def test_quiet_prints_ids_only_and_no_messages():
+    out, s = make("table", quiet=True)
+    emit_runs(out)
+    out.info("chatter")
+    assert s.stdout.getvalue().split() == ["abc1234", "def5678"]
+    assert s.stderr.getvalue() == ""
+
+
+def test_table_off_tty_is_plain_columns_without_escape_codes():
+    out, s = make("table", tty=False)
+    emit_runs(out)
+    text = s.stdout.getvalue()
+    assert "\x1b" not in text and "│" not in text
+    header, first, _ = text.splitlines()
+    assert header.split() == ["ID", "BASE", "MODEL", "STATUS", "CREATED"]
+    assert first.startswith("abc1234  loops-local/tiny  ACTIVE")
+
+
+def test_table_on_tty_uses_rich(monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    out, s = make("table", tty=True)
+    emit_runs(out)
+    assert "abc1234" in s.stdout.getvalue()
+    assert "\x1b[" in s.stdout.getvalue()  # styled header
+
+
+@pytest.mark.parametrize("env", [{"NO_COLOR": "1"}, {"TERM": "dumb"}])
+def test_no_color_and_dumb_terminal_disable_styling(monkeypatch, env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out, s = make("table", tty=True)
+    emit_runs(out)
+    assert "\x1b[" not in s.stdout.getvalue()
+
+
+def test_empty_table_says_so_on_stderr_with_hint():
+    out, s = make("table")
+    out.emit({"runs": []}, rows=[], columns=COLUMNS, empty="No runs.", empty_hint="Pass --all.")
+    assert s.stdout.getvalue() == ""
+    assert s.stderr.getvalue().splitlines() == ["No runs.", "Pass --all."]
+
+
+def test_empty_json_is_still_a_document():
+    out, s = make("json")
+    out.emit({"runs": []}, rows=[], columns=COLUMNS)
+    assert json.loads(s.stdout.getvalue()) == {"runs": []}
+
+
+def test_jq_filters_and_implies_json():
+    out, s = make("table", jq=".runs[] | select(.status == \"ACTIVE\") | .id")
+    assert out.format == "json"
+    emit_runs(out)
+    assert s.stdout.getvalue().strip() == "abc1234"
+
+
+def test_jq_syntax_error_is_a_usage_error():
+    with pytest.raises(UsageError, match="--jq"):
+        make(jq=".runs[")
+
+
+def test_unknown_format_is_a_usage_error():
+    with pytest.raises(UsageError, match="unknown output format 'xml'"):
+        make("xml")
+
+
+def test_confirm_without_tty_refuses_with_the_flag_to_use():
+    out, _ = make("table", tty=False)
+    with pytest.raises(CancelledError) as info:
+        out.confirm("Deactivate run abc?", yes=False)
+    assert "--yes" in info.value.hint
+    out.confirm("Deactivate run abc?", yes=True)  # --yes skips the question
+
+
+def test_confirm_on_tty_declined_and_accepted():
+    out, _ = make("table", tty=True, stdin="n\n")
+    with pytest.raises(CancelledError):
+        out.confirm("Proceed?", yes=False)
+    out, _ = make("table", tty=True, stdin="y\n")
+    out.confirm("Proceed?", yes=False)
+
+
+def test_fields_view_for_one_object():
+    out, s = make("table")
+    out.emit(ROWS[0], fields=[("ID", "id"), ("Status", "status")])
+    assert s.stdout.getvalue().splitlines() == ["ID:     abc1234", "Status: ACTIVE"]
