@@ -154,6 +154,30 @@ def hoist_global_options(argv: list[str]) -> list[str]:
     return front + rest
 
 
+def insert_default_subcommands(argv: list[str]) -> list[str]:
+    """``loops deploy CKPT... --model-name M`` is ``loops deploy create CKPT...``: insert
+    ``create`` when the word after ``deploy`` is neither a ``deploy`` subcommand nor a help flag.
+
+    Runs after :func:`hoist_global_options`, so the first word that is not an option is the
+    command (root flags without a value, e.g. ``--version``, may precede it).
+    """
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            break
+        if arg.startswith("-"):
+            i += 2 if arg in _GLOBAL_WITH_VALUE else 1  # skip the option (and its value)
+            continue
+        if arg != "deploy" or i + 1 >= len(argv):
+            return argv
+        following = argv[i + 1]
+        if following in deploy.SUBCOMMANDS or following in ("-h", "--help"):
+            return argv
+        return [*argv[: i + 1], "create", *argv[i + 1 :]]
+    return argv
+
+
 def _print_error(message: str, hint: str | None) -> None:
     stream = sys.stderr
     color = stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
@@ -167,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, map errors to one line and an exit code."""
     from baseten_loops_cli.errors import ExitCode, LoopsError
 
-    args = hoist_global_options(list(sys.argv[1:] if argv is None else argv))
+    args = insert_default_subcommands(hoist_global_options(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in args or os.environ.get("LOOPS_DEBUG", "") in {"1", "true"}
     try:
         app(args=args, prog_name="loops")

@@ -1,5 +1,163 @@
-"""`loops server` (being built)."""
+"""`loops server`: the embedded local backend (start, stop, status, logs, env, pull-model).
+
+Imports stay inside the commands: `loops --help` must not pull in httpx or torch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(help="server commands.", no_args_is_help=True)
+from baseten_loops_cli.cli._state import get_state
+
+app = typer.Typer(
+    help="Run the local backend: a Loops-compatible server on 127.0.0.1 for offline training.",
+    no_args_is_help=True,
+)
+
+_INFO_FIELDS = [
+    ("URL", "url"),
+    ("PID", "pid"),
+    ("Version", "version"),
+    ("Started", "started_at"),
+    ("Uptime (s)", "uptime_s"),
+    ("Healthy", "healthy"),
+    ("Models loaded", lambda r: ", ".join(m["model"] for m in r.get("models") or []) or "-"),
+    ("Runs in memory", lambda r: ", ".join(r.get("runs_in_memory") or []) or "-"),
+    ("Data dir", "data_dir"),
+    ("State dir", "state_dir"),
+]
+
+
+@app.command()
+def start(
+    ctx: typer.Context,
+    port: Annotated[Optional[int], typer.Option("--port", "-p", help="Port on 127.0.0.1 (default 8717, or any free one).")] = None,
+    foreground: Annotated[bool, typer.Option("--foreground", help="Serve in this terminal until Ctrl-C.")] = False,
+) -> None:
+    """Start the local server in the background (no-op if it is running)."""
+    from baseten_loops_cli.local import daemon
+    from baseten_loops_cli.settings import paths
+
+    out = get_state(ctx).output
+    if foreground:
+        port_ = port if port is not None else (daemon.DEFAULT_PORT if daemon.port_free(daemon.DEFAULT_PORT) else 0)
+        out.info("Serving in the foreground; Ctrl-C stops the server.")
+        daemon.run_foreground(port=port_, state_dir=paths.state_dir(), data_dir=paths.data_dir())
+        return
+    already = daemon.status()
+    info = already or daemon.start(port)
+    if already is not None:
+        out.info(f"The local server is already running at {info.url} (pid {info.pid}).")
+    else:
+        out.success(f"Local server running at {info.url} (pid {info.pid}).")
+        out.hint("Point the official SDK at it with: eval \"$(loops server env)\"")
+    out.emit(info.to_dict(), fields=_INFO_FIELDS[:4])
+
+
+@app.command()
+def stop(ctx: typer.Context) -> None:
+    """Stop the local server (saving every loaded trainer first)."""
+    from baseten_loops_cli.local import daemon
+
+    out = get_state(ctx).output
+    if daemon.stop():
+        out.success("Local server stopped.")
+    else:
+        out.info("The local server is not running.")
+
+
+@app.command()
+def status(ctx: typer.Context) -> None:
+    """Show whether the local server runs, and what it has loaded. Exit 1 if not running."""
+    from baseten_loops_cli.local import daemon
+
+    out = get_state(ctx).output
+    info = daemon.status()
+    if info is None:
+        out.emit({"running": False}, fields=[("Running", "running")])
+        out.hint("Start it with `loops server start`.")
+        raise typer.Exit(1)
+    out.emit({"running": True, **info.to_dict()}, fields=_INFO_FIELDS)
+
+
+@app.command()
+def logs(
+    ctx: typer.Context,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until Ctrl-C.")] = False,
+    lines: Annotated[int, typer.Option("-n", "--lines", min=0, help="How many of the last lines to show.")] = 50,
+) -> None:
+    """Print the local server's log (server.log in the state dir)."""
+    import time
+    from collections import deque
+
+    from baseten_loops_cli.errors import LoopsError
+    from baseten_loops_cli.settings.local_server import LOG_FILE, state_file
+
+    path = state_file(LOG_FILE)
+    if not path.exists():
+        raise LoopsError(f"No server log at {path}.", hint="Start the server with `loops server start`.")
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in deque(fh, maxlen=lines) if lines else ():
+            typer.echo(line.rstrip("\n"))
+        if not follow:
+            return
+        fh.seek(0, 2)
+        try:
+            while True:
+                line = fh.readline()
+                if line:
+                    typer.echo(line.rstrip("\n"))
+                else:
+                    time.sleep(0.25)
+        except KeyboardInterrupt:
+            return
+
+
+@app.command()
+def env(ctx: typer.Context) -> None:
+    """Print shell exports that point the official SDK at the local server.
+
+    Usage: eval "$(loops server env)"
+    """
+    from baseten_loops_cli.local import daemon
+
+    out = get_state(ctx).output
+    exports = daemon.env_lines()
+    if out.format in ("json", "yaml") or out.jq:
+        out.emit(dict(line.removeprefix("export ").split("=", 1) for line in exports))
+        return
+    for line in exports:
+        typer.echo(line)
+
+
+@app.command("pull-model")
+def pull_model(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Model name, e.g. loops-local/tiny (see GET /v1/loops/capabilities).")],
+) -> None:
+    """Prepare a model for the local backend (fetch/convert it into the cache) ahead of use."""
+    from baseten_loops_cli.errors import LoopsError
+
+    out = get_state(ctx).output
+    out.info(f"Preparing {name} for the local backend...")
+    try:
+        from baseten_loops_cli.local.engine import registry
+    except ImportError as exc:
+        raise LoopsError("The local backend is not installed.",
+                         hint="pip install 'baseten-loops-cli[local]'") from exc
+    known = {m.name: m for m in registry.available_models()}
+    pull = getattr(registry, "pull_model", None)
+    try:
+        if pull is not None:
+            pull(name)
+        elif name in known:
+            registry.load_base(name)
+        else:
+            raise LoopsError(f"Unknown model {name!r}.",
+                             hint=f"Available: {', '.join(sorted(known)) or '<none>'}.")
+    except LookupError as exc:  # the engine's UnknownModelError lists the names
+        raise LoopsError(str(exc)) from exc
+    out.success(f"{name} is ready.")
+    out.emit({"model": name, "ready": True}, fields=[("Model", "model"), ("Ready", "ready")])

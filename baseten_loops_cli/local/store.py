@@ -55,7 +55,10 @@ OP_PENDING = "pending"
 OP_RUNNING = "running"
 OP_DONE = "done"
 OP_ERROR = "error"
-FINISHED_OP_STATUSES = frozenset({OP_DONE, OP_ERROR})
+# A finished op whose result was dropped after the retention window. Its row stays a
+# while longer so a retried submit with the same Idempotency-Key is still deduplicated.
+OP_EXPIRED = "expired"
+FINISHED_OP_STATUSES = frozenset({OP_DONE, OP_ERROR, OP_EXPIRED})
 
 TARGET_TRAINER = "trainer"
 TARGET_SAMPLER = "sampler"
@@ -106,6 +109,14 @@ class RunRow:
     deployment_id: str
     status: str
     policy_version: int
+    # The sampler-weights checkpoint last published with bump_version (what the paired
+    # sampler serves) and the policy version it was published at (0 = serve the base).
+    published_checkpoint_pk: str | None
+    published_version: int
+    # forward_backward ops applied since the last optim_step: gradients that exist only in
+    # memory. Persisted so a restart can tell the next optim_step they were lost.
+    pending_grad_ops: int
+    gradients_lost: int
     created_at: float
     last_active_at: float
     deactivated_at: float | None
@@ -231,6 +242,10 @@ CREATE TABLE IF NOT EXISTS runs (
     deployment_id TEXT NOT NULL,
     status TEXT NOT NULL,
     policy_version INTEGER NOT NULL DEFAULT 0,
+    published_checkpoint_pk TEXT,
+    published_version INTEGER NOT NULL DEFAULT 0,
+    pending_grad_ops INTEGER NOT NULL DEFAULT 0,
+    gradients_lost INTEGER NOT NULL DEFAULT 0,
     created_at REAL NOT NULL,
     last_active_at REAL NOT NULL,
     deactivated_at REAL
@@ -342,9 +357,10 @@ class Store:
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
-        with self._tx() as db:
-            db.executescript(_SCHEMA)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        # executescript() manages its own transaction (it COMMITs first).
+        conn = self._conn()
+        conn.executescript(_SCHEMA)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # ── connection plumbing ──
 
@@ -746,8 +762,16 @@ class Store:
             )
         return ids
 
+    def expire_operation_results(self, finished_before: float) -> int:
+        """Drop results older than the retention window (their polls then answer 404)."""
+        with self._tx() as db:
+            return db.execute(
+                "UPDATE operations SET status = ?, result = NULL WHERE status IN (?, ?)"
+                " AND finished_at < ?",
+                (OP_EXPIRED, OP_DONE, OP_ERROR, finished_before)).rowcount
+
     def purge_operations(self, finished_before: float) -> int:
-        """Forget finished ops older than the retention window (their polls then 404)."""
+        """Forget ops entirely once the idempotency window is over."""
         with self._tx() as db:
             return db.execute(
                 "DELETE FROM operations WHERE finished_at IS NOT NULL AND finished_at < ?",

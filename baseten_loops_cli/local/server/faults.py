@@ -16,8 +16,14 @@ real server misbehave on cue, instead of mocking HTTP:
     GET /v1/local/faults      -> {"faults": [...]}
     DELETE /v1/local/faults   -> {"cleared": n}
 
-Faults apply in the order they were added; a request consumes at most one. The fault
-routes themselves are never faulted. Without the flag none of this exists (404).
+A fault can also target the *compute* jobs behind ops and samples, to make an op slow or
+fail deterministically (a long-poll that must answer 408, an op in flight at a crash):
+
+    {"job": "forward_backward *",   # fnmatch pattern on the job label "<op> <run_id>"
+     "times": 1, "delay_s": 3}      # and/or "error": "message" (the op fails, InjectedFault)
+
+Faults apply in the order they were added; a request (or job) consumes at most one. The
+fault routes themselves are never faulted. Without the flag none of this exists (404).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import dataclasses
 import fnmatch
 import itertools
 import json
+import threading
+import time
 from typing import Any
 
 from starlette.requests import Request
@@ -38,37 +46,60 @@ from baseten_loops_cli.local.server.errors import bad_request
 FAULTS_PATH = "/v1/local/faults"
 
 
+class InjectedFault(RuntimeError):
+    """Raised inside a compute job by a ``{"job": ..., "error": ...}`` fault."""
+
+    error_class = "InjectedFault"
+
+
 @dataclasses.dataclass
 class Fault:
     id: str
-    path: str
+    path: str | None  # HTTP faults
+    job: str | None  # compute faults
     method: str | None
     remaining: int
     status: int | None
     retry_after: float | None
     delay_s: float
     body: Any
+    error: str | None
 
     def matches(self, method: str, path: str) -> bool:
-        return (self.remaining > 0 and (self.method is None or self.method == method)
+        return (self.path is not None and self.remaining > 0
+                and (self.method is None or self.method == method)
                 and fnmatch.fnmatchcase(path, self.path))
+
+    def matches_job(self, label: str) -> bool:
+        return (self.job is not None and self.remaining > 0
+                and fnmatch.fnmatchcase(label, self.job))
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 class FaultInjector:
+    """Thread-safe: HTTP faults are taken on the event loop, job faults on compute threads."""
+
     def __init__(self) -> None:
         self._faults: list[Fault] = []
         self._ids = itertools.count(1)
+        self._lock = threading.Lock()
 
     def add(self, spec: dict[str, Any]) -> Fault:
-        if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
+        if not isinstance(spec, dict) or not (isinstance(spec.get("path"), str)
+                                              or isinstance(spec.get("job"), str)):
             raise bad_request("A fault needs 'path' (an fnmatch pattern such as "
-                              "'/trainers/*/forward_backward').", "InvalidFault")
+                              "'/trainers/*/forward_backward') or 'job' (e.g. "
+                              "'forward_backward *').", "InvalidFault")
         status = spec.get("status")
         delay = float(spec.get("delay_s") or 0)
-        if status is None and delay <= 0:
+        error = spec.get("error")
+        if spec.get("job") is not None:
+            if status is not None or (delay <= 0 and not error):
+                raise bad_request("A job fault takes 'delay_s' > 0 and/or 'error' (a message); "
+                                  "HTTP statuses apply to 'path' faults.", "InvalidFault")
+        elif status is None and delay <= 0:
             raise bad_request("A fault needs 'status' (e.g. 503) and/or 'delay_s' > 0.",
                               "InvalidFault")
         if status is not None and not (isinstance(status, int) and 100 <= status <= 599):
@@ -78,31 +109,48 @@ class FaultInjector:
         if not isinstance(times, int) or times < 1:
             raise bad_request(f"'times' must be an integer >= 1, got {times!r}.", "InvalidFault")
         method = spec.get("method")
-        fault = Fault(
-            id=f"f{next(self._ids)}", path=spec["path"],
-            method=method.upper() if isinstance(method, str) else None,
-            remaining=times, status=status, retry_after=spec.get("retry_after"),
-            delay_s=delay, body=spec.get("body"),
-        )
-        self._faults.append(fault)
+        with self._lock:
+            fault = Fault(
+                id=f"f{next(self._ids)}", path=spec.get("path"), job=spec.get("job"),
+                method=method.upper() if isinstance(method, str) else None,
+                remaining=times, status=status, retry_after=spec.get("retry_after"),
+                delay_s=delay, body=spec.get("body"), error=error,
+            )
+            self._faults.append(fault)
         return fault
 
-    def take(self, method: str, path: str) -> Fault | None:
-        for fault in self._faults:
-            if fault.matches(method, path):
-                fault.remaining -= 1
-                if fault.remaining == 0:
-                    self._faults.remove(fault)
-                return fault
+    def _take(self, matches) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if matches(fault):
+                    fault.remaining -= 1
+                    if fault.remaining == 0:
+                        self._faults.remove(fault)
+                    return fault
         return None
 
+    def take(self, method: str, path: str) -> Fault | None:
+        return self._take(lambda f: f.matches(method, path))
+
+    def before_job(self, label: str) -> None:
+        """Called on a compute thread before each job: apply a matching job fault."""
+        fault = self._take(lambda f: f.matches_job(label))
+        if fault is None:
+            return
+        if fault.delay_s > 0:
+            time.sleep(fault.delay_s)
+        if fault.error:
+            raise InjectedFault(f"{fault.error} (injected fault {fault.id})")
+
     def clear(self) -> int:
-        count = len(self._faults)
-        self._faults.clear()
+        with self._lock:
+            count = len(self._faults)
+            self._faults.clear()
         return count
 
     def list(self) -> list[dict[str, Any]]:
-        return [f.describe() for f in self._faults]
+        with self._lock:
+            return [f.describe() for f in self._faults]
 
 
 class FaultMiddleware:

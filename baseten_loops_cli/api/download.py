@@ -1,0 +1,685 @@
+"""Download a checkpoint's files from their presigned URLs: parallel, resumable, verified.
+
+``download_files(files, dest, ...)`` is what ``loops checkpoints download`` runs. The file list
+comes from ``GET /v1/loops/checkpoints/{id}/files`` (every page); this module never talks to the
+control plane itself, except through the ``refresh`` callable it is given to re-list the files
+when a link has expired.
+
+What it guarantees:
+
+* **Safe paths.** Every ``relative_file_name`` is checked before anything is written: absolute
+  paths, ``..``, backslashes, empty parts or NUL bytes refuse the whole download, and a write
+  through a symlink that leads out of the target folder is refused too.
+* **No clobbering.** A target that already holds files is refused unless ``force`` is set.
+  An interrupted download of the *same* checkpoint is not "files": the target keeps a small
+  marker (``.loops-download.json``) until the download completes, and a rerun resumes it.
+* **Resume.** Each file is written to ``<name>.part`` and renamed once complete. A rerun (or a
+  retry after a dropped connection) continues a ``.part`` with ``Range: bytes=<size>-``; a server
+  that ignores the range gets the file again from the start.
+* **Verification.** A finished file must have exactly ``size_bytes`` bytes, or it is not renamed.
+* **Expired links.** A 403 re-lists the files (once per expiry, shared by all workers) and
+  retries with the fresh link; links that will expire within a minute are refreshed up front.
+* **Clear failures.** An unwritable target, a full disk (ENOSPC/EDQUOT, with what was saved
+  and how to resume), and a link that keeps failing are one-line :class:`LoopsError` s.
+
+Presigned URLs carry their own credentials: no ``Authorization`` header is ever sent with them.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Iterable, Mapping, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+
+from baseten_loops_cli.api.http import USER_AGENT, backoff_delay
+from baseten_loops_cli.errors import InterruptedByUser, LoopsError, UsageError
+
+MARKER_NAME = ".loops-download.json"
+PART_SUFFIX = ".part"
+DEFAULT_PARALLEL = 8
+MAX_PARALLEL = 64
+# Attempts per file without progress before giving up (a retry that received bytes resets it).
+MAX_ATTEMPTS = 5
+# Link refreshes per file before a 403 is taken at its word.
+MAX_REFRESHES = 3
+# Refresh a link before using it when it expires sooner than this (seconds).
+EXPIRY_MARGIN_S = 60.0
+DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=15.0)
+_RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+# ── errors ─────────────────────────────────────────────────────────────────────────────────
+
+
+class DownloadError(LoopsError):
+    """A checkpoint download failed; what was saved stays for a rerun to resume."""
+
+
+class UnsafePathError(DownloadError):
+    """A file name from the server would be written outside the target folder."""
+
+
+class TargetNotEmptyError(UsageError):
+    """The target folder already holds files (and no interrupted download of this checkpoint)."""
+
+
+class DiskFullError(DownloadError):
+    """No space left on the target's device (ENOSPC / EDQUOT) mid download."""
+
+
+# ── inputs and outputs ─────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One entry of the files route (``CheckpointFile``), with its place under the target."""
+
+    relative_file_name: str
+    url: str
+    size_bytes: int | None
+    node_rank: int = 0
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any] | Any) -> "RemoteFile":
+        get = entry.get if isinstance(entry, Mapping) else (lambda k, d=None: getattr(entry, k, d))
+        size = get("size_bytes")
+        return cls(
+            relative_file_name=str(get("relative_file_name")),
+            url=str(get("url")),
+            size_bytes=int(size) if size is not None else None,
+            node_rank=int(get("node_rank") or 0),
+        )
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.node_rank, self.relative_file_name)
+
+
+@dataclass
+class DownloadResult:
+    path: Path
+    files: int
+    bytes_total: int
+    bytes_downloaded: int  # fetched by this invocation
+    files_skipped: int  # already complete from an earlier, interrupted run
+    bytes_resumed: int  # already on disk in .part files when this run started
+    seconds: float
+    refreshed_links: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "files": self.files,
+            "bytes": self.bytes_total,
+            "bytes_downloaded": self.bytes_downloaded,
+            "files_skipped": self.files_skipped,
+            "bytes_resumed": self.bytes_resumed,
+            "seconds": round(self.seconds, 3),
+            "bytes_per_second": round(self.bytes_downloaded / self.seconds) if self.seconds > 0 else None,
+            "refreshed_links": self.refreshed_links,
+        }
+
+
+class Progress(Protocol):
+    """What the downloader reports (the CLI draws it with Rich on a TTY)."""
+
+    def start(self, *, total_bytes: int, completed_bytes: int, files: int) -> None: ...
+
+    def advance(self, nbytes: int) -> None: ...
+
+    def file_done(self, name: str) -> None: ...
+
+
+class _NoProgress:
+    def start(self, *, total_bytes: int, completed_bytes: int, files: int) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def file_done(self, name: str) -> None:
+        pass
+
+
+# ── paths ──────────────────────────────────────────────────────────────────────────────────
+
+
+def safe_relative_path(name: str) -> PurePosixPath:
+    """``name`` as a relative path that stays inside the target, or :class:`UnsafePathError`."""
+    bad = (
+        not name
+        or "\x00" in name
+        or "\\" in name
+        or name.startswith("/")
+        or (len(name) > 1 and name[1] == ":")  # C:... on Windows
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    )
+    if bad:
+        raise UnsafePathError(
+            f"refusing to download {name!r}: the file name would be written outside the target folder",
+            hint="Nothing was written. The checkpoint's file list is malformed; report it to the backend's operator.",
+        )
+    return PurePosixPath(name)
+
+
+def plan_paths(files: Iterable[RemoteFile]) -> dict[tuple[int, str], PurePosixPath]:
+    """Where each file goes under the target. Files of node ranks > 0 whose names collide with
+    another rank's go under ``node-<rank>/``; every name is validated first."""
+    files = list(files)
+    for f in files:
+        safe_relative_path(f.relative_file_name)
+    counts: dict[str, int] = {}
+    for f in files:
+        counts[f.relative_file_name] = counts.get(f.relative_file_name, 0) + 1
+    out: dict[tuple[int, str], PurePosixPath] = {}
+    for f in files:
+        rel = PurePosixPath(f.relative_file_name)
+        if counts[f.relative_file_name] > 1 and f.node_rank:
+            rel = PurePosixPath(f"node-{f.node_rank}") / rel
+        if f.key in out:
+            raise DownloadError(f"the file list names {f.relative_file_name!r} twice for node rank {f.node_rank}")
+        out[f.key] = rel
+    return out
+
+
+def _inside(root: Path, path: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+# ── target folder ──────────────────────────────────────────────────────────────────────────
+
+
+def _marker(dest: Path) -> dict | None:
+    try:
+        data = json.loads((dest / MARKER_NAME).read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_error(dest: Path, exc: OSError, what: str = "write to") -> LoopsError:
+    if exc.errno in _DISK_FULL:
+        return DiskFullError(f"no space left on the device of {dest}", hint="Free some space and run the same command again.")
+    reason = exc.strerror or type(exc).__name__
+    return DownloadError(
+        f"cannot {what} {dest}: {reason.lower()}",
+        hint="Choose a folder you can write to with -O DIR.",
+    )
+
+
+def prepare_target(dest: Path, checkpoint_id: str, *, force: bool) -> bool:
+    """Create ``dest`` if needed and claim it for ``checkpoint_id``.
+
+    Returns True when an interrupted download of the same checkpoint is being resumed.
+    Raises :class:`TargetNotEmptyError` for a folder with other content (without ``force``) and a
+    :class:`DownloadError` for a target that is a file or cannot be written.
+    """
+    if dest.exists() and not dest.is_dir():
+        raise DownloadError(f"cannot download into {dest}: it is a file, not a folder", hint="Pass another -O DIR.")
+    resuming = False
+    if dest.is_dir():
+        marker = _marker(dest)
+        if marker is not None and marker.get("checkpoint_id") == checkpoint_id:
+            resuming = True
+        else:
+            try:
+                has_files = any(dest.iterdir())
+            except OSError as exc:
+                raise _write_error(dest, exc, "read") from None
+            if has_files and not force:
+                raise TargetNotEmptyError(
+                    f"{dest} is not empty",
+                    hint="Download into an empty or new folder with -O DIR, or pass --force to overwrite "
+                    "the checkpoint's files there (other files are left alone).",
+                )
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        if not resuming:
+            _write_marker(dest, checkpoint_id)
+        elif not os.access(dest, os.W_OK):
+            raise PermissionError(errno.EACCES, "Permission denied")
+    except OSError as exc:
+        raise _write_error(dest, exc) from None
+    return resuming
+
+
+def _write_marker(dest: Path, checkpoint_id: str) -> None:
+    tmp = dest / f"{MARKER_NAME}.tmp"
+    tmp.write_text(json.dumps({"checkpoint_id": checkpoint_id, "started_at": time.time()}), encoding="utf-8")
+    os.replace(tmp, dest / MARKER_NAME)
+
+
+# ── link expiry ────────────────────────────────────────────────────────────────────────────
+
+
+def link_expires_at(url: str) -> float | None:
+    """Unix time at which a presigned URL stops working, when the URL says so.
+
+    Understands the local backend's ``expires=<unix>``, S3 SigV4 (``X-Amz-Date`` +
+    ``X-Amz-Expires``), S3 SigV2/CloudFront ``Expires=<unix>`` and GCS (``X-Goog-Date`` +
+    ``X-Goog-Expires``).
+    """
+    try:
+        query = {k.lower(): v[0] for k, v in parse_qs(urlsplit(url).query).items()}
+    except ValueError:
+        return None
+    try:
+        if "expires" in query and query["expires"].isdigit():
+            return float(query["expires"])
+        for prefix in ("x-amz-", "x-goog-"):
+            date, ttl = query.get(prefix + "date"), query.get(prefix + "expires")
+            if date and ttl:
+                import calendar
+
+                start = calendar.timegm(time.strptime(date, "%Y%m%dT%H%M%SZ"))
+                return float(start + int(ttl))
+    except (ValueError, OverflowError):
+        return None
+    return None
+
+
+class _Links:
+    """The current URL of every file, re-listed through ``refresh`` at most once per expiry."""
+
+    def __init__(self, files: list[RemoteFile], refresh: Callable[[], Iterable[Any]] | None):
+        self._urls = {f.key: f.url for f in files}
+        self._refresh = refresh
+        self._lock = threading.Lock()
+        self.generation = 0
+        self.refreshes = 0
+
+    def get(self, key: tuple[int, str]) -> tuple[str, int]:
+        with self._lock:
+            return self._urls[key], self.generation
+
+    def refresh(self, seen_generation: int) -> bool:
+        """Re-list the links unless another worker did since ``seen_generation``.
+
+        Returns False when no refresh is possible (no ``refresh`` callable)."""
+        if self._refresh is None:
+            return False
+        with self._lock:
+            if self.generation != seen_generation:
+                return True
+            fresh = [RemoteFile.from_json(e) for e in self._refresh()]
+            for f in fresh:
+                if f.key in self._urls:
+                    self._urls[f.key] = f.url
+            self.generation += 1
+            self.refreshes += 1
+            return True
+
+
+# ── the download ───────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class _Job:
+    file: RemoteFile
+    rel: PurePosixPath
+    final: Path
+    part: Path
+    have: int = 0  # bytes already in .part when the run started
+
+
+@dataclass
+class _Shared:
+    client: httpx.Client
+    links: _Links
+    progress: Progress
+    dest: Path
+    cancel: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    downloaded: int = 0
+    sleep: Callable[[float], None] = time.sleep
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.downloaded += n
+        self.progress.advance(n)
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def download_files(
+    files: Iterable[RemoteFile | Mapping[str, Any]],
+    dest: Path | str,
+    *,
+    checkpoint_id: str,
+    refresh: Callable[[], Iterable[Any]] | None = None,
+    parallel: int = DEFAULT_PARALLEL,
+    force: bool = False,
+    progress: Progress | None = None,
+    transport: httpx.BaseTransport | None = None,
+    timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+    sleep: Callable[[float], None] = time.sleep,
+    check_free_space: bool = True,
+) -> DownloadResult:
+    """Download ``files`` (``CheckpointFile`` dicts or :class:`RemoteFile`) into ``dest``.
+
+    ``refresh`` returns the checkpoint's current file list (all pages); it is called when a link
+    has expired. ``parallel`` files are fetched at once.
+    """
+    started = time.monotonic()
+    remote = [f if isinstance(f, RemoteFile) else RemoteFile.from_json(f) for f in files]
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise UsageError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {parallel}")
+    dest = Path(dest).expanduser()
+    layout = plan_paths(remote)  # validates every name before anything touches the disk
+    resuming = prepare_target(dest, checkpoint_id, force=force)
+
+    jobs: list[_Job] = []
+    skipped = 0
+    resumed_bytes = 0
+    for f in remote:
+        rel = layout[f.key]
+        final = dest.joinpath(*rel.parts)
+        part = final.with_name(final.name + PART_SUFFIX)
+        job = _Job(f, rel, final, part)
+        if resuming and f.size_bytes is not None and final.is_file() and _size_of(final) == f.size_bytes:
+            skipped += 1
+            continue
+        if resuming:
+            job.have = _size_of(part)
+            if f.size_bytes is not None and job.have > f.size_bytes:
+                job.have = 0  # stale or foreign: start over
+            resumed_bytes += job.have
+        jobs.append(job)
+
+    total = sum(f.size_bytes or 0 for f in remote)
+    done_before = total - sum((j.file.size_bytes or 0) - j.have for j in jobs)
+    if check_free_space and jobs:
+        needed = sum(max((j.file.size_bytes or 0) - j.have, 0) for j in jobs)
+        try:
+            free = shutil.disk_usage(dest).free
+        except OSError:
+            free = None
+        if free is not None and needed > free:
+            from baseten_loops_cli.output.format import human_size
+
+            raise DiskFullError(
+                f"not enough space in {dest}: the download needs {human_size(needed)}, "
+                f"{human_size(free)} is free",
+                hint="Free some space or pass another -O DIR; nothing was downloaded.",
+            )
+
+    progress = progress or _NoProgress()
+    progress.start(total_bytes=total, completed_bytes=done_before, files=len(remote))
+    links = _Links(remote, refresh)
+    limits = httpx.Limits(max_connections=parallel + 2, max_keepalive_connections=parallel + 2)
+    client = httpx.Client(
+        timeout=timeout,
+        limits=limits,
+        transport=transport,
+        follow_redirects=True,
+        headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
+    )
+    shared = _Shared(client=client, links=links, progress=progress, dest=dest, sleep=sleep)
+    # Largest first: the long poles start early, the small files fill the gaps.
+    jobs.sort(key=lambda j: -(j.file.size_bytes or 0))
+    pool = ThreadPoolExecutor(max_workers=min(parallel, max(len(jobs), 1)), thread_name_prefix="loops-dl")
+    futures: list[Future] = []
+    finished_cleanly = False
+    try:
+        futures = [pool.submit(_download_one, shared, job) for job in jobs]
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=0.25, return_when=FIRST_EXCEPTION)
+            for fut in finished:
+                exc = fut.exception()
+                if exc is not None:
+                    shared.cancel.set()
+                    raise exc
+        finished_cleanly = True
+    except KeyboardInterrupt:
+        shared.cancel.set()
+        wait(futures, timeout=10)
+        raise InterruptedByUser(
+            f"download interrupted; what was saved in {dest} is kept",
+            hint="Run the same command again to resume.",
+        ) from None
+    except BaseException:
+        shared.cancel.set()
+        wait(futures, timeout=10)
+        raise
+    finally:
+        # After a failure, workers still blocked in a read are not waited for: closing the
+        # client ends their connections.
+        pool.shutdown(wait=finished_cleanly, cancel_futures=True)
+        client.close()
+
+    try:
+        (dest / MARKER_NAME).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass
+    return DownloadResult(
+        path=dest,
+        files=len(remote),
+        bytes_total=total,
+        bytes_downloaded=shared.downloaded,
+        files_skipped=skipped,
+        bytes_resumed=resumed_bytes,
+        seconds=time.monotonic() - started,
+        refreshed_links=links.refreshes,
+    )
+
+
+def _download_one(shared: _Shared, job: _Job) -> None:
+    """Fetch one file into its ``.part`` (resuming it), verify its size and rename it."""
+    name = job.rel.as_posix()
+    try:
+        job.part.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _write_error(job.part.parent, exc) from None
+    if not _inside(shared.dest, job.part.parent):
+        raise UnsafePathError(
+            f"refusing to write {name!r}: {job.part.parent} leads outside {shared.dest} (a symlink)",
+            hint="Remove the symlink or download into another folder.",
+        )
+    if job.have == 0 and job.part.exists():
+        _truncate(job.part, shared.dest)
+    attempts = refreshes = 0
+    while not shared.cancel.is_set():
+        url, generation = shared.links.get(job.file.key)
+        expires = link_expires_at(url)
+        if expires is not None and expires - time.time() < EXPIRY_MARGIN_S and refreshes < MAX_REFRESHES:
+            if shared.links.refresh(generation):
+                refreshes += 1
+                continue
+        before = job.have
+        outcome, detail = _attempt(shared, job, url)
+        if outcome == _DONE:
+            break
+        if outcome == _EXPIRED:
+            if refreshes < MAX_REFRESHES and shared.links.refresh(generation):
+                refreshes += 1
+                continue
+            raise DownloadError(
+                f"{name}: the file link was refused ({detail}) even with freshly listed links",
+                hint="Check that your key can read this checkpoint (`loops checkpoints files CKPT`).",
+            )
+        # _RETRY: a retry that received bytes starts the count again
+        attempts = 0 if job.have > before else attempts + 1
+        if attempts >= MAX_ATTEMPTS:
+            size = job.file.size_bytes if job.file.size_bytes is not None else "?"
+            raise DownloadError(
+                f"{name}: giving up after {MAX_ATTEMPTS} attempts ({detail}); {job.have} of {size} bytes are saved",
+                hint="Run the same command again to resume.",
+            )
+        shared.sleep(backoff_delay(attempts, initial=0.5, maximum=8.0))
+    if shared.cancel.is_set():
+        return
+    try:
+        if not job.part.exists():  # an empty file: nothing was streamed
+            job.part.touch()
+        os.replace(job.part, job.final)
+    except OSError as exc:
+        raise _write_error(job.final.parent, exc) from None
+    shared.progress.file_done(name)
+
+
+_DONE, _RETRY, _EXPIRED = "done", "retry", "expired"
+
+
+def _attempt(shared: _Shared, job: _Job, url: str) -> tuple[str, str]:
+    """One GET of the rest of the file. Updates ``job.have``; returns (outcome, detail)."""
+    f = job.file
+    name = job.rel.as_posix()
+    if f.size_bytes is not None and job.have == f.size_bytes:
+        return _DONE, ""
+    headers = {"Range": f"bytes={job.have}-"} if job.have else {}
+    try:
+        with shared.client.stream("GET", url, headers=headers) as resp:
+            status = resp.status_code
+            if status in (401, 403):
+                return _EXPIRED, f"HTTP {status}"
+            if status == 416 and job.have:
+                # The .part is as long as the file already, or longer (stale): decide by size.
+                total = _content_range_total(resp.headers.get("content-range"))
+                if total is not None and total == job.have and f.size_bytes in (None, total):
+                    return _DONE, ""
+                job.have = _restart(job, shared)
+                return _RETRY, "the saved part did not match the file"
+            if status in _RETRY_STATUSES:
+                return _RETRY, f"HTTP {status}"
+            if status >= 400:
+                raise DownloadError(
+                    f"{name}: the file link answered HTTP {status}{_reason(resp)}",
+                    hint="Run the same command again; if it persists, check `loops checkpoints files CKPT`.",
+                )
+            if job.have and (status != 206 or _content_range_start(resp.headers.get("content-range")) != job.have):
+                job.have = _restart(job, shared)  # the server ignored or misread the Range
+            job.have += _stream_to(resp, job, shared, job.have)
+    except httpx.TransportError as exc:
+        job.have = _size_of(job.part)
+        return _RETRY, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if shared.cancel.is_set() or f.size_bytes is None or job.have == f.size_bytes:
+        return _DONE, ""
+    if job.have > f.size_bytes:
+        job.have = _restart(job, shared)
+        return _RETRY, f"received more than the {f.size_bytes} bytes listed"
+    return _RETRY, f"the connection closed after {job.have} of {f.size_bytes} bytes"
+
+
+def _stream_to(resp: httpx.Response, job: _Job, shared: _Shared, offset: int) -> int:
+    """Append the body to the ``.part`` (which holds ``offset`` bytes); return bytes written."""
+    written = 0
+    try:
+        fh = open(job.part, "r+b" if offset else "wb")
+    except OSError as exc:
+        raise _write_error(job.part.parent, exc) from None
+    with fh:
+        try:
+            if offset:
+                fh.seek(offset)
+                fh.truncate()
+            for chunk in resp.iter_raw():
+                if shared.cancel.is_set():
+                    break
+                fh.write(chunk)
+                written += len(chunk)
+                shared.add(len(chunk))
+            fh.flush()
+        except httpx.TransportError:
+            fh.flush()
+            raise
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                shared.cancel.set()
+                from baseten_loops_cli.output.format import human_size
+
+                raise DiskFullError(
+                    f"no space left on the device of {shared.dest} while writing {job.rel.as_posix()} "
+                    f"({human_size(shared.downloaded)} downloaded in this run)",
+                    hint="Free some space and run the same command again: the download resumes where it stopped.",
+                ) from None
+            raise _write_error(job.part.parent, exc) from None
+    return written
+
+
+def _truncate(path: Path, dest: Path) -> None:
+    try:
+        with open(path, "r+b") as fh:
+            fh.truncate(0)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise _write_error(dest, exc) from None
+
+
+def _restart(job: _Job, shared: _Shared) -> int:
+    """Throw away a ``.part`` that cannot be continued; returns the new offset (0)."""
+    _truncate(job.part, shared.dest)
+    if job.have:
+        shared.add(-job.have)
+    return 0
+
+
+def _content_range_start(value: str | None) -> int | None:
+    # "bytes 100-199/200"
+    if not value or not value.startswith("bytes "):
+        return None
+    try:
+        return int(value[6:].split("-", 1)[0])
+    except ValueError:
+        return None
+
+
+def _content_range_total(value: str | None) -> int | None:
+    # "bytes */200" or "bytes 0-9/200"
+    if not value or "/" not in value:
+        return None
+    total = value.rsplit("/", 1)[1]
+    return int(total) if total.isdigit() else None
+
+
+def _reason(resp: httpx.Response) -> str:
+    try:
+        resp.read()
+        body = resp.json()
+    except Exception:  # noqa: BLE001 - any body shape
+        return ""
+    from baseten_loops_cli.api.http import error_fields
+
+    detail, _, _ = error_fields(body)
+    return f": {detail}" if detail else ""
+
+
+__all__ = [
+    "DEFAULT_PARALLEL",
+    "DiskFullError",
+    "DownloadError",
+    "DownloadResult",
+    "MARKER_NAME",
+    "Progress",
+    "RemoteFile",
+    "TargetNotEmptyError",
+    "UnsafePathError",
+    "download_files",
+    "link_expires_at",
+    "plan_paths",
+    "prepare_target",
+    "safe_relative_path",
+]

@@ -1,0 +1,371 @@
+"""Start, stop and inspect the background local server.
+
+The server is a detached process (``python -m baseten_loops_cli.local.server
+--foreground ...``) bound to 127.0.0.1 only. It records itself in the state dir:
+
+    server.json   {url, port, pid, version, started_at}   (written once it is listening)
+    server.pid    its pid
+    server.log    its stdout/stderr
+    token         the API key clients must send (random, 0600, kept across restarts)
+    server.lock   held (flock) for the server's lifetime: one server per state dir
+
+Importing this module is cheap (no torch, no starlette); httpx is imported only by the
+calls that talk to the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from baseten_loops_cli import __version__
+from baseten_loops_cli.errors import LoopsError
+from baseten_loops_cli.settings import paths
+from baseten_loops_cli.settings.local_server import INFO_FILE, LOG_FILE, PID_FILE, TOKEN_FILE
+
+LOCK_FILE = "server.lock"
+HOST = "127.0.0.1"
+DEFAULT_PORT = 8717
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 90.0  # a clean stop saves every loaded trainer first
+
+
+class ServerError(LoopsError):
+    """The local server could not be started, stopped or reached."""
+
+
+@dataclass
+class ServerInfo:
+    url: str
+    port: int
+    pid: int
+    version: str
+    started_at: str
+    uptime_s: float | None = None
+    healthy: bool = False
+    models: list[dict[str, Any]] = field(default_factory=list)
+    runs_in_memory: list[str] = field(default_factory=list)
+    state_dir: str = ""
+    data_dir: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# ── files in the state dir ──
+
+def _state(name: str, state_dir: Path | None = None) -> Path:
+    return (state_dir or paths.state_dir()) / name
+
+
+def read_token(state_dir: Path | None = None) -> str | None:
+    try:
+        return _state(TOKEN_FILE, state_dir).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def ensure_token(state_dir: Path | None = None) -> str:
+    """The server's API key, created on first use (0600). It survives restarts so that
+    exported ``BASETEN_API_KEY`` values and saved profiles keep working."""
+    token = read_token(state_dir)
+    if token is None:
+        token = secrets.token_urlsafe(32)
+        paths.write_private_file(_state(TOKEN_FILE, state_dir), token + "\n")
+    return token
+
+
+def _read_info(state_dir: Path | None = None) -> dict[str, Any] | None:
+    try:
+        return json.loads(_state(INFO_FILE, state_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        return exc.errno == errno.EPERM
+    return True
+
+
+def _clear_records(state_dir: Path | None = None) -> None:
+    for name in (INFO_FILE, PID_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            _state(name, state_dir).unlink()
+
+
+# ── status ──
+
+def status(state_dir: Path | None = None, *, timeout: float = 3.0) -> ServerInfo | None:
+    """The running server, or None. Stale records (dead pid) are cleaned up."""
+    info = _read_info(state_dir)
+    if info is None:
+        return None
+    pid = int(info.get("pid", 0))
+    if not pid or not _pid_alive(pid):
+        _clear_records(state_dir)
+        return None
+    server = ServerInfo(url=info["url"], port=int(info["port"]), pid=pid,
+                        version=info.get("version", "?"), started_at=info.get("started_at", ""),
+                        state_dir=str(state_dir or paths.state_dir()),
+                        data_dir=info.get("data_dir", ""))
+    import httpx
+
+    token = read_token(state_dir)
+    try:
+        resp = httpx.get(f"{server.url}/v1/local/status", timeout=timeout,
+                         headers={"Authorization": f"Api-Key {token}"} if token else {})
+        if resp.status_code == 200:
+            body = resp.json()
+            server.healthy = True
+            server.uptime_s = body.get("uptime_s")
+            server.models = body.get("models", [])
+            server.runs_in_memory = body.get("runs_in_memory", [])
+    except httpx.HTTPError:
+        pass
+    return server
+
+
+def _wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,
+                  log_path: Path | None = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(f"The local server exited during startup (code {proc.returncode}).",
+                              hint=_log_hint(log_path))
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise ServerError(f"The local server at {url} did not answer /health within {timeout:.0f}s.",
+                      hint=_log_hint(log_path))
+
+
+def _log_hint(log_path: Path | None) -> str:
+    where = log_path or _state(LOG_FILE)
+    return f"See {where} (`loops server logs`)."
+
+
+# ── start / stop ──
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def start(
+    port: int | None = None,
+    wait: bool = True,
+    *,
+    state_dir: Path | None = None,
+    data_dir: Path | None = None,
+    options: dict[str, Any] | None = None,
+    enable_fault_hooks: bool = False,
+    timeout: float = START_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+) -> ServerInfo:
+    """Start the server in the background (no-op if one is running) and return it.
+
+    ``port=None`` uses :data:`DEFAULT_PORT` when free, else any free port. With ``wait``
+    this returns once ``/health`` answers; ``options`` override server settings
+    (``ServerConfig`` fields, e.g. ``{"op_poll_hold_s": 2}``).
+    """
+    state_dir = state_dir or paths.state_dir()
+    data_dir = data_dir or paths.data_dir()
+    running = status(state_dir)
+    if running is not None:
+        return running
+    paths.ensure_private_dir(state_dir)
+    ensure_token(state_dir)
+    if port is None:
+        port = DEFAULT_PORT if port_free(DEFAULT_PORT) else 0
+    elif not port_free(port):
+        raise ServerError(f"Port {port} on {HOST} is already in use.",
+                          hint="Pick another with --port, or omit it to choose a free one.")
+    cmd = [sys.executable, "-m", "baseten_loops_cli.local.server", "--foreground",
+           "--port", str(port), "--data-dir", str(data_dir), "--state-dir", str(state_dir)]
+    if enable_fault_hooks:
+        cmd.append("--enable-fault-hooks")
+    for key, value in (options or {}).items():
+        cmd += ["--option", f"{key}={json.dumps(value)}"]
+    log_path = _state(LOG_FILE, state_dir)
+    child_env = {**os.environ, **(env or {})}
+    # The child must import this very package, even when it is not installed (a source
+    # checkout run from another directory).
+    package_root = str(Path(__file__).resolve().parents[2])
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (package_root, child_env.get("PYTHONPATH", "")) if p)
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,  # survives the CLI exiting and its terminal's Ctrl-C
+            close_fds=True, env=child_env,
+        )
+    deadline = time.monotonic() + timeout
+    info = None
+    while time.monotonic() < deadline:
+        info = _read_info(state_dir)
+        if info is not None and info.get("pid") == proc.pid:
+            break
+        if proc.poll() is not None:
+            raise ServerError(f"The local server exited during startup (code {proc.returncode}).",
+                              hint=_log_hint(log_path))
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        raise ServerError(f"The local server did not start within {timeout:.0f}s.",
+                          hint=_log_hint(log_path))
+    if wait:
+        _wait_healthy(info["url"], max(deadline - time.monotonic(), 1.0), proc, log_path)
+    return status(state_dir) or ServerInfo(
+        url=info["url"], port=info["port"], pid=proc.pid, version=info["version"],
+        started_at=info["started_at"], state_dir=str(state_dir), data_dir=str(data_dir))
+
+
+def stop(state_dir: Path | None = None, *, timeout: float = STOP_TIMEOUT_S) -> bool:
+    """Stop the server (SIGTERM, then SIGKILL after ``timeout``). False if none ran."""
+    info = _read_info(state_dir)
+    if info is None:
+        return False
+    pid = int(info.get("pid", 0))
+    if not pid or not _pid_alive(pid):
+        _clear_records(state_dir)
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _pid_alive(pid) or _is_zombie(pid):
+            break
+        time.sleep(0.1)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _clear_records(state_dir)
+    return True
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def ensure_running(announce: Callable[[str], None], *, state_dir: Path | None = None,
+                   port: int | None = None) -> ServerInfo:
+    """For the CLI's local profile: the running server, starting one (and saying so) if needed."""
+    running = status(state_dir)
+    if running is not None:
+        if not running.healthy:
+            _wait_healthy(running.url, START_TIMEOUT_S)
+        return running
+    if os.environ.get("LOOPS_NO_AUTOSTART") == "1":
+        raise ServerError("The local loops server is not running (LOOPS_NO_AUTOSTART=1).",
+                          hint="Start it with `loops server start`.")
+    announce("Starting the local loops server (first use; `loops server stop` stops it)...")
+    info = start(port, wait=True, state_dir=state_dir)
+    announce(f"Local loops server running at {info.url}.")
+    return info
+
+
+def env_lines(state_dir: Path | None = None) -> list[str]:
+    """Shell lines that point the official SDK (and this CLI) at the local server."""
+    info = status(state_dir)
+    if info is None:
+        raise ServerError("The local loops server is not running.",
+                          hint="Start it with `loops server start`.")
+    token = read_token(state_dir)
+    return [f"export LOOPS_BASE_URL={info.url}", f"export BASETEN_API_KEY={token}"]
+
+
+# ── the foreground server (what the detached process runs) ──
+
+@contextlib.contextmanager
+def _exclusive(state_dir: Path) -> Iterator[None]:
+    paths.ensure_private_dir(state_dir)
+    fd = os.open(_state(LOCK_FILE, state_dir), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = _read_info(state_dir) or {}
+            raise ServerError(f"Another local loops server is using {state_dir} "
+                              f"(pid {info.get('pid', '?')}, {info.get('url', '?')}).",
+                              hint="Stop it with `loops server stop`.") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def run_foreground(
+    *,
+    port: int,
+    state_dir: Path,
+    data_dir: Path,
+    enable_fault_hooks: bool = False,
+    options: dict[str, Any] | None = None,
+    log_level: str = "info",
+) -> None:
+    """Serve until SIGINT/SIGTERM. Writes server.json once listening; removes it on exit."""
+    import logging
+
+    import uvicorn
+
+    from baseten_loops_cli.local.server.app import create_app
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with _exclusive(state_dir):
+        token = ensure_token(state_dir)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))  # loopback only, never 0.0.0.0
+        except OSError as exc:
+            raise ServerError(f"Cannot listen on {HOST}:{port}: {exc.strerror}.") from None
+        sock.listen(2048)
+        bound_port = sock.getsockname()[1]
+        url = f"http://{HOST}:{bound_port}"
+        app = create_app(data_dir, token, enable_fault_hooks=enable_fault_hooks,
+                         **(options or {}))
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=3, timeout_keep_alive=75)
+        server = uvicorn.Server(config)
+        started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        record = {"url": url, "port": bound_port, "pid": os.getpid(), "version": __version__,
+                  "started_at": started_at, "data_dir": str(data_dir)}
+        paths.write_private_file(_state(PID_FILE, state_dir), f"{os.getpid()}\n")
+        paths.write_private_file(_state(INFO_FILE, state_dir), json.dumps(record) + "\n")
+        print(f"loops local server {__version__} listening on {url} (data: {data_dir})",
+              flush=True)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            info = _read_info(state_dir)
+            if info is not None and info.get("pid") == os.getpid():
+                _clear_records(state_dir)
+            sock.close()

@@ -1,0 +1,122 @@
+"""Where checkpoint files live on disk, and how ``bt://`` paths map onto them.
+
+Layout under the data dir::
+
+    checkpoints/<run_id>/weights/<name>/           trainer state (adapter + optimizer + step)
+    checkpoints/<run_id>/sampler_weights/<name>/   plain PEFT adapter, what samplers serve
+    runs/<run_id>/live/                            the run's own state while scaled to zero
+
+Saving a name that exists replaces it atomically: the engine writes into a staging
+folder next to the target, then the folders are swapped with renames, so a reader (a
+download, a sampler loading the adapter) never sees a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.server.errors import bad_request
+
+_BT_PATH = re.compile(
+    r"^bt://loops:(?P<run>[A-Za-z0-9_-]+)/(?P<folder>weights|sampler_weights)/(?P<name>[^/]+)/?$"
+)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+FOLDER_FOR_TARGET = {st.TARGET_TRAINER: "weights", st.TARGET_SAMPLER: "sampler_weights"}
+TARGET_FOR_FOLDER = {v: k for k, v in FOLDER_FOR_TARGET.items()}
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    run_id: str
+    target: str
+    name: str
+
+    @property
+    def uri(self) -> str:
+        return f"bt://loops:{self.run_id}/{FOLDER_FOR_TARGET[self.target]}/{self.name}"
+
+
+def parse_bt_path(path: str) -> CheckpointRef | None:
+    """``bt://loops:<run>/(weights|sampler_weights)/<name>`` -> ref; None if not that shape."""
+    match = _BT_PATH.match(path.strip())
+    if match is None:
+        return None
+    return CheckpointRef(match["run"], TARGET_FOR_FOLDER[match["folder"]], match["name"])
+
+
+def require_bt_path(path: str, *, what: str = "checkpoint_path") -> CheckpointRef:
+    ref = parse_bt_path(path)
+    if ref is None:
+        raise bad_request(
+            f"{what} {path!r} is not a Loops checkpoint path. Use "
+            "bt://loops:<run_id>/weights/<name> (trainer state) or "
+            "bt://loops:<run_id>/sampler_weights/<name> (sampler weights).",
+            "InvalidCheckpointPath",
+        )
+    return ref
+
+
+def validate_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise bad_request(
+            f"Checkpoint name {name!r} is not allowed: use 1-200 letters, digits, '.', '_' "
+            "or '-', starting with a letter or digit (e.g. 'step-100').",
+            "InvalidCheckpointName",
+        )
+    return name
+
+
+class CheckpointFiles:
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+
+    def relative_dir(self, ref: CheckpointRef) -> str:
+        return f"checkpoints/{ref.run_id}/{FOLDER_FOR_TARGET[ref.target]}/{ref.name}"
+
+    def absolute(self, storage_dir: str) -> Path:
+        return self.data_dir / storage_dir
+
+    def live_state_dir(self, run_id: str) -> Path:
+        return self.data_dir / "runs" / run_id / "live"
+
+    def publish(self, ref: CheckpointRef, write: Callable[[Path], object]) -> tuple[str, int]:
+        """Run ``write(staging_dir)`` then swap the staging dir into place.
+
+        Returns (storage dir relative to the data dir, total size in bytes). Runs on a
+        compute thread: ``write`` is the engine's save.
+        """
+        relative = self.relative_dir(ref)
+        target = self.absolute(relative)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.parent / f".staging-{ref.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            write(staging)
+            replace_dir(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return relative, dir_size(target)
+
+    def remove(self, storage_dir: str) -> None:
+        shutil.rmtree(self.absolute(storage_dir), ignore_errors=True)
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Atomically (per rename) put ``new`` at ``target``, discarding what was there."""
+    if target.exists():
+        trash = target.parent / f".trash-{target.name}-{uuid.uuid4().hex[:8]}"
+        target.rename(trash)
+        new.rename(target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        new.rename(target)
+
+
+def dir_size(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

@@ -1,0 +1,104 @@
+"""The server's configuration and the one object every route reaches its services through."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from baseten_loops_cli import __version__
+from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.server.checkpoints import CheckpointFiles
+from baseten_loops_cli.local.server.compute import ComputePool, Engine, ModelSpec
+from baseten_loops_cli.local.server.errors import ApiError, bad_request, choices
+from baseten_loops_cli.local.server.files import Presigner, load_or_create_secret
+from baseten_loops_cli.local.server.operations import OperationRegistry
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from baseten_loops_cli.local.server.runs import RunManager
+    from baseten_loops_cli.local.server.samplers import SamplerService
+
+
+@dataclass
+class ServerConfig:
+    """Knobs of the local server. Defaults follow the hosted platform; tests shrink the
+    time-based ones (e.g. ``op_poll_hold_s``) to keep runs fast."""
+
+    data_dir: Path
+    token: str
+    # GET /operations/{id} holds this long before answering 408 (hosted: 30 s).
+    op_poll_hold_s: float = 30.0
+    # Finished op results are kept this long, then polls answer 404 (hosted: ~1 h).
+    op_result_ttl_s: float = 3600.0
+    # ...and retried submits are deduplicated this long.
+    idempotency_window_s: float = 24 * 3600.0
+    # GET <trainer>/health waits up to this long for a deploying trainer to come up
+    # (under the SDK's 10 s probe timeout), sparing it a 10 s sleep between probes.
+    health_hold_s: float = 8.0
+    # Presigned file links expire after this long.
+    link_ttl_s: int = 3600
+    # /sample requests arriving within this window are batched into one engine call.
+    sample_batch_window_s: float = 0.01
+    max_sample_batch: int = 32
+    # /sample with X-Min-Policy-Version holds this long for the adapter to catch up
+    # before answering 408 (the SDK then retries).
+    min_version_hold_s: float = 10.0
+    # Snapshot a run's live state after an optim_step at most this often, so a crash
+    # loses at most this much training (a clean stop always snapshots).
+    snapshot_interval_s: float = 60.0
+    # How often idle runs/samplers are scaled to zero and expired data is cleaned up.
+    janitor_interval_s: float = 0.5
+    enable_fault_hooks: bool = False
+    # Import torch in the background at startup so the first op doesn't pay for it.
+    preload_engine: bool = True
+
+
+class ServerContext:
+    def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
+        self.config = config
+        self.version = __version__
+        self.started_at = time.time()
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = st.Store(config.data_dir / "loops.db")
+        self.engine = engine or Engine()
+        self.pool = ComputePool(self.engine)
+        self.presigner = Presigner(load_or_create_secret(config.data_dir), config.link_ttl_s)
+        self.files = CheckpointFiles(config.data_dir)
+        self.ops = OperationRegistry(self.store, result_ttl_s=config.op_result_ttl_s,
+                                     idempotency_window_s=config.idempotency_window_s)
+        # Wired by the app factory (they need the context themselves).
+        self.runs: RunManager
+        self.samplers: SamplerService
+
+    async def models(self) -> dict[str, ModelSpec]:
+        """The engine's models (the first call imports torch, off the event loop)."""
+        try:
+            return await asyncio.to_thread(self.engine.models)
+        except ImportError as exc:
+            raise ApiError(503, f"The local compute engine cannot be loaded ({exc}). Install "
+                                "the local extra: pip install 'baseten-loops-cli[local]'.",
+                           "EngineUnavailable") from None
+
+    async def model_spec(self, name: str) -> ModelSpec:
+        models = await self.models()
+        spec = models.get(name)
+        if spec is None:
+            raise bad_request(
+                f"Unknown base model {name!r}. Models available on the local backend: "
+                f"{choices(models)}. (`loops server pull-model NAME` adds one.)",
+                "UnknownBaseModel",
+            )
+        return spec
+
+    def log(self, deployment_id: str, message: str, level: str = "INFO",
+            request_id: str | None = None) -> None:
+        """A line in a deployment's logs (``/v1/loops/deployments/{id}/logs``)."""
+        self.store.append_log(deployment_id, message, level=level, request_id=request_id)
+
+
+def get_ctx(request: "Request") -> ServerContext:
+    return request.app.state.ctx

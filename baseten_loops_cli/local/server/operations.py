@@ -1,0 +1,101 @@
+"""The async-operation records behind the trainer protocol (loops-protocol.md §3.1).
+
+An op is submitted (``POST /<op>`` -> 202 + operation id), runs later, and is collected
+by long-polling ``GET /operations/{id}``: the server holds the poll until the op
+finishes or ``hold`` seconds pass (then 408, "still pending"; the client re-polls at once).
+
+This module owns the records and the waiting, not the execution (that is
+``runs.RunExecutor``):
+
+- **Idempotency.** The operation id *is* the client's ``Idempotency-Key`` (the SDK relies
+  on the echo), unique per run. A retried submit with the same key finds the existing
+  record and gets the same id back; the op is applied once.
+- **Waiting.** Each unfinished op has an ``asyncio.Event`` set when it finishes, so a
+  poll wakes the moment the result exists, not on a timer.
+- **Retention.** Results are kept ``result_ttl`` (1 h) after finishing, then dropped
+  (polls answer 404, as on the hosted platform); the record itself stays for the
+  idempotency window so late retries are still deduplicated.
+- **Restart.** Ops that were queued or running when the server stopped can never finish;
+  at startup they become errors, so a client polling them gets a clear answer instead of
+  408s forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from baseten_loops_cli.local import store as st
+
+RESTART_ERROR = (
+    "The local loops server restarted while this operation was queued or running, so it "
+    "was not applied (or only partly: a save may be missing). Resubmit it; the run resumes "
+    "from its last saved state."
+)
+
+
+class OperationRegistry:
+    def __init__(self, store: st.Store, *, result_ttl_s: float, idempotency_window_s: float):
+        self.store = store
+        self.result_ttl_s = result_ttl_s
+        self.idempotency_window_s = max(idempotency_window_s, result_ttl_s)
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
+
+    # ── submission ──
+
+    def find(self, run_id: str, op_id: str) -> st.OperationRow | None:
+        return self.store.get_operation(run_id, op_id)
+
+    def create(self, run_id: str, op: str, idempotency_key: str | None,
+               seq_id: int | None) -> st.OperationRow:
+        op_id = idempotency_key or uuid.uuid4().hex
+        row = self.store.insert_operation(run_id=run_id, op_id=op_id, op=op,
+                                          idempotency_key=idempotency_key, seq_id=seq_id)
+        self._events[(run_id, op_id)] = asyncio.Event()
+        return row
+
+    # ── progress ──
+
+    def mark_running(self, run_id: str, op_id: str) -> None:
+        self.store.mark_operation_running(run_id, op_id)
+
+    def finish(self, run_id: str, op_id: str, *, result: Any = None, error: str | None = None,
+               error_class: str | None = None) -> None:
+        self.store.finish_operation(run_id, op_id, result=result, error=error,
+                                    error_class=error_class)
+        event = self._events.pop((run_id, op_id), None)
+        if event is not None:
+            event.set()
+
+    def fail_pending(self, run_id: str, error: str, error_class: str) -> None:
+        for op_id in self.store.fail_pending_operations_of_run(run_id, error, error_class):
+            event = self._events.pop((run_id, op_id), None)
+            if event is not None:
+                event.set()
+
+    # ── polling ──
+
+    async def wait(self, run_id: str, op_id: str, hold_s: float) -> st.OperationRow | None:
+        """The op's record once finished, or as it stands after ``hold_s``; None if unknown."""
+        row = self.store.get_operation(run_id, op_id)
+        if row is None or row.status in st.FINISHED_OP_STATUSES:
+            return row
+        event = self._events.get((run_id, op_id))
+        if event is not None and hold_s > 0:
+            try:
+                await asyncio.wait_for(event.wait(), hold_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.store.get_operation(run_id, op_id)
+
+    # ── housekeeping ──
+
+    def recover_after_restart(self) -> int:
+        return self.store.fail_unfinished_operations(RESTART_ERROR, "ServerRestarted")
+
+    def expire(self, now: float | None = None) -> None:
+        now = now or time.time()
+        self.store.expire_operation_results(now - self.result_ttl_s)
+        self.store.purge_operations(now - self.idempotency_window_s)

@@ -1,0 +1,354 @@
+"""Samplers: paired (serving a run's latest published adapter) and standalone (a base
+model, or one sampler-weights checkpoint), plus the batched path to the engine.
+
+Weight sync follows the dedicated-sampler protocol (loops-protocol.md §1.4, §3.3):
+
+- ``save_weights_for_sampler(bump_version=True)`` *publishes*: the run's paired sampler
+  serves that checkpoint from then on, at ``policy_version`` = the trainer step it was
+  saved at (0 = nothing trained yet: serve the base model).
+- ``X-Min-Policy-Version: N`` on ``/sample``: serve only once the live adapter is at
+  version >= N. Publishing is synchronous here, so the sampler is behind only until the
+  save op finishes; the request holds briefly for that, then answers 408 (the SDK retries).
+- ``X-Checkpoint-Path: bt://...``: serve that checkpoint; with a floor, serve it only until
+  the live adapter reaches the floor.
+
+Concurrent ``/sample`` requests are batched: requests arriving within a few milliseconds
+of each other go to the engine as one call (one padded batch on the model's compute
+thread instead of N serial generations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.server.checkpoints import parse_bt_path, require_bt_path
+from baseten_loops_cli.local.server.compute import ModelWorker
+from baseten_loops_cli.local.server.context import ServerContext
+from baseten_loops_cli.local.server.errors import ApiError, bad_request, conflict, not_found
+from baseten_loops_cli.local.server.schemas import DEFAULT_SCALE_DOWN_DELAY_S, CreateSamplerRequest
+
+log = logging.getLogger("loops.server.samplers")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A sampler-weights checkpoint as the engine loads it. ``key`` changes whenever the
+    files do (a re-save of the same name), so engine-side caches never serve stale weights."""
+
+    checkpoint_pk: str
+    name: str
+    path: Path
+    version: int
+    key: str
+
+
+@dataclass
+class SampleJob:
+    prompt: list[int]
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: list[int]
+    stop: list[str]
+    prompt_logprobs: int | None  # None = not requested; k = also the top-k alternatives
+    adapter: Adapter | None
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    text: str
+
+
+@dataclass
+class SampleOutput:
+    sequences: list[SampledSequence]
+    # Per prompt position: None (position 0) or (logprob of the actual token, rank,
+    # [(token_id, logprob), ...] top-k alternatives).
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] | None = None
+    token_text: dict[int, str] = field(default_factory=dict)
+
+
+class SampleBatcher:
+    """Collects concurrent requests for one base model into engine batches."""
+
+    def __init__(self, worker: ModelWorker, window_s: float, max_batch: int) -> None:
+        self.worker = worker
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self._pending: list[tuple[SampleJob, asyncio.Future]] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self.batches = 0
+        self.largest_batch = 0
+
+    async def submit(self, job: SampleJob) -> SampleOutput:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((job, future))
+        if len(self._pending) >= self.max_batch:
+            self._flush()
+        elif self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(self.window_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        self.batches += 1
+        self.largest_batch = max(self.largest_batch, len(batch))
+        jobs = [job for job, _ in batch]
+        done = self.worker.submit(f"sample x{len(jobs)}",
+                                  lambda: run_sample_batch(self.worker, jobs))
+        asyncio.get_running_loop().create_task(self._deliver(done, batch))
+
+    @staticmethod
+    async def _deliver(done, batch: list[tuple[SampleJob, asyncio.Future]]) -> None:
+        try:
+            outputs = await asyncio.wrap_future(done)
+        except Exception as exc:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, future), output in zip(batch, outputs):
+            if not future.done():
+                future.set_result(output)
+
+
+def run_sample_batch(worker: ModelWorker, jobs: list[SampleJob]) -> list[SampleOutput]:
+    """On the compute thread: one engine call for the whole batch."""
+    from baseten_loops_cli.local.server import engine_adapter
+
+    return engine_adapter.sample(worker, jobs)
+
+
+class SamplerService:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self._batchers: dict[str, SampleBatcher] = {}
+        # Set (and replaced) whenever a sampler's live adapter changes, waking requests
+        # that hold for X-Min-Policy-Version.
+        self._published: dict[str, asyncio.Event] = {}
+
+    def batcher(self, base_model: str) -> SampleBatcher:
+        batcher = self._batchers.get(base_model)
+        if batcher is None:
+            cfg = self.ctx.config
+            batcher = self._batchers[base_model] = SampleBatcher(
+                self.ctx.pool.worker(base_model), cfg.sample_batch_window_s, cfg.max_sample_batch)
+        return batcher
+
+    def stats(self) -> dict[str, Any]:
+        return {name: {"batches": b.batches, "largest_batch": b.largest_batch}
+                for name, b in self._batchers.items()}
+
+    # ── create / lookup ──
+
+    async def create(self, req: CreateSamplerRequest, team_id: str | None) -> st.SamplerRow:
+        store = self.ctx.store
+        if store.get_session(req.session_id) is None:
+            raise bad_request(f"Unknown session_id {req.session_id!r}. Create one with "
+                              "POST /v1/loops/sessions.", "SessionNotFound")
+        chosen = [k for k in ("base_model", "run_id", "model_path") if getattr(req, k)]
+        if len(chosen) != 1:
+            raise bad_request("Pass exactly one of base_model (standalone), run_id (paired with "
+                              f"a run) or model_path (a sampler checkpoint); got "
+                              f"{', '.join(chosen) or 'none'}.", "InvalidRequest")
+        if req.run_id:
+            return await self.ensure_paired(req.run_id, req, team_id)
+        if req.model_path:
+            ref = require_bt_path(req.model_path, what="model_path")
+            if ref.target != st.TARGET_SAMPLER:
+                raise bad_request(f"model_path {req.model_path} is trainer state; samplers serve "
+                                  f"sampler weights: bt://loops:{ref.run_id}/sampler_weights/<name>.",
+                                  "WrongCheckpointTarget")
+            cp = store.find_checkpoint(ref.run_id, ref.target, ref.name)
+            if cp is None:
+                raise bad_request(f"No checkpoint {req.model_path}.", "CheckpointNotFound")
+            spec = await self.ctx.model_spec(cp.base_model)
+            self._check_length(req.max_seq_length, spec)
+            sampler = store.create_sampler(
+                session_id=req.session_id, team_id=team_id, run_id=None, base_model=cp.base_model,
+                model_path=req.model_path, checkpoint_pk=cp.pk, max_seq_length=req.max_seq_length,
+                num_replicas=req.num_replicas, scale_down_delay_seconds=DEFAULT_SCALE_DOWN_DELAY_S,
+                policy_version=cp.policy_version)
+        else:
+            spec = await self.ctx.model_spec(req.base_model or "")
+            self._check_length(req.max_seq_length, spec)
+            sampler = store.create_sampler(
+                session_id=req.session_id, team_id=team_id, run_id=None, base_model=spec.name,
+                model_path=None, checkpoint_pk=None, max_seq_length=req.max_seq_length,
+                num_replicas=req.num_replicas, scale_down_delay_seconds=DEFAULT_SCALE_DOWN_DELAY_S)
+        self.ctx.log(sampler.deployment_id, f"Sampler {sampler.id} serving "
+                                            f"{sampler.model_path or sampler.base_model}.")
+        return sampler
+
+    @staticmethod
+    def _check_length(max_seq_length: int | None, spec) -> None:
+        if max_seq_length is not None and max_seq_length > spec.max_seq_len:
+            raise bad_request(f"max_seq_length {max_seq_length} exceeds {spec.name}'s maximum of "
+                              f"{spec.max_seq_len}.", "SequenceTooLong")
+
+    async def ensure_paired(self, run_id: str, req: CreateSamplerRequest | None,
+                            team_id: str | None) -> st.SamplerRow:
+        """The run's paired sampler, created on first request (idempotent per run)."""
+        store = self.ctx.store
+        run = store.get_run(run_id)
+        if run is None:
+            raise bad_request(f"Unknown run_id {run_id!r}.", "RunNotFound")
+        if run.status != st.RUN_ACTIVE:
+            raise conflict(f"Run {run_id} is deactivated; it cannot get a sampler. Serve one of "
+                           "its checkpoints with a model_path sampler instead.", "RunInactive")
+        if req is not None and req.availability_model not in (None, run.availability_model):
+            raise bad_request(f"A paired sampler inherits its run's availability_model "
+                              f"({run.availability_model}); got {req.availability_model!r}.",
+                              "InvalidRequest")
+        existing = store.paired_sampler(run_id)
+        if existing is not None:
+            return existing
+        sampler = store.create_sampler(
+            session_id=req.session_id if req else run.session_id, team_id=team_id or run.team_id,
+            run_id=run.id, base_model=run.base_model, model_path=None,
+            checkpoint_pk=run.published_checkpoint_pk,
+            max_seq_length=(req.max_seq_length if req else None) or run.max_seq_len,
+            num_replicas=req.num_replicas if req else None,
+            scale_down_delay_seconds=run.scale_down_delay_seconds,
+            policy_version=run.published_version)
+        self.ctx.log(sampler.deployment_id, f"Paired sampler {sampler.id} for run {run.id}.")
+        self.ctx.log(run.deployment_id, f"Paired sampler {sampler.id} created.")
+        return sampler
+
+    def get(self, sampler_id: str) -> st.SamplerRow:
+        sampler = self.ctx.store.get_sampler(sampler_id)
+        if sampler is None:
+            raise not_found("sampler", sampler_id, "List samplers with GET /v1/loops/samplers.")
+        return sampler
+
+    def deactivate(self, sampler: st.SamplerRow) -> None:
+        if sampler.status == st.SAMPLER_INACTIVE:
+            return
+        self.ctx.store.update_sampler(sampler.id, status=st.SAMPLER_INACTIVE,
+                                      deactivated_at=time.time())
+        self.ctx.log(sampler.deployment_id, "Sampler deactivated.")
+        self._notify(sampler.id)
+
+    def deactivate_paired(self, run_id: str) -> None:
+        sampler = self.ctx.store.paired_sampler(run_id)
+        if sampler is not None:
+            self.deactivate(sampler)
+
+    # ── weight sync ──
+
+    def publish(self, run_id: str, cp: st.CheckpointRow) -> None:
+        """``save_weights_for_sampler(bump_version=True)`` finished: the paired sampler now
+        serves ``cp`` at version ``cp.policy_version``."""
+        store = self.ctx.store
+        store.update_run(run_id, published_checkpoint_pk=cp.pk,
+                         published_version=cp.policy_version)
+        sampler = store.paired_sampler(run_id)
+        if sampler is not None:
+            store.update_sampler(sampler.id, live_checkpoint_pk=cp.pk,
+                                 policy_version=cp.policy_version)
+            self.ctx.log(sampler.deployment_id, f"Hot-swapped to {cp.bt_path} (policy version "
+                                                f"{cp.policy_version}).")
+            self._notify(sampler.id)
+
+    def _notify(self, sampler_id: str) -> None:
+        event = self._published.pop(sampler_id, None)
+        if event is not None:
+            event.set()
+
+    async def wait_for_publish(self, sampler_id: str, timeout_s: float) -> None:
+        event = self._published.setdefault(sampler_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def adapter(self, cp: st.CheckpointRow) -> Adapter:
+        return Adapter(cp.pk, cp.name, self.ctx.files.absolute(cp.storage_dir),
+                       cp.policy_version, f"{cp.pk}@{cp.created_at:.6f}")
+
+    async def choose_adapter(
+        self, sampler: st.SamplerRow, pin: str | None, floor: int | None
+    ) -> tuple[Adapter | None, int]:
+        """Which weights serve this request, and the policy version to report.
+
+        Raises 408 while a floor is above the live adapter and no pin can stand in.
+        """
+        hold_until = time.monotonic() + self.ctx.config.min_version_hold_s
+        while True:
+            sampler = self.ctx.store.get_sampler(sampler.id) or sampler
+            if sampler.status == st.SAMPLER_INACTIVE:
+                raise conflict(f"Sampler {sampler.id} was deactivated.", "SamplerInactive")
+            live_version = sampler.policy_version
+            if floor is None or live_version >= floor:
+                if pin is not None and floor is None:
+                    return self._pinned(sampler, pin)
+                return self.live_adapter(sampler), live_version
+            if pin is not None:
+                return self._pinned(sampler, pin)
+            remaining = hold_until - time.monotonic()
+            if remaining <= 0:
+                raise ApiError(
+                    408, f"Sampler {sampler.id} serves policy version {live_version}, below the "
+                         f"requested minimum {floor}. It catches up when the run's "
+                         "save_weights_for_sampler finishes; retry.",
+                    "PolicyVersionBehind", extra={"policy_version": live_version})
+            await self.wait_for_publish(sampler.id, remaining)
+
+    def live_adapter(self, sampler: st.SamplerRow) -> Adapter | None:
+        if sampler.live_checkpoint_pk is None:
+            return None
+        if sampler.run_id is not None and sampler.policy_version == 0:
+            return None  # version 0: nothing trained yet, the base model serves
+        cp = self.ctx.store.get_checkpoint(sampler.live_checkpoint_pk)
+        return self.adapter(cp) if cp is not None else None
+
+    def _pinned(self, sampler: st.SamplerRow, pin: str) -> tuple[Adapter | None, int]:
+        ref = parse_bt_path(pin)
+        if ref is None or ref.target != st.TARGET_SAMPLER:
+            raise bad_request(f"X-Checkpoint-Path {pin!r} must be a sampler checkpoint: "
+                              "bt://loops:<run>/sampler_weights/<name>.", "InvalidCheckpointPath")
+        cp = self.ctx.store.find_checkpoint(ref.run_id, ref.target, ref.name)
+        if cp is None:
+            raise bad_request(f"No checkpoint {pin}.", "CheckpointNotFound")
+        if cp.base_model != sampler.base_model:
+            raise bad_request(f"{pin} was trained on {cp.base_model}; this sampler serves "
+                              f"{sampler.base_model}.", "BaseModelMismatch")
+        return self.adapter(cp), cp.policy_version
+
+    # ── scale to zero ──
+
+    def sweep(self, now: float) -> None:
+        store = self.ctx.store
+        for sampler in store.list_samplers():
+            if (sampler.status == st.SAMPLER_ACTIVE
+                    and now - sampler.last_active_at >= sampler.scale_down_delay_seconds):
+                store.update_sampler(sampler.id, status=st.SAMPLER_SCALED_TO_ZERO)
+                self.ctx.log(sampler.deployment_id, "Idle: scaled to zero (the next request "
+                                                    "or POST /wake brings it back).")
+
+    def wake(self, sampler: st.SamplerRow) -> st.SamplerRow:
+        if sampler.status == st.SAMPLER_INACTIVE:
+            raise conflict(f"Sampler {sampler.id} was deactivated; create a new one.",
+                           "SamplerInactive")
+        self.ctx.store.update_sampler(sampler.id, status=st.SAMPLER_ACTIVE,
+                                      last_active_at=time.time())
+        if sampler.status == st.SAMPLER_SCALED_TO_ZERO:
+            self.ctx.log(sampler.deployment_id, "Woken up.")
+        return self.ctx.store.get_sampler(sampler.id)  # type: ignore[return-value]

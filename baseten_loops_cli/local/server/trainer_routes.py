@@ -1,0 +1,121 @@
+"""A run's trainer endpoint, ``/trainers/<run_id>`` (loops-protocol.md §3.1).
+
+    GET  /health?base_model=...     200 once the trainer is up (held briefly while deploying)
+    GET  /policy_version            {"policy_version": <optim steps taken>}
+    POST /<op>                      202 {"operation_id", "schema_version": 1} + Location
+    GET  /operations/{id}           long-poll: 200 done/error, 408 still pending, 404 unknown
+
+The eight ops are in ``runs.TRAINER_OPS``. A submit is validated before it is accepted
+(bad input -> 400 at once), then queued behind the run's earlier ops.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.server.context import ServerContext, get_ctx
+from baseten_loops_cli.local.server.errors import ApiError, bad_request, not_found
+from baseten_loops_cli.local.server.runs import TRAINER_OPS, run_inactive_error
+
+OPERATION_SCHEMA_VERSION = 1
+
+
+def _run(ctx: ServerContext, request: Request) -> st.RunRow:
+    run_id = request.path_params["run_id"]
+    run = ctx.store.get_run(run_id)
+    if run is None:
+        raise not_found("run", run_id, "Its trainer URL is the run's base_url from "
+                                       "GET /v1/loops/runs/<run_id>.")
+    return run
+
+
+async def health(request: Request) -> Response:
+    ctx = get_ctx(request)
+    run = _run(ctx, request)
+    wanted = request.query_params.get("base_model")
+    if wanted and wanted != run.base_model:
+        raise ApiError(404, f"This trainer serves {run.base_model}, not {wanted}.",
+                       "BaseModelMismatch")
+    if run.status != st.RUN_ACTIVE:
+        raise run_inactive_error(run)
+    # The SDK's heartbeat pings /health to keep a dedicated trainer warm.
+    ctx.store.touch_run(run.id)
+    dep = ctx.store.get_deployment(run.deployment_id)
+    assert dep is not None
+    if dep.status in (st.DEPLOY_CREATED, st.DEPLOY_DEPLOYING):
+        await ctx.runs.wait_until_running(run, ctx.config.health_hold_s)
+        dep = ctx.store.get_deployment(run.deployment_id)
+        assert dep is not None
+    if dep.status == st.DEPLOY_FAILED:
+        raise ApiError(503, f"Run {run.id}'s trainer failed to load: {dep.status_reason}. "
+                            "Start a new run; see `loops server logs`.", "DeploymentFailed")
+    if dep.status in (st.DEPLOY_CREATED, st.DEPLOY_DEPLOYING):
+        raise ApiError(503, f"Run {run.id}'s trainer is still loading; retry shortly.",
+                       "TrainerStarting", headers={"Retry-After": "1"})
+    # RUNNING, or SCALED_TO_ZERO: reachable, and the next op wakes it.
+    return JSONResponse({"status": "ok", "run_id": run.id, "base_model": run.base_model,
+                         "deployment_status": dep.status, "policy_version": run.policy_version})
+
+
+async def policy_version(request: Request) -> Response:
+    ctx = get_ctx(request)
+    run = _run(ctx, request)
+    return JSONResponse({"policy_version": run.policy_version})
+
+
+async def submit(request: Request) -> Response:
+    ctx = get_ctx(request)
+    run = _run(ctx, request)
+    op = request.path_params["op"]
+    if op not in TRAINER_OPS:
+        raise ApiError(404, f"No trainer op {op!r}. Ops: {', '.join(TRAINER_OPS)}.",
+                       "RouteNotFound")
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError as exc:
+        raise bad_request(f"Request body is not valid JSON: {exc}.", "InvalidJson") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object.", "InvalidJson")
+    key = request.headers.get("idempotency-key") or None
+    row = await ctx.runs.submit(run, op, body, key)
+    location = f"/trainers/{run.id}/operations/{row.id}"
+    return JSONResponse({"operation_id": row.id, "schema_version": OPERATION_SCHEMA_VERSION},
+                        status_code=202, headers={"Location": location})
+
+
+async def poll(request: Request) -> Response:
+    ctx = get_ctx(request)
+    run = _run(ctx, request)
+    op_id = request.path_params["operation_id"]
+    row = await ctx.ops.wait(run.id, op_id, ctx.config.op_poll_hold_s)
+    if row is None:
+        raise ApiError(404, f"No operation {op_id!r} on run {run.id}: it was never submitted "
+                            "here, or finished long ago. Resubmit it with the same "
+                            "Idempotency-Key.", "UnknownOperation")
+    if row.status == st.OP_EXPIRED:
+        raise ApiError(404, f"Operation {op_id}'s result expired ({ctx.config.op_result_ttl_s:.0f}s "
+                            "after it finished). Resubmitting with the same Idempotency-Key "
+                            "will not re-run it.", "ResultExpired")
+    if row.status == st.OP_DONE:
+        return JSONResponse({"status": "done", "result": row.result, "operation_id": row.id})
+    if row.status == st.OP_ERROR:
+        return JSONResponse({"status": "error", "error": row.error,
+                             "error_class": row.error_class, "operation_id": row.id})
+    return JSONResponse(
+        {"detail": f"Operation {op_id} ({row.op}) is still {row.status}; poll again.",
+         "error_class": "OperationPending", "status": row.status, "operation_id": row.id},
+        status_code=408)
+
+
+def routes() -> list[BaseRoute]:
+    return [
+        Route("/trainers/{run_id}/health", health, methods=["GET"]),
+        Route("/trainers/{run_id}/policy_version", policy_version, methods=["GET"]),
+        Route("/trainers/{run_id}/operations/{operation_id}", poll, methods=["GET"]),
+        Route("/trainers/{run_id}/{op}", submit, methods=["POST"]),
+    ]

@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Run every bench script and print one table of ratios against their targets.
+
+Each ``bench/<name>.py`` (except this file and ``_*.py``) is run as a subprocess with
+``--json``; it must print one JSON object on stdout::
+
+    {"target": 1.3,                      # default target for its results (optional)
+     "results": [{"case": "loops --help", "ratio": 1.12, "target": 1.3, "ok": true, ...}]}
+
+A result's ``ok`` wins when present; otherwise ``ok = ratio <= target``. ``value``/``unit``
+(if given) are shown next to the ratio. A script that exits non-zero, times out or prints no
+JSON becomes one FAILED row, so a broken bench cannot hide.
+
+    python bench/run_all.py                 # every bench, full length
+    python bench/run_all.py --quick         # pass --quick to the benches that accept it
+    python bench/run_all.py --only load --check --json
+
+``--check`` exits 1 when any row is not ok. Flags a bench accepts are read from its ``--help``
+(``--quick`` and ``--check`` are forwarded only to scripts that list them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+DEFAULT_TIMEOUT_S = 1200
+
+
+def discover(only: list[str] | None = None) -> list[Path]:
+    scripts = sorted(
+        p for p in BENCH_DIR.glob("*.py") if p.name != Path(__file__).name and not p.name.startswith("_")
+    )
+    if only:
+        scripts = [p for p in scripts if p.stem in only]
+    return scripts
+
+
+def _accepts(script: Path, flag: str, env: dict) -> bool:
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), "--help"],
+            capture_output=True, text=True, timeout=60, env=env, cwd=ROOT, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return flag in proc.stdout
+
+
+def run_script(script: Path, *, quick: bool, timeout_s: float, env: dict) -> dict:
+    """Run one bench; returns {name, rows:[...], seconds, error?}."""
+    cmd = [sys.executable, str(script), "--json"]
+    if quick and _accepts(script, "--quick", env):
+        cmd.append("--quick")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT, check=False)
+    except subprocess.TimeoutExpired:
+        return {"name": script.stem, "rows": [], "seconds": time.monotonic() - t0,
+                "error": f"timed out after {timeout_s:.0f} s"}
+    seconds = time.monotonic() - t0
+    doc = _last_json_object(proc.stdout)
+    if doc is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"name": script.stem, "rows": [], "seconds": seconds,
+                "error": f"exit {proc.returncode}, no JSON result ({tail[0][:200]})"}
+    rows = normalise(doc)
+    out = {"name": script.stem, "rows": rows, "seconds": seconds}
+    if proc.returncode not in (0, 1):  # 1 = a --check failure, still a valid table
+        out["error"] = f"exit {proc.returncode}"
+    return out
+
+
+def _last_json_object(stdout: str) -> dict | None:
+    text = stdout.strip()
+    if not text:
+        return None
+    try:
+        doc = json.loads(text)
+        return doc if isinstance(doc, dict) else None
+    except ValueError:
+        pass
+    # Tolerate log lines before the JSON: take the last line that starts a JSON object.
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].lstrip().startswith("{"):
+            try:
+                doc = json.loads("\n".join(lines[i:]))
+            except ValueError:
+                continue
+            return doc if isinstance(doc, dict) else None
+    return None
+
+
+def normalise(doc: dict) -> list[dict]:
+    default_target = doc.get("target")
+    rows = []
+    for r in doc.get("results") or []:
+        if not isinstance(r, dict):
+            continue
+        ratio = r.get("ratio")
+        target = r.get("target", default_target)
+        ok = r.get("ok")
+        if ok is None and isinstance(ratio, (int, float)) and isinstance(target, (int, float)):
+            ok = ratio <= target
+        value, unit = r.get("value"), r.get("unit", "")
+        if value is None:  # e.g. startup.py's {"loops_ms": 312.0}: show the first measurement
+            for key, v in r.items():
+                if key not in ("ratio", "target", "ok", "case") and isinstance(v, (int, float)) \
+                        and not isinstance(v, bool):
+                    value, unit = v, key.rsplit("_", 1)[-1] if "_" in key else ""
+                    break
+        rows.append({
+            "case": str(r.get("case", "?")),
+            "value": value,
+            "unit": unit,
+            "ratio": ratio,
+            "target": target,
+            "ok": bool(ok),
+        })
+    return rows
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+    return str(x)
+
+
+def print_table(results: list[dict]) -> None:
+    rows = []
+    for res in results:
+        if res.get("error") and not res["rows"]:
+            rows.append((res["name"], "(bench failed)", res["error"], "-", "-", "FAILED"))
+        for r in res["rows"]:
+            value = f"{_fmt(r['value'])} {r['unit']}".strip() if r["value"] is not None else "-"
+            rows.append((res["name"], r["case"], value, _fmt(r["ratio"]), _fmt(r["target"]),
+                         "ok" if r["ok"] else "OVER"))
+        if res.get("error") and res["rows"]:
+            rows.append((res["name"], "(bench exit)", res["error"], "-", "-", "FAILED"))
+    header = ("bench", "case", "measured", "ratio", "target", "status")
+    widths = [max(len(h), *(len(str(row[i])) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    print(line)
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+    total = sum(res["seconds"] for res in results)
+    print(f"({len(results)} benches in {total:.0f} s; ratio <= target is ok)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="run every bench script; one table of ratios vs targets")
+    parser.add_argument("--quick", action="store_true", help="pass --quick to benches that accept it")
+    parser.add_argument("--only", action="append", help="run only this bench (repeatable; name without .py)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per bench")
+    parser.add_argument("--check", action="store_true", help="exit 1 when any row is not ok")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--list", action="store_true", help="list the benches and exit")
+    args = parser.parse_args(argv)
+
+    scripts = discover(args.only)
+    if args.list:
+        for s in scripts:
+            print(s.stem)
+        return 0
+    if not scripts:
+        print("no bench scripts found", file=sys.stderr)
+        return 1
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    results = []
+    for script in scripts:
+        print(f"running {script.name} ...", file=sys.stderr, flush=True)
+        results.append(run_script(script, quick=args.quick, timeout_s=args.timeout, env=env))
+    all_ok = all(not r.get("error") and r["rows"] and all(row["ok"] for row in r["rows"]) for r in results)
+    if args.json:
+        # Target ratios, one flat list: what the table shows.
+        targets = [
+            {"bench": r["name"], "case": row["case"], "ratio": row["ratio"], "target": row["target"],
+             "value": row["value"], "unit": row["unit"], "ok": row["ok"]}
+            for r in results for row in r["rows"]
+        ]
+        print(json.dumps({
+            "results": [
+                {"case": f"{t['bench']}: {t['case']}", "ratio": t["ratio"], "target": t["target"],
+                 "value": t["value"], "unit": t["unit"], "ok": t["ok"]}
+                for t in targets
+            ],
+            "benches": results,
+            "ok": all_ok,
+        }, indent=2))
+    else:
+        print_table(results)
+    return 1 if args.check and not all_ok else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

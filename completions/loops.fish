@@ -1,0 +1,1 @@
+complete --command loops --no-files --arguments "(env _LOOPS_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) loops)" --condition "env _LOOPS_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) loops"

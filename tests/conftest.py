@@ -1,0 +1,128 @@
+"""Shared fixtures: a real local server (a subprocess on 127.0.0.1) with every loops
+directory under a temporary folder.
+
+- ``local_server`` (session): one server for the whole test session. Tests must not stop
+  it or depend on its global state (create your own session/run).
+- ``server_factory`` (function): fresh servers a test may stop and restart, e.g. to check
+  recovery. ``server_factory(**options)`` -> :class:`LocalServer`; ``options`` override
+  server settings (``ServerConfig`` fields such as ``op_poll_hold_s``).
+
+Both run with fault hooks enabled (``POST /v1/local/faults``) and short timings so tests
+stay fast: a 2 s long-poll hold, snapshots after every step, a 0.2 s janitor tick.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+# Fast timings for tests; each can be overridden per server through server_factory.
+TEST_SERVER_OPTIONS: dict[str, Any] = {
+    "op_poll_hold_s": 2.0,
+    "snapshot_interval_s": 0.0,
+    "janitor_interval_s": 0.2,
+    "min_version_hold_s": 2.0,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LocalServer:
+    root: Path
+    options: dict[str, Any] = field(default_factory=dict)
+    port: int = 0
+    url: str = ""
+    token: str = ""
+    pid: int = 0
+
+    @property
+    def dirs(self) -> dict[str, Path]:
+        return {name: self.root / name.lower() for name in ("CONFIG", "STATE", "DATA", "CACHE")}
+
+    @property
+    def state_dir(self) -> Path:
+        return self.dirs["STATE"]
+
+    @property
+    def data_dir(self) -> Path:
+        return self.dirs["DATA"]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment variables for a CLI (or SDK) subprocess that should use this server."""
+        env = {f"LOOPS_{name}_DIR": str(path) for name, path in self.dirs.items()}
+        env.update(LOOPS_BASE_URL=self.url, BASETEN_API_KEY=self.token,
+                   LOOPS_KEYRING_DISABLED="1")
+        return env
+
+    def start(self) -> "LocalServer":
+        from baseten_loops_cli.local import daemon
+
+        if not self.port:
+            self.port = free_port()
+        for path in self.dirs.values():
+            path.mkdir(parents=True, exist_ok=True)
+        env = {f"LOOPS_{name}_DIR": str(path) for name, path in self.dirs.items()}
+        info = daemon.start(self.port, state_dir=self.state_dir, data_dir=self.data_dir,
+                            options={**TEST_SERVER_OPTIONS, **self.options},
+                            enable_fault_hooks=True, env=env, timeout=120)
+        self.url, self.pid = info.url, info.pid
+        self.token = daemon.read_token(self.state_dir) or ""
+        return self
+
+    def stop(self) -> None:
+        from baseten_loops_cli.local import daemon
+
+        daemon.stop(self.state_dir)
+
+    def restart(self) -> "LocalServer":
+        """Stop (cleanly: trainers are saved) and start again on the same dirs and port."""
+        self.stop()
+        return self.start()
+
+    def client(self, **kwargs: Any):
+        import httpx
+
+        kwargs.setdefault("timeout", 60.0)
+        return httpx.Client(base_url=self.url,
+                            headers={"Authorization": f"Api-Key {self.token}"}, **kwargs)
+
+    @property
+    def log_text(self) -> str:
+        path = self.state_dir / "server.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+@pytest.fixture(scope="session")
+def local_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
+    server = LocalServer(tmp_path_factory.mktemp("loops-local")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[Callable[..., LocalServer]]:
+    servers: list[LocalServer] = []
+
+    def make(**options: Any) -> LocalServer:
+        server = LocalServer(tmp_path / f"server{len(servers)}", options).start()
+        servers.append(server)
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.stop()
+

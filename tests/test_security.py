@@ -1,0 +1,297 @@
+"""Security properties of the local server and the CLI.
+
+- the server listens on 127.0.0.1 only and refuses requests without its token (presigned
+  file URLs aside: HMAC-signed, expiring, scoped to one file);
+- traversal (``..``, absolute paths, symlinks) is refused by the server's file route and by
+  the downloader;
+- the API key never appears in stdout, stderr, logs or ``--debug`` output;
+- credential and config files are 0600;
+- YAML is loaded safely; reward code is loaded only from the path a config names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ── helpers ─────────────────────────────────────────────────────────────────────────────────
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Local addresses of LISTEN sockets on ``port``, from /proc/net/tcp{,6} (no traffic)."""
+    found = []
+    for name, width in (("tcp", 8), ("tcp6", 32)):
+        path = Path("/proc/net") / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            parts = line.split()
+            local, state = parts[1], parts[3]
+            addr_hex, port_hex = local.split(":")
+            if state != "0A" or int(port_hex, 16) != port:  # 0A = LISTEN
+                continue
+            if width == 8:
+                found.append(socket.inet_ntop(socket.AF_INET, bytes.fromhex(addr_hex)[::-1]))
+            else:
+                raw = bytes.fromhex(addr_hex)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                found.append(socket.inet_ntop(socket.AF_INET6, raw))
+    return found
+
+
+def _cli_env(server, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
+    env.update(server.env)
+    env.update({"LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1", "TERM": "dumb", "PYTHONPATH": str(ROOT)})
+    env.update(extra)
+    return env
+
+
+def _loops(args: list[str], env: dict[str, str], cwd: Path, stdin: str = "", timeout: float = 300):
+    return subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=env, cwd=cwd,
+                          input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _grep_tree(root: Path, needle: str, skip: set[Path] = frozenset()) -> list[Path]:
+    hits = []
+    raw = needle.encode()
+    for path in root.rglob("*"):
+        if path in skip or not path.is_file() or path.is_symlink():
+            continue
+        try:
+            if path.stat().st_size > 50 * 1024 * 1024:
+                continue
+            if raw in path.read_bytes():
+                hits.append(path)
+        except OSError:
+            continue
+    return hits
+
+
+# ── the server: loopback only, token required ───────────────────────────────────────────────
+
+
+def test_server_listens_on_loopback_only(local_server):
+    assert local_server.url.startswith("http://127.0.0.1:")
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("no /proc/net/tcp on this platform")
+    addresses = _listening_addresses(local_server.port)
+    assert addresses, f"nothing listens on port {local_server.port}"
+    assert set(addresses) <= {"127.0.0.1", "::1"}, addresses
+
+
+PROTECTED = [
+    ("GET", "/v1/loops/runs"),
+    ("POST", "/v1/loops/runs"),
+    ("POST", "/v1/loops/sessions"),
+    ("GET", "/v1/loops/samplers"),
+    ("GET", "/v1/loops/checkpoints?run_id=x"),
+    ("GET", "/v1/loops/deployments"),
+    ("GET", "/v1/loops/user_config"),
+    ("GET", "/v1/teams"),
+    ("GET", "/v1/teams/local/loops/runs"),
+    ("GET", "/v1/local/status"),
+    ("GET", "/v1/local/usage"),
+    ("GET", "/v1/local/faults"),
+    ("POST", "/v1/local/faults"),
+    ("GET", "/trainers/any-run/health"),
+    ("POST", "/trainers/any-run/forward_backward"),
+    ("GET", "/trainers/any-run/operations/x"),
+    ("POST", "/samplers/any/sync/sample"),
+    ("GET", "/samplers/any/sync/v1/models"),
+    ("POST", "/deployments/any/v1/chat/completions"),
+    ("GET", "/v1/models/m/deployments/d"),
+    ("GET", "/no/such/route"),
+]
+
+BAD_AUTH = [
+    None,
+    "Api-Key",
+    "Api-Key wrong-token",
+    "Bearer wrong-token",
+    "Basic dXNlcjpwYXNz",
+    "{token}",  # the right token without a scheme
+    "Token {token}",
+    "Api-Key {token}x",
+    "Api-Key {token_prefix}",
+]
+
+
+@pytest.mark.parametrize("method,path", PROTECTED)
+def test_requests_without_the_token_are_refused(local_server, method, path):
+    with httpx.Client(base_url=local_server.url, timeout=30) as c:
+        for header in BAD_AUTH:
+            headers = {}
+            if header is not None:
+                headers["Authorization"] = header.format(token=local_server.token,
+                                                         token_prefix=local_server.token[:8])
+            r = c.request(method, path, headers=headers, json={} if method == "POST" else None)
+            assert r.status_code == 401, (method, path, header, r.status_code, r.text[:200])
+            assert r.json()["error_class"] in ("AuthenticationRequired", "InvalidApiKey")
+            assert local_server.token not in r.text
+
+
+
+def test_token_is_accepted_with_both_schemes_and_health_is_open(local_server):
+    with httpx.Client(base_url=local_server.url, timeout=30) as c:
+        assert c.get("/health").status_code == 200
+        assert "token" not in c.get("/health").text.lower()
+        for scheme in ("Api-Key", "Bearer", "api-key", "bearer"):
+            r = c.get("/v1/loops/runs", headers={"Authorization": f"{scheme} {local_server.token}"})
+            assert r.status_code == 200, scheme
+
+
+def test_token_in_query_string_is_refused_and_not_logged(server_factory):
+    """A key pasted into a URL is not a credential, and the access log must not keep it."""
+    server = server_factory()
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        for param in ("api_key", "token", "key"):
+            r = c.get(f"/v1/loops/runs?{param}={server.token}")
+            assert r.status_code == 401
+    time.sleep(0.5)  # let the access log flush
+    assert server.token not in server.log_text, (
+        "the server's access log recorded the API key from a query string; redact query "
+        "strings (api_key/token/key/sig) in the access log")
+
+
+# ── private files ───────────────────────────────────────────────────────────────────────────
+
+
+def test_server_secrets_are_private(local_server):
+    state = local_server.state_dir
+    assert _mode(state / "token") == 0o600
+    assert _mode(state / "server.json") & 0o077 == 0
+    key = local_server.data_dir / "presign.key"
+    assert key.exists() and _mode(key) == 0o600
+
+
+def test_credential_and_config_files_are_0600(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
+    for name in ("CONFIG", "STATE", "DATA", "CACHE"):
+        env[f"LOOPS_{name}_DIR"] = str(tmp_path / name.lower())
+    env.update(LOOPS_KEYRING_DISABLED="1", LOOPS_NO_AUTOSTART="1", PYTHONPATH=str(ROOT))
+    secret = "sk-test-" + os.urandom(12).hex()
+    p = _loops(["auth", "login", "--with-key", "--no-verify", "--profile", "prod",
+                "--base-url", "http://127.0.0.1:9"], env, tmp_path, stdin=secret + "\n")
+    assert p.returncode == 0, p.stderr
+    assert secret not in p.stdout + p.stderr
+    p = _loops(["config", "list"], env, tmp_path)
+    assert p.returncode == 0, p.stderr
+    config_dir = tmp_path / "config"
+    files = [f for f in config_dir.rglob("*") if f.is_file()]
+    assert {f.name for f in files} >= {"config.toml", "credentials.toml"}
+    for f in files:
+        assert _mode(f) == 0o600, f"{f} is {oct(_mode(f))}"
+    assert _mode(config_dir) & 0o077 == 0
+    # The key is in the credentials file only, never in config.toml.
+    assert secret in (config_dir / "credentials.toml").read_text()
+    assert secret not in (config_dir / "config.toml").read_text()
+    # Loosened by hand: the next write puts 0600 back.
+    os.chmod(config_dir / "credentials.toml", 0o644)
+    p = _loops(["auth", "login", "--with-key", "--no-verify", "--profile", "other",
+                "--base-url", "http://127.0.0.1:9"], env, tmp_path, stdin=secret + "2\n")
+    assert p.returncode == 0, p.stderr
+    assert _mode(config_dir / "credentials.toml") == 0o600
+
+
+# ── the API key never printed ───────────────────────────────────────────────────────────────
+
+
+def test_wrong_api_key_is_never_echoed_even_with_debug(local_server, tmp_path):
+    """A rejected key (the classic leak: 'invalid key sk-...') in every output, --debug on."""
+    secret = "sk-live-" + os.urandom(16).hex()
+    env = _cli_env(local_server, BASETEN_API_KEY=secret)
+    outputs = []
+    for args in (["--debug", "runs", "list"], ["runs", "list", "-o", "json", "--debug"],
+                 ["--debug", "auth", "status"], ["--debug", "config", "list"]):
+        p = _loops(args, env, tmp_path, timeout=120)
+        outputs.append((args, p.returncode, p.stdout + p.stderr))
+    for args, rc, text in outputs:
+        assert secret not in text, f"loops {' '.join(args)} leaked the key:\n{text}"
+        assert "Traceback" not in text or "--debug" in args, text
+    # A bad key is an auth failure: exit 4 with a hint, for the command that used the server.
+    assert outputs[0][1] == 4, outputs[0][2]
+    assert secret not in local_server.log_text
+
+
+def test_api_key_never_in_debug_output_or_logs(local_server, tmp_path):
+    env = _cli_env(local_server)
+    key = local_server.token
+    texts = []
+    for args in (["--debug", "runs", "list"], ["--debug", "usage"], ["--debug", "auth", "status"],
+                 ["--debug", "runs", "get", "no-such-run"], ["--debug", "checkpoints", "list", "--run-id", "nope"],
+                 ["--debug", "samplers", "list"]):
+        p = _loops(args, env, tmp_path, timeout=120)
+        texts.append((args, p.stdout + p.stderr))
+    for args, text in texts:
+        assert key not in text, f"loops {' '.join(args)} printed the API key"
+    # Files the CLI and server wrote (logs, caches, run dirs), except the token file itself
+    # and the credentials store, which exist to hold it.
+    skip = {local_server.state_dir / "token"}
+    leaks = []
+    for d in (local_server.state_dir, local_server.dirs["CACHE"], local_server.dirs["CONFIG"], tmp_path):
+        leaks += _grep_tree(d, key, skip)
+    leaks = [p for p in leaks if p.name != "credentials.toml"]
+    assert not leaks, f"API key found in {leaks}"
+
+
+# ── traversal in downloads (the client side) ────────────────────────────────────────────────
+
+
+EVIL_NAMES = [
+    "../escape.bin",
+    "a/../../escape.bin",
+    "/etc/loops-escape",
+    "..",
+    "./a",
+    "a//b",
+    "a\\..\\..\\escape.bin",
+    "C:/Windows/escape.bin",
+    "nul\x00byte",
+    "",
+]
+
+
+@pytest.mark.parametrize("name", EVIL_NAMES, ids=[repr(n) for n in EVIL_NAMES])
+def test_download_refuses_names_that_leave_the_target(tmp_path, name):
+    from baseten_loops_cli.api.download import UnsafePathError, download_files
+
+    dest = tmp_path / "out"
+    files = [{"relative_file_name": "ok.bin", "url": "http://127.0.0.1:9/ok", "size_bytes": 1},
+             {"relative_file_name": name, "url": "http://127.0.0.1:9/evil", "size_bytes": 1}]
+    with pytest.raises(UnsafePathError) as info:
+        download_files(files, dest, checkpoint_id="ckpt-1", check_free_space=False)
+    assert "outside the target" in info.value.message
+    # Refused before anything was written: not even the target folder exists.
+    assert not dest.exists()
+    assert not (tmp_path / "escape.bin").exists()
+
+
+def test_download_refuses_to_write_through_a_symlink_out_of_the_target(tmp_path):
+    from baseten_loops_cli.api.download import UnsafePathError, download_files
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "sub").symlink_to(outside, target_is_directory=True)
+    files = [{"relative_file_name": "sub/adapter.safetensors", "url": "http://127.0.0.1:9/x", "size_bytes": 4}]
+    with pytest.raises(UnsafePathError):
+        download_files(files, dest, checkpoint_id="ckpt-1", force=True, check_free_space=False, parallel=1)
+    assert list(outside.iterdir()) == []

@@ -1,0 +1,139 @@
+"""`loops --help`, `--version`, a command's `--help` and completion requests stay light: they
+must not import httpx, pydantic, yaml, keyring or torch (each costs 50-150 ms, or seconds for
+torch, and completion runs on every TAB). `bench/startup.py` measures the time itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("httpx", "pydantic", "yaml", "keyring", "torch")
+
+# Runs the real entry point and, at exit (after main()'s sys.exit), writes the top-level names
+# of the heavy modules that got imported. LOOPS_TEST_PREIMPORT imports one first (the control).
+WRAPPER = f"""
+import atexit, json, os, sys
+HEAVY = {HEAVY!r}
+def _report():
+    loaded = sorted({{name.split(".")[0] for name in list(sys.modules)}} & set(HEAVY))
+    with open(os.environ["LOOPS_TEST_MODULES_OUT"], "w") as fh:
+        json.dump(loaded, fh)
+atexit.register(_report)
+if os.environ.get("LOOPS_TEST_PREIMPORT"):
+    __import__(os.environ["LOOPS_TEST_PREIMPORT"])
+sys.path.insert(0, {str(ROOT)!r})
+sys.argv = ["loops", *sys.argv[1:]]
+from baseten_loops_cli.cli.main import main
+main()
+"""
+
+
+@pytest.fixture
+def run(tmp_path):
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_", "_TYPER_", "COMP_"))}
+    for name in ("CONFIG", "STATE", "DATA", "CACHE"):
+        base[f"LOOPS_{name}_DIR"] = str(tmp_path / name.lower())
+    base["LOOPS_NO_AUTOSTART"] = "1"
+    out = tmp_path / "modules.json"
+    base["LOOPS_TEST_MODULES_OUT"] = str(out)
+
+    def _run(*args: str, **extra_env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+        if out.exists():
+            out.unlink()
+        result = subprocess.run([sys.executable, "-c", WRAPPER, *args], env={**base, **extra_env},
+                                capture_output=True, text=True, timeout=120)
+        assert out.exists(), f"the wrapper did not report (rc {result.returncode}): {result.stderr}"
+        return result, json.loads(out.read_text())
+
+    return _run
+
+
+def _has_command(*path: str) -> bool:
+    import typer.main
+
+    from baseten_loops_cli.cli.main import app
+
+    cmd = typer.main.get_command(app)
+    for name in path:
+        cmd = getattr(cmd, "commands", {}).get(name)
+        if cmd is None:
+            return False
+    return True
+
+
+def test_the_check_sees_a_heavy_import(run):
+    _, loaded = run("--version", LOOPS_TEST_PREIMPORT="yaml")
+    assert loaded == ["yaml"]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--help"], "Usage: loops"),
+        (["--version"], "loops "),
+        (["completion", "--help"], "Usage: loops completion"),
+        (["-o", "json", "--profile", "x", "--help"], "Usage: loops"),
+    ],
+)
+def test_help_and_version_import_nothing_heavy(run, args, expected):
+    result, loaded = run(*args)
+    assert result.returncode == 0, result.stderr
+    assert expected in result.stdout
+    assert loaded == [], f"`loops {' '.join(args)}` imported {loaded}"
+
+
+def test_runs_list_help_imports_nothing_heavy(run):
+    if not _has_command("runs", "list"):
+        pytest.skip("`loops runs list` does not exist yet")
+    result, loaded = run("runs", "list", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "Usage: loops runs list" in result.stdout
+    assert loaded == [], f"`loops runs list --help` imported {loaded}"
+
+
+def test_every_command_help_imports_nothing_heavy(run):
+    """Each group's and command's --help: catches a heavy import at the top of any cli module."""
+    import typer.main
+
+    from baseten_loops_cli.cli.main import app
+
+    offenders = {}
+
+    def walk(cmd, path):
+        for name, sub in getattr(cmd, "commands", {}).items():
+            args = [*path, name]
+            result, loaded = run(*args, "--help")
+            if result.returncode != 0 or loaded:
+                offenders[" ".join(args)] = loaded or result.stderr.strip()[-200:]
+            walk(sub, args)
+
+    walk(typer.main.get_command(app), [])
+    assert not offenders, f"--help of these commands imported heavy modules or failed: {offenders}"
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"_LOOPS_COMPLETE": "complete_bash", "COMP_WORDS": "loops ru", "COMP_CWORD": "1"},
+        {"_LOOPS_COMPLETE": "complete_bash", "COMP_WORDS": "loops config ", "COMP_CWORD": "2"},
+        {"_LOOPS_COMPLETE": "complete_bash", "COMP_WORDS": "loops completion show ", "COMP_CWORD": "3"},
+        {"_LOOPS_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": "loops ru"},
+        {"_LOOPS_COMPLETE": "complete_fish", "_TYPER_COMPLETE_ARGS": "loops ru",
+         "_TYPER_COMPLETE_FISH_ACTION": "get-args"},
+    ],
+    ids=["bash-command", "bash-subcommand", "bash-choice", "zsh", "fish"],
+)
+def test_completion_requests_import_nothing_heavy(run, env):
+    result, loaded = run(**env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip(), f"no candidates: {result.stderr}"
+    assert loaded == [], f"a completion request ({env}) imported {loaded}"
+    if env["COMP_WORDS" if "COMP_WORDS" in env else "_TYPER_COMPLETE_ARGS"] == "loops ru":
+        assert "runs" in result.stdout
