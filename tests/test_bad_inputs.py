@@ -35,6 +35,8 @@ def test_corpus_is_well_formed():
         assert case.get("message"), f"{case['id']}: every case names its expected message"
         if case["kind"] == "http":
             assert isinstance(case.get("status"), int), case["id"]
+        elif case.get("op"):
+            assert case["kind"] == "archive" and case.get("status") == 200, case["id"]
         else:
             assert isinstance(case.get("exit"), int) and case.get("args"), case["id"]
     # Every kind the issue names is represented.
@@ -123,14 +125,59 @@ def _fill_obj(obj: Any, mapping: dict[str, str], ctx: _Ctx | None) -> Any:
 # ── setups some CLI cases need (named in cases.yaml) ────────────────────────────────────────
 
 
-def _setup(name: str, tmp: Path, ctx: _Ctx, server) -> dict[str, str]:
+def _damaged_checkpoint(ctx: _Ctx, server, damage: dict, tmp: Path) -> dict[str, str]:
+    """A fresh trainer checkpoint (save_state of a new run), then ``damage`` applied to its
+    files on the server's disk: what a bad disk, a partial copy or a hostile archive does."""
+    import pickle
+
+    from baseten_loops_cli.workers.trainer import TrainerClient
+
+    with server.client() as c:
+        r = c.post("/v1/loops/trainers", json={"session_id": ctx.value("session_id"),
+                                               "base_model": "loops-local/tiny", "lora_rank": 4})
+        r.raise_for_status()
+        run_id = r.json()["run"]["id"]
+        with TrainerClient(f"{server.url}/trainers/{run_id}", api_key=server.token, run_id=run_id,
+                           base_model="loops-local/tiny") as tc:
+            tc.save_state("damaged").result(timeout=120)
+        cps = c.get("/v1/loops/checkpoints", params={"run_id": run_id}).json()["checkpoints"]
+        cp = next(x for x in cps if x["checkpoint_id"] == "damaged")
+        folder = Path(c.get(f"/v1/loops/checkpoints/{cp['id']}/source").json()["source"]["path"])
+    target = folder / damage["file"]
+    action = damage["action"]
+    if action == "truncate":
+        data = target.read_bytes()
+        target.write_bytes(data[: int(damage.get("keep", len(data) // 2))])
+    elif action == "delete":
+        target.unlink()
+    elif action == "text":
+        target.write_text(damage["text"])
+    elif action == "json_set":
+        obj = json.loads(target.read_text())
+        obj.update(damage["set"])
+        target.write_text(json.dumps(obj))
+    elif action == "pickle_bomb":
+        marker = tmp / "PWNED"
+
+        class _Bomb:
+            def __reduce__(self):
+                return (os.system, (f"touch {marker}",))
+
+        target.write_bytes(pickle.dumps(_Bomb()))
+    elif action == "symlink":
+        target.unlink()
+        target.symlink_to(damage["to"])
+    else:
+        raise KeyError(f"unknown damage {action!r}")
+    return {"ckpt_uri": cp["path"], "ckpt_run": run_id, "ckpt_id": cp["id"]}
+
+
+def _setup(name: str, tmp: Path, ctx: _Ctx, server, case: dict | None = None) -> dict[str, str]:
     """Returns extra placeholders."""
-    if name == "run_dir":
-        # A run directory whose state is broken in a particular way is built by the case's
-        # files; nothing to do on the server.
-        return {}
     if name == "run":
         return {"run_id": ctx.value("run_id")}
+    if name == "damaged_checkpoint":
+        return _damaged_checkpoint(ctx, server, (case or {})["damage"], tmp)
     raise KeyError(f"unknown setup {name!r}")
 
 
@@ -153,7 +200,7 @@ def run_cli(args: list[str], env: dict[str, str], cwd: Path, stdin: str | None =
 def _run_cli_case(case: dict, tmp: Path, ctx: _Ctx, server) -> None:
     mapping = {"files": str(FILES_DIR), "tmp": str(tmp)}
     for step in ([case["setup"]] if isinstance(case.get("setup"), str) else case.get("setup") or []):
-        mapping.update(_setup(step, tmp, ctx, server))
+        mapping.update(_setup(step, tmp, ctx, server, case))
     if "data" in case:
         (tmp / "data.jsonl").write_text(_fill(case["data"], mapping, None), encoding="utf-8")
         mapping["data"] = str(tmp / "data.jsonl")
@@ -169,6 +216,34 @@ def _run_cli_case(case: dict, tmp: Path, ctx: _Ctx, server) -> None:
     assert case["message"].lower() in proc.stderr.lower(), where
     assert "Traceback" not in proc.stderr + proc.stdout, where
     assert server.token not in proc.stderr + proc.stdout, "the API key leaked\n" + where
+    assert not (tmp / "PWNED").exists(), "code in a checkpoint file was executed"
+
+
+def _run_op_case(case: dict, tmp: Path, ctx: _Ctx, server) -> None:
+    """An archive case fed to a trainer op (e.g. load_state_with_optimizer): the op must end
+    with a clear error (status error, message, error_class), never run what is in the files."""
+    from baseten_loops_cli.api.errors import RemoteOpError
+    from baseten_loops_cli.workers.trainer import TrainerClient
+
+    mapping = {"files": str(FILES_DIR), "tmp": str(tmp)}
+    mapping.update(_setup("damaged_checkpoint", tmp, ctx, server, case))
+    op = case["op"]
+    with server.client() as c:
+        r = c.post("/v1/loops/trainers", json={"session_id": ctx.value("session_id"),
+                                               "base_model": "loops-local/tiny", "lora_rank": 4})
+        r.raise_for_status()
+        run_id = r.json()["run"]["id"]
+    with TrainerClient(f"{server.url}/trainers/{run_id}", api_key=server.token, run_id=run_id,
+                       base_model="loops-local/tiny") as tc:
+        fut = tc.load_state(mapping["ckpt_uri"], with_optimizer=(op == "load_state_with_optimizer"))
+        with pytest.raises(RemoteOpError) as info:
+            fut.result(timeout=120)
+    text = str(info.value)
+    assert case["message"].lower() in text.lower(), text
+    if "error_class" in case:
+        assert info.value.error_class == case["error_class"], (info.value.error_class, text)
+    assert "Traceback" not in text
+    assert not (tmp / "PWNED").exists(), "code in a checkpoint file was executed"
 
 
 def _run_http_case(case: dict, ctx: _Ctx, server) -> None:
@@ -207,5 +282,7 @@ def test_bad_input(case, corpus_ctx, local_server, tmp_path):
         pytest.skip(case["skip"])
     if case["kind"] == "http":
         _run_http_case(case, corpus_ctx, local_server)
+    elif case.get("op"):
+        _run_op_case(case, tmp_path, corpus_ctx, local_server)
     else:
         _run_cli_case(case, tmp_path, corpus_ctx, local_server)

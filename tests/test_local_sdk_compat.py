@@ -41,7 +41,7 @@ def test_official_sdk_quickstart_against_local_server(local_server: LocalServer)
     proc = subprocess.run([python, str(REPO / "scripts" / "sdk_compat.py"), "--json"],
                           env=env, capture_output=True, text=True, timeout=600)
     summary = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
-    failed = [s["name"] for s in summary.get("steps", []) if s["outcome"] != "ok"]
+    failed = [s["name"] for s in summary.get("steps", []) if s["outcome"] == "FAILED"]
     assert proc.returncode == 0 and summary.get("ok"), (
         f"SDK flow failed at {failed}:\n{proc.stderr[-6000:]}")
     assert summary["policy_version"] == 3

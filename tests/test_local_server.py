@@ -10,6 +10,8 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import hmac
+import http.client
+import json
 import os
 import signal
 import subprocess
@@ -52,6 +54,18 @@ def rl_datum(tokens: list[int], advantages: list[Any]) -> dict:
                 "target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [n]},
                 "logprobs": {"data": [-1.0] * n, "dtype": "float32", "shape": [n]},
                 "advantages": {"data": advantages, "dtype": "float32", "shape": [n]}}}
+
+
+def raw_get(base_url: str, path: str) -> tuple[int, bytes]:
+    """GET ``path`` byte for byte (no client-side URL normalization)."""
+    url = httpx.URL(base_url)
+    conn = http.client.HTTPConnection(url.host, url.port, timeout=30)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
 
 
 class Trainer:
@@ -101,9 +115,19 @@ def new_run(client: httpx.Client, *, route: str = "/v1/loops/trainers", **fields
     resp = client.post(route, json=body)
     assert resp.status_code == 200, resp.text
     run = resp.json()["run"]
-    health = client.get(f"/trainers/{run['id']}/health", params={"base_model": MODEL})
-    assert health.status_code == 200, health.text
+    wait_healthy(client, run["id"])
     return Trainer(client, run)
+
+
+def wait_healthy(client: httpx.Client, run_id: str, timeout: float = 120) -> None:
+    """Poll the trainer's /health like the SDK does (the first trainer imports torch)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = client.get(f"/trainers/{run_id}/health", params={"base_model": MODEL})
+        if health.status_code == 200 or time.monotonic() > deadline:
+            break
+        assert_error(health, 503, "TrainerStarting")
+    assert health.status_code == 200, health.text
 
 
 def assert_error(resp: httpx.Response, status: int, error_class: str | None = None) -> dict:
@@ -234,7 +258,7 @@ def test_runs_listing_and_paired_sampler(client: httpx.Client):
 
 
 def test_training_ops_and_policy_version(client: httpx.Client):
-    trainer = new_run(client)
+    trainer = new_run(client, seed=0)  # a seeded adapter: the loss curve is reproducible
     assert trainer.policy_version() == 0
     init = trainer.do("init_trainer_server", {"lora_rank": 4, "base_model": MODEL})
     assert init == {"step": 0, "lora_rank": 4}
@@ -246,10 +270,15 @@ def test_training_ops_and_policy_version(client: httpx.Client):
     for step in range(1, 4):
         fb = trainer.do("forward_backward", {"data": DATA, "loss_fn": "cross_entropy"})
         losses.append(fb["loss"] if "loss" in fb else fb["metrics"]["loss"])
-        opt = trainer.do("optim_step", {"adam_params": {"learning_rate": 0.05}})
-        assert "metrics" in opt
+        opt = trainer.do("optim_step", {"adam_params": {"learning_rate": 0.003}})
+        assert opt["metrics"]["grad_norm"] > 0
         assert trainer.policy_version() == step
     assert losses[-1] < losses[0], losses
+    # The server half of the SDK's forward_backward_custom: an unnormalized CE it can steer.
+    custom = trainer.do("forward", {"data": DATA, "loss_fn": "cross_entropy", "top_k_logprobs": 3,
+                                    "loss_fn_config": {"skip_token_normalization": True}})
+    assert custom["metrics"]["skip_token_normalization"] == 1.0
+    assert custom["loss_fn_outputs"][0]["top_k_logprobs"]["shape"] == [5, 3]
     saved = trainer.do("save_weights_for_sampler", {"name": "pub", "bump_version": False})
     assert saved == {"version": 3, "path": f"bt://loops:{trainer.run['id']}/sampler_weights/pub"}
     rl = trainer.do("forward_backward", {"data": [rl_datum([1, 2, 3, 4], [0.5, -0.5, 1.0])],
@@ -271,6 +300,14 @@ def test_idempotent_submit_applies_once(client: httpx.Client):
     assert trainer.submit("optim_step", {}, key=key).json()["operation_id"] == key
     assert trainer.policy_version() == 1  # applied once
     assert_error(trainer.submit("forward", {"data": DATA}, key=key), 409, "IdempotencyKeyReused")
+    # Retries racing each other (a lost response, resent while the first is in flight).
+    trainer.do("forward_backward", {"data": DATA, "loss_fn": "cross_entropy"})
+    racing = uuid.uuid4().hex
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        ids = set(pool.map(lambda _: trainer.submit("optim_step", {}, key=racing).json()[
+            "operation_id"], range(4)))
+    assert ids == {racing} and trainer.result(racing)["status"] == "done"
+    assert trainer.policy_version() == 2
 
 
 def test_ops_of_a_run_execute_in_submission_order(client: httpx.Client):
@@ -308,7 +345,7 @@ def test_bad_inputs_are_400s_and_the_server_keeps_going(client: httpx.Client,
         "UnknownLoss": {"data": DATA, "loss_fn": "hinge"},
         "UnknownLossConfigKey": {"data": DATA, "loss_fn": "cross_entropy",
                                  "loss_fn_config": {"kl_beta": 0.1}},
-        "NonFiniteInput": {"data": [rl_datum([1, 2, 3], [1.0, None])], "loss_fn": "ppo"},
+        "NaNInput": {"data": [rl_datum([1, 2, 3], [1.0, None])], "loss_fn": "ppo"},
         "MissingLossInput": {"data": DATA, "loss_fn": "importance_sampling"},
         "InvalidDatum": {"data": []},
     }
@@ -427,14 +464,16 @@ def test_presigned_files_paging_range_expiry_tampering(client: httpx.Client, tra
     sig = hmac.new(secret, f"{pk}\n{rel}\n{expires}".encode(), hashlib.sha256).hexdigest()
     assert_error(httpx.get(f"{local_server.url}/files/{pk}/{rel}?expires={expires}&sig={sig}"),
                  403, "LinkExpired")
-    # Traversal: refused whatever the signature (signed with the real secret, even).
-    for evil in ("../../loops.db", "..%2F..%2Floops.db", "%2e%2e/%2e%2e/loops.db"):
-        sig = hmac.new(secret, f"{pk}\n{evil}\n{expires + 10**6}".encode(),
-                       hashlib.sha256).hexdigest()
-        raw = f"{local_server.url}/files/{pk}/{evil}?expires={expires + 10**6}&sig={sig}"
-        resp = httpx.get(httpx.URL(raw))
-        assert resp.status_code in (403, 404), (evil, resp.status_code, resp.text)
-        assert b"SQLite" not in resp.content
+    # Traversal: refused whatever the signature (signed with the real secret, even). Sent
+    # with http.client, which (unlike httpx) does not normalize the dots away.
+    future = expires + 10**6
+    for evil, decoded in (("../../loops.db", "../../loops.db"),
+                          ("..%2F..%2Floops.db", "../../loops.db"),
+                          ("%2e%2e/%2e%2e/presign.key", "../../presign.key")):
+        sig = hmac.new(secret, f"{pk}\n{decoded}\n{future}".encode(), hashlib.sha256).hexdigest()
+        status, body = raw_get(local_server.url, f"/files/{pk}/{evil}?expires={future}&sig={sig}")
+        assert status == 403, (evil, status, body)
+        assert json.loads(body)["error_class"] == "PathNotAllowed"
 
 
 def test_checkpoint_ttl_expires(client: httpx.Client, trained: Trainer):
@@ -578,21 +617,37 @@ def _wait_for(predicate, timeout: float = 15.0, interval: float = 0.2):
     raise AssertionError("condition not reached in time")
 
 
+def _sampler_adapters(client: httpx.Client) -> list[str]:
+    models = client.get("/v1/local/status").json()["models"]
+    return [key for m in models for key in m["sampler_adapters_in_memory"]]
+
+
 def test_scale_to_zero_and_wake(client: httpx.Client):
     trainer = new_run(client, route="/v1/loops/runs", scale_down_delay_seconds=1)
     trainer.do("forward_backward", {"data": DATA, "loss_fn": "cross_entropy"})
     trainer.do("optim_step", {"adam_params": {"learning_rate": 0.05}})
+    trainer.do("save_weights_for_sampler", {"name": "live", "bump_version": True})
+    run_id = trainer.run["id"]
+    sampler = client.get(f"/v1/loops/runs/{run_id}").json()["run"]["sampler"]
+    sample = client.post(f"/samplers/{sampler['id']}/sync/sample",
+                         json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert sample.status_code == 200 and sample.headers["x-trainers-policy-version"] == "1"
+    pk = client.get("/v1/loops/checkpoints", params={"run_id": run_id}).json()[
+        "checkpoints"][0]["id"]
+    assert any(key.startswith(pk) for key in _sampler_adapters(client))
     dep_path = f"/v1/loops/deployments/{trainer.run['deployment_id']}"
 
     def status() -> str:
         return client.get(dep_path).json()["deployment"]["status"]["name"]
 
     _wait_for(lambda: status() == "SCALED_TO_ZERO")
-    run_id = trainer.run["id"]
     assert run_id not in client.get("/v1/local/status").json()["runs_in_memory"]
-    sampler = client.get(f"/v1/loops/runs/{run_id}").json()["run"]["sampler"]
     _wait_for(lambda: client.get(f"/v1/loops/samplers/{sampler['id']}").json()["sampler"][
         "status"]["name"] == "SCALED_TO_ZERO")
+    _wait_for(lambda: not any(key.startswith(pk) for key in _sampler_adapters(client)))
+    deployment = client.get(f"/v1/models/{sampler['model_id']}/deployments/"
+                            f"{sampler['deployment_id']}").json()
+    assert deployment["status"] == "SCALED_TO_ZERO"
     # The SDK wakes a scaled-to-zero sampler with POST <base without /sync>/wake.
     assert client.post(f"/samplers/{sampler['id']}/wake").json()["status"] == "ACTIVE"
     # The next op wakes the trainer from its saved state: same step, optimizer intact.
@@ -710,13 +765,11 @@ def test_local_status_and_usage(client: httpx.Client, trained: Trainer):
 # ── lifecycle: long-poll, restart and crash recovery (own server) ────────────────────
 
 
-def _wait_gone(pid: int, timeout: float = 10) -> None:
+def _wait_gone(pid: int, timeout: float = 30) -> None:
+    from baseten_loops_cli.local.daemon import _pid_alive
+
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    while _pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -785,16 +838,13 @@ def test_long_poll_restart_and_crash_recovery(server_factory):
         outcome = trainer.result(crashed, timeout=10)
         assert outcome["status"] == "error" and outcome["error_class"] == "ServerRestarted"
         assert "resubmit" in outcome["error"].lower()
-        # A snapshot follows every optim_step here, so the run resumes at step 2...
+        # The run's step survives the crash (a snapshot follows every optim_step here)...
         assert trainer.policy_version() == 2
         # ...but the gradient accumulated before the crash is gone, and optim_step says so
         # instead of silently stepping on nothing.
         lost = trainer.submit("optim_step", {"adam_params": {}})
         outcome = trainer.result(lost.json()["operation_id"])
         assert outcome["status"] == "error" and outcome["error_class"] == "GradientsLost"
-        trainer.do("forward_backward", {"data": DATA, "loss_fn": "cross_entropy"})
-        trainer.do("optim_step", {"adam_params": {}})
-        assert trainer.policy_version() == 3
 
 
 # ── daemon and CLI ───────────────────────────────────────────────────────────────────
@@ -807,8 +857,6 @@ def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_server_commands(local_server: LocalServer):
-    import json
-
     status = _cli(local_server.env, "server", "status", "-o", "json")
     assert status.returncode == 0, status.stderr
     info = json.loads(status.stdout)

@@ -81,8 +81,7 @@ def adapter_tensors(server, run_id: str, name: str = "final") -> dict:
 
     with server.client() as c:
         cps = c.get("/v1/loops/checkpoints", params={"run_id": run_id}).json()["checkpoints"]
-        cp = next(x for x in cps if x.get("checkpoint_type", "").startswith("sampler")
-                  and (x.get("name") == name or str(x.get("checkpoint_id", "")).endswith(name)))
+        cp = next(x for x in cps if x.get("target") == "sampler" and x.get("checkpoint_id") == name)
         files = c.get(f"/v1/loops/checkpoints/{cp['id']}/files").json()["presigned_urls"]
     tensors = {}
     with httpx.Client(timeout=60) as plain:

@@ -295,3 +295,124 @@ def test_download_refuses_to_write_through_a_symlink_out_of_the_target(tmp_path)
     with pytest.raises(UnsafePathError):
         download_files(files, dest, checkpoint_id="ckpt-1", force=True, check_free_space=False, parallel=1)
     assert list(outside.iterdir()) == []
+
+
+# ── presigned file links and the server's file route ────────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def signed_checkpoint(local_server):
+    """(checkpoint row, its folder on disk, its file listing) for a fresh trainer checkpoint."""
+    pytest.importorskip("torch")
+    from baseten_loops_cli.workers.trainer import TrainerClient
+
+    with local_server.client() as c:
+        session = c.post("/v1/loops/sessions", json={}).json()["session"]["id"]
+        run = c.post("/v1/loops/trainers", json={"session_id": session, "base_model": "loops-local/tiny",
+                                                 "lora_rank": 4}).json()["run"]
+        with TrainerClient(f"{local_server.url}/trainers/{run['id']}", api_key=local_server.token,
+                           run_id=run["id"], base_model="loops-local/tiny") as tc:
+            tc.save_state("sec").result(timeout=120)
+        cp = c.get("/v1/loops/checkpoints", params={"run_id": run["id"]}).json()["checkpoints"][0]
+        folder = Path(c.get(f"/v1/loops/checkpoints/{cp['id']}/source").json()["source"]["path"])
+        files = c.get(f"/v1/loops/checkpoints/{cp['id']}/files").json()["presigned_urls"]
+    return cp, folder, files
+
+
+def _presigner(server):
+    from baseten_loops_cli.local.server.files import Presigner
+
+    return Presigner((server.data_dir / "presign.key").read_bytes())
+
+
+def _raw_get(server, path_and_query: str) -> httpx.Response:
+    """GET exactly this path (no client-side normalisation of .. or %2e)."""
+    url = httpx.URL(server.url).copy_with(raw_path=path_and_query.encode())
+    with httpx.Client(timeout=30) as c:
+        return c.get(url)
+
+
+def test_presigned_link_works_without_auth_for_its_file_only(local_server, signed_checkpoint):
+    cp, folder, files = signed_checkpoint
+    by_name = {f["relative_file_name"]: f for f in files}
+    cfg = by_name["adapter_config.json"]
+    r = httpx.get(cfg["url"], timeout=30)  # no Authorization header at all
+    assert r.status_code == 200 and r.content == (folder / "adapter_config.json").read_bytes()
+    assert "authorization" not in {k.lower() for k in r.request.headers}
+    # The same signature on another file of the same checkpoint: refused.
+    other = cfg["url"].replace("/adapter_config.json?", "/adapter_model.safetensors?")
+    r = httpx.get(other, timeout=30)
+    assert r.status_code == 403 and r.json()["error_class"] == "SignatureInvalid"
+    # A later expiry with the old signature: refused.
+    url = httpx.URL(cfg["url"])
+    later = url.copy_set_param("expires", str(int(url.params["expires"]) + 3600))
+    r = httpx.get(later, timeout=30)
+    assert r.status_code == 403
+    # The signature of one checkpoint on another checkpoint's id: refused.
+    r = httpx.get(cfg["url"].replace(f"/files/{cp['id']}/", "/files/zzzzzzzz/"), timeout=30)
+    assert r.status_code in (403, 404)
+
+
+def test_presigned_link_expires(server_factory, tmp_path):
+    pytest.importorskip("torch")
+    from baseten_loops_cli.local.server.files import Presigner
+
+    server = server_factory(link_ttl_s=1)
+    presigner = Presigner((server.data_dir / "presign.key").read_bytes(), ttl_s=1)
+    # An expired, correctly signed link for a file that need not exist: expiry is checked
+    # before the lookup, and the answer says what to do.
+    url = presigner.url(server.url, "anything", "adapter_config.json", now=time.time() - 10)
+    r = httpx.get(url, timeout=30)
+    assert r.status_code == 403 and r.json()["error_class"] == "LinkExpired"
+    assert "fresh link" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("path", [
+    "%2e%2e/%2e%2e/%2e%2e/presign.key",
+    "..%2f..%2f..%2fpresign.key",
+    "%2fetc%2fpasswd",
+    "/etc/passwd",
+    "a/%2e%2e/%2e%2e/%2e%2e/%2e%2e/presign.key",
+    "..\\..\\presign.key",
+])
+def test_file_route_refuses_traversal_even_when_signed(local_server, signed_checkpoint, path):
+    """The attacker holds a *valid signature* for the traversal path (e.g. a leaked key):
+    the path check still refuses it, before any file is opened."""
+    from urllib.parse import unquote
+
+    cp, _, _ = signed_checkpoint
+    presigner = _presigner(local_server)
+    expires = int(time.time()) + 600
+    sig = presigner._sign(cp["id"], unquote(path), expires)  # noqa: SLF001
+    r = _raw_get(local_server, f"/files/{cp['id']}/{path}?expires={expires}&sig={sig}")
+    assert r.status_code in (403, 404), (path, r.status_code, r.text[:200])
+    assert b"-----" not in r.content and len(r.content) < 2000
+    assert (local_server.data_dir / "presign.key").read_bytes() not in r.content
+
+
+def test_file_route_refuses_symlinks_out_of_the_checkpoint(local_server, signed_checkpoint, tmp_path):
+    cp, folder, _ = signed_checkpoint
+    secret = tmp_path / "secret.txt"
+    secret.write_text("top secret, outside every checkpoint\n")
+    (tmp_path / "secret_dir").mkdir()
+    (tmp_path / "secret_dir" / "inner.txt").write_text("also secret\n")
+    links = {"leak.txt": secret, "key.bin": local_server.data_dir / "presign.key",
+             "leakdir": tmp_path / "secret_dir"}
+    for name, target in links.items():
+        (folder / name).symlink_to(target)
+    try:
+        presigner = _presigner(local_server)
+        for rel in ("leak.txt", "key.bin", "leakdir/inner.txt"):
+            url = presigner.url(local_server.url, cp["id"], rel)
+            r = httpx.get(url, timeout=30)
+            assert r.status_code == 403, (rel, r.status_code, r.text[:200])
+            assert b"secret" not in r.content
+            assert r.json()["error_class"] == "PathNotAllowed"
+        # And the listing does not advertise them as checkpoint files.
+        with local_server.client() as c:
+            names = {f["relative_file_name"] for f in
+                     c.get(f"/v1/loops/checkpoints/{cp['id']}/files").json()["presigned_urls"]}
+        assert not names & {"leak.txt", "key.bin", "leakdir/inner.txt"}, names
+    finally:
+        for name in links:
+            (folder / name).unlink()

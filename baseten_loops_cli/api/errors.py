@@ -35,6 +35,9 @@ class ApiError(LoopsError):
     JSON body (or ``None``).
     """
 
+    # Used when the raiser gives no hint of its own.
+    default_hint: str | None = None
+
     def __init__(
         self,
         message: str,

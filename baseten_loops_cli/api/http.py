@@ -13,7 +13,7 @@ What is retried (``max_retries`` extra attempts, exponential backoff with full j
   honours ``Retry-After`` (seconds, ``retry-after-ms`` or an HTTP date), capped;
 * 502/503/504: any method unless the caller says the request is unsafe to repeat (e.g.
   ``POST /checkpoints/deploy``, which is billable and not idempotent);
-* 500: GET/HEAD only.
+* 408 and 500: idempotent methods (or ``safe_to_repeat=True``) only.
 
 The helpers below (headers, redaction, backoff, ``error_from_response``) are shared with the
 worker clients in :mod:`baseten_loops_cli.workers`.
@@ -431,8 +431,10 @@ class HttpClient:
             if safe_to_repeat is False:
                 return False
             return retry_after
-        if status == 500 and idempotent and safe_to_repeat is not False:
-            return None
+        if status in (408, 500) and (idempotent if safe_to_repeat is None else safe_to_repeat):
+            # 408: a proxy gave up waiting; 500: maybe transient. Only re-sent when repeating
+            # the request is harmless (a POST may already have been applied).
+            return retry_after
         return False
 
     def _wait(self, attempt: int, delay: float | None, *, reason: str) -> None:

@@ -32,11 +32,12 @@ class AppState:
             self._output = Output(self.output_format, jq=self.jq, quiet=self.quiet)
         return self._output
 
-    def backend(self) -> "Backend":
+    def backend(self, profile: str | None = None) -> "Backend":
+        """The connected backend of ``profile`` (default: the --profile / selected one)."""
         if self._backend is None:
             from baseten_loops_cli.settings.backend import open_backend
 
-            self._backend = open_backend(self.profile, announce=self.output.info)
+            self._backend = open_backend(profile or self.profile, announce=self.output.info)
         return self._backend
 
     def close(self) -> None:

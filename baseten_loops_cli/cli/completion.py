@@ -7,8 +7,10 @@ The same scripts are shipped in ``completions/`` (``scripts/gen_completions.py``
 The root app is built with ``add_completion=False`` (no ``--install-completion`` /
 ``--show-completion`` on every command), and that also skips Typer's registration of its
 completion classes, without which every ``_LOOPS_COMPLETE`` request fails with "Shell bash not
-supported". :func:`enable_shell_completion` does that registration; it runs when this module is
-imported (``cli.main`` imports it at top level), and ``main()`` may call it again (idempotent).
+supported". :func:`enable_shell_completion` does that registration. :func:`defer_typer_coercion`
+keeps Typer from importing pydantic on ``--help`` and TAB (see :class:`_DeferredRuntimeParam`).
+Both run when this module is imported (``cli.main`` imports it at top level); both are
+idempotent, so ``main()`` may call them too, which it must if this module is ever loaded lazily.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Shell(str, Enum):
     powershell = "powershell"
 
 
-# ---------------------------------------------------------------------------- Typer machinery
+# ---------------------------------------------------------------------------- Typer workarounds
 def enable_shell_completion() -> None:
     """Register Typer's bash/zsh/fish/PowerShell completion classes (idempotent, no imports).
 
@@ -97,7 +99,9 @@ class _DeferredRuntimeParam:
     command) and the adapter is never used: ``RuntimeParam.coerce`` returns ``None`` (or ``()``
     for multi-value parameters) before touching it. That imports pydantic (~100 ms) on
     ``loops runs list --help`` and on every TAB. This stand-in answers the ``None`` case the same
-    way and builds the real coercer (Typer's own, cached on the parameter) for anything else.
+    way and builds the real coercer (Typer's own, cached on the parameter) for anything else,
+    except while resolving a completion request (``ctx.resilient_parsing``), where a default
+    such as ``--checkpoints 5`` would otherwise pull pydantic into every ``runs describe <TAB>``.
     """
 
     __slots__ = ("_param", "_build")
@@ -109,6 +113,10 @@ class _DeferredRuntimeParam:
     def coerce(self, value, param, ctx):
         if value is None:
             return () if (param.multiple or param.nargs == -1) else None
+        if getattr(ctx, "resilient_parsing", False):
+            # Resolving a TAB: values only feed completion callbacks, which get them as typed
+            # on the line (or the Python default) rather than coerced, e.g. "3" for an int.
+            return value
         return self._build(self._param).coerce(value, param=param, ctx=ctx)
 
     def __getattr__(self, name):  # anything else: the real one
@@ -350,11 +358,14 @@ def install_command(
             )
     result = install(shell)
     record = {"shell": shell.value, **{k: str(v) if isinstance(v, Path) else v for k, v in result.items()}}
-    verb = "Installed" if result["script_written"] else "Already up to date:"
-    out.success(f"{verb} {shell.value} completion in {_tilde(result['script'])}")
+    where = _tilde(result["script"])
+    if result["script_written"]:
+        out.success(f"Installed {shell.value} completion in {where}")
+    else:
+        out.info(f"The {shell.value} completion in {where} is already up to date")
     if result["rc_updated"] and result["rc_file"] != result["script"]:
         out.info(f"Updated {_tilde(result['rc_file'])}")
-    if result.get("note"):
+    elif result.get("note"):  # the user's own rc lines: remind them of the one pitfall
         out.hint(result["note"])
     out.hint(f"Restart your shell or run `{result['activate']}` to use it.")
     if not out.human:

@@ -15,6 +15,7 @@ import typer
 
 from baseten_loops_cli import __version__
 from baseten_loops_cli.cli import (
+    _complete,
     auth,
     checkpoints,
     completion,
@@ -98,7 +99,13 @@ def root(
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print IDs only, no messages.")] = False,
     profile: Annotated[
         Optional[str],
-        typer.Option("--profile", help="Profile to use (default: LOOPS_PROFILE, then the active one).", envvar="LOOPS_PROFILE", show_envvar=True),
+        typer.Option(
+            "--profile",
+            help="Profile to use (default: LOOPS_PROFILE, then the active one).",
+            envvar="LOOPS_PROFILE",
+            show_envvar=True,
+            autocompletion=_complete.complete_profile,
+        ),
     ] = None,
     debug: Annotated[
         bool, typer.Option("--debug", help="Show tracebacks and HTTP debug logs (keys redacted).")

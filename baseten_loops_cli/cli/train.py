@@ -1,5 +1,384 @@
-"""`loops train` (being built)."""
+"""`loops train`: write, check and run YAML-defined SFT and RL loops; resume and plot them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(help="train commands.", no_args_is_help=True)
+from baseten_loops_cli.cli._state import get_state
+
+app = typer.Typer(
+    help="Run YAML-defined SFT and RL loops on Baseten or the local backend.",
+    no_args_is_help=True,
+)
+
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Override a config field: key.path=value (repeatable)."),
+]
+
+# Paths inside a config that are resolved relative to the config file; the run directory keeps
+# absolute ones so `loops train resume` works from anywhere.
+_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"))
+
+
+def _absolute_raw(loaded) -> dict:
+    import copy
+
+    raw = copy.deepcopy(loaded.raw)
+    for section, key in _PATH_KEYS:
+        value = (raw.get(section) or {}).get(key)
+        if isinstance(value, str):
+            raw[section][key] = str(loaded.resolve_path(value).resolve())
+    reward = raw.get("reward")
+    fn = reward if isinstance(reward, str) else (reward or {}).get("fn") if isinstance(reward, dict) else None
+    if isinstance(fn, str) and ":" in fn and fn.split(":", 1)[0].endswith(".py"):
+        file_part, func = fn.rsplit(":", 1)
+        absolute = f"{loaded.resolve_path(file_part).resolve()}:{func}"
+        if isinstance(reward, str):
+            raw["reward"] = absolute
+        else:
+            raw["reward"]["fn"] = absolute
+    return raw
+
+
+def _load(config: Path, overrides: list[str] | None):
+    from baseten_loops_cli.training.config import load_config
+    from baseten_loops_cli.training.plan import load_data
+
+    loaded = load_config(config, overrides or [])
+    return loaded, load_data(loaded)
+
+
+def _profile_for(state, loaded) -> str | None:
+    # --profile on the command line > the config's `profile` > LOOPS_PROFILE > the active one.
+    return state.profile or loaded.config.profile
+
+
+def _show_plan(out, plan, loaded, backend_desc: str) -> None:
+    from baseten_loops_cli.output.format import human_duration
+
+    config = loaded.config
+    lines = [
+        f"Plan for {config.name!r} ({config.kind.upper()}) on {config.base_model}, {backend_desc}:",
+        f"  {plan.examples} {'prompts' if config.kind == 'rl' else 'examples'}"
+        + (f" (+{plan.eval_examples} eval)" if plan.eval_examples else "")
+        + f", {plan.steps} steps",
+        f"  ~{plan.train_tokens:,} tokens trained" + (f", ~{plan.sample_tokens:,} sampled" if plan.sample_tokens else ""),
+        f"  estimated time: {human_duration(plan.est_seconds)}"
+        + (f", estimated cost: ${plan.est_cost_usd:,.2f}" if plan.est_cost_usd is not None else ""),
+    ]
+    lines += [f"  note: {n}" for n in plan.notes]
+    for line in lines:
+        out.info(line)
+
+
+@app.command("init")
+def init(
+    ctx: typer.Context,
+    kind: Annotated[str, typer.Option("--kind", help="sft or rl.")] = "sft",
+    output_file: Annotated[
+        Optional[Path], typer.Option("-O", "--output-file", help="Write here instead of stdout.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a commented config template.
+
+    Examples:
+
+      loops train init --kind sft -O my-sft.yaml
+
+      loops train init --kind rl > my-rl.yaml
+    """
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.training.templates import template
+
+    state = get_state(ctx)
+    if kind not in ("sft", "rl"):
+        raise UsageError(f"--kind must be sft or rl, not {kind!r}")
+    text = template(kind)
+    if output_file is None:
+        typer.echo(text, nl=False)
+        return
+    if output_file.exists() and not force:
+        raise UsageError(f"{output_file} already exists", hint="Pass --force to overwrite it.")
+    output_file.write_text(text, encoding="utf-8")
+    state.output.success(f"Wrote {output_file}. Check it with `loops train validate {output_file}`.")
+
+
+@app.command("validate")
+def validate(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Argument(help="The YAML config.")],
+    overrides: SetOpt = None,
+    offline: Annotated[bool, typer.Option("--offline", help="Do not ask the backend about the base model.")] = False,
+) -> None:
+    """Check a config (schema, files, every row, token lengths, base model) and print its plan.
+
+    Examples:
+
+      loops train validate examples/tiny-sft.yaml
+
+      loops train validate my.yaml --set batch_size=16 -o json
+    """
+    from baseten_loops_cli.training.plan import check_base_model, make_plan
+
+    state = get_state(ctx)
+    out = state.output
+    loaded, data = _load(config, overrides)
+    kind, backend_desc, notes = "local", "local backend", []
+    if not offline:
+        from baseten_loops_cli.settings.backend import open_backend_if_reachable
+
+        backend = open_backend_if_reachable(_profile_for(state, loaded))
+        if backend is None:
+            notes.append("base model not checked: the backend is not running (start it with `loops server start`)")
+        else:
+            kind = backend.kind
+            backend_desc = f"profile {backend.profile_name!r} ({backend.base_url})"
+            from baseten_loops_cli.api.errors import ConnectionFailedError
+
+            try:
+                notes += check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
+            except ConnectionFailedError:
+                notes.append(f"base model not checked: {backend.base_url} is not reachable")
+            finally:
+                backend.close()
+    plan = make_plan(loaded, data, kind)
+    plan.notes += notes
+    if out.human:
+        _show_plan(out, plan, loaded, backend_desc)
+        out.success(f"{config}: OK")
+    else:
+        out.emit({"config": str(config), "valid": True, "plan": plan.as_dict()}, id_key="config")
+
+
+def _reporter(state):
+    from baseten_loops_cli.training.display import LiveReporter, PlainReporter
+
+    out = state.output
+    if out.format == "table" and not out.quiet and out.streams.stderr_tty:
+        return LiveReporter(out.err_console)
+    return PlainReporter(jsonl=out.format == "jsonl", quiet=out.quiet, out=out.streams.stdout, err=out.streams.stderr)
+
+
+def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bool) -> None:
+    """Connect, train, and leave the run directory and the backend in a clean state."""
+    from baseten_loops_cli.errors import InterruptedByUser, LoopsError
+    from baseten_loops_cli.training.config import RLConfig
+    from baseten_loops_cli.training.rewards import RewardError
+    from baseten_loops_cli.training.session import StopRequested, open_session, save_checkpoint
+
+    out = state.output
+    resume_cmd = f"loops train resume {rundir.path}"
+    session = open_session(loaded, rundir, backend, resume=resume, announce=out.info)
+    reporter = _reporter(state)
+    status = "failed"
+    try:
+        with StopRequested() as stop:
+            try:
+                if isinstance(loaded.config, RLConfig):
+                    from baseten_loops_cli.training.rl import run_rl
+
+                    status = run_rl(session, data.train, data.eval, data.tokenizer, data.reward, reporter, stop)
+                else:
+                    from baseten_loops_cli.training.sft import run_sft
+
+                    status = run_sft(session, data.train, data.eval, reporter, stop)
+            except RewardError:
+                # The run stops on a broken reward, but keeps what it learned so far.
+                step = rundir.read_state().get("step", 0)
+                last = rundir.metrics()
+                step = max([step] + [int(r.get("step", 0)) for r in last if "loss" in r or "reward" in r])
+                try:
+                    save_checkpoint(session, step)
+                except LoopsError:
+                    pass
+                raise
+    except KeyboardInterrupt:
+        status = "interrupted"
+        rundir.update_state(status=status)
+        reporter.close()
+        session.close(deactivate=session.created_run and not keep_run)
+        raise InterruptedByUser("interrupted before the step finished", hint=f"Resume with `{resume_cmd}`.") from None
+    except LoopsError as exc:
+        rundir.update_state(status="failed", error=exc.message)
+        reporter.close()
+        session.close(deactivate=session.created_run and not keep_run)
+        exc.hint = (exc.hint + " " if exc.hint else "") + f"Resume with `{resume_cmd}`."
+        raise
+    except BaseException:
+        rundir.update_state(status="failed")
+        reporter.close()
+        session.close(deactivate=session.created_run and not keep_run)
+        raise
+    reporter.close()
+    deactivate = session.created_run and not keep_run
+    rundir.update_state(status=status)
+    session.close(deactivate=deactivate)
+    if status == "interrupted":
+        raise InterruptedByUser("stopped after the step in flight; state saved", hint=f"Resume with `{resume_cmd}`.")
+    summary = _summary(rundir, session.run_id, loaded.config.kind)
+    if out.format == "json":
+        out.emit(summary, id_key="run_id")
+    elif out.quiet:
+        out.emit(summary, id_key="run_id")
+    else:
+        out.success(
+            f"Done: run {session.run_id}, {summary['steps']} steps. Run directory: {rundir.path}"
+            + ("" if not deactivate else " (run deactivated; checkpoints kept)")
+        )
+        if summary.get("final_checkpoint"):
+            out.hint(f"Try it: loops sample {summary['final_checkpoint']} --prompt 'Hello'")
+
+
+def _summary(rundir, run_id: str, kind: str) -> dict:
+    metrics = [r for r in rundir.metrics() if not r.get("final")]
+    main = "reward" if kind == "rl" else "loss"
+    values = [r[main] for r in metrics if isinstance(r.get(main), (int, float))]
+    last_ckpt = rundir.last_checkpoint() or {}
+    return {
+        "run_id": run_id,
+        "run_dir": str(rundir.path),
+        "steps": metrics[-1]["step"] if metrics else 0,
+        f"first_{main}": values[0] if values else None,
+        f"last_{main}": values[-1] if values else None,
+        "final_checkpoint": last_ckpt.get("sampler_path") or last_ckpt.get("path"),
+    }
+
+
+def _default_run_dir(name: str) -> Path:
+    import re
+    import time
+
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
+    return Path("runs") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@app.command("run")
+def run(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Argument(help="The YAML config.")],
+    overrides: SetOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check and show the plan; provision nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before provisioning remote capacity.")] = False,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Where to write metrics and state (default: runs/NAME-TIME).")] = None,
+    keep_run: Annotated[bool, typer.Option("--keep-run", help="Leave the run active when training ends.")] = False,
+) -> None:
+    """Validate, show the plan, confirm (remote backends), then train.
+
+    Ctrl-C stops after the step in flight, saves state and prints the resume command (exit 130).
+    The run this command creates is deactivated at the end unless --keep-run.
+
+    Examples:
+
+      loops train run examples/tiny-sft.yaml --yes
+
+      loops train run my.yaml --set optimizer.learning_rate=3e-4 --run-dir runs/lr3e-4
+
+      loops train run my.yaml -o jsonl > metrics.jsonl
+    """
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.training.plan import check_base_model, make_plan
+    from baseten_loops_cli.training.rundir import RunDir
+
+    state = get_state(ctx)
+    out = state.output
+    loaded, data = _load(config, overrides)
+    rundir = RunDir(run_dir or _default_run_dir(loaded.config.name))
+    if rundir.exists():
+        raise UsageError(
+            f"{rundir.path} already holds a run",
+            hint=f"Resume it with `loops train resume {rundir.path}`, or pass another --run-dir.",
+        )
+    backend = state.backend(_profile_for(state, loaded))
+    check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
+    plan = make_plan(loaded, data, backend.kind)
+    desc = f"profile {backend.profile_name!r} ({backend.base_url})"
+    if dry_run:
+        if out.human:
+            _show_plan(out, plan, loaded, desc)
+            out.info("Dry run: nothing provisioned.")
+        else:
+            out.emit({"dry_run": True, "plan": plan.as_dict()}, id_key="kind")
+        return
+    if not out.quiet and out.format == "table":
+        _show_plan(out, plan, loaded, desc)
+    if backend.kind != "local":
+        out.confirm(f"Provision a {loaded.config.base_model} run on {backend.base_url}?", yes=yes)
+    rundir.create(_absolute_raw(loaded), loaded.path)
+    out.info(f"Run directory: {rundir.path}")
+    _execute(state, backend, loaded, data, rundir, resume=False, keep_run=keep_run)
+
+
+@app.command("resume")
+def resume(
+    ctx: typer.Context,
+    run_dir: Annotated[Path, typer.Argument(help="The run directory of an interrupted run.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before provisioning remote capacity.")] = False,
+    keep_run: Annotated[bool, typer.Option("--keep-run", help="Leave the run active when training ends.")] = False,
+) -> None:
+    """Continue an interrupted run from its last checkpoint: no step repeated or skipped.
+
+    Examples:
+
+      loops train resume runs/tiny-sft-20261203-091500
+    """
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.training.config import load_config
+    from baseten_loops_cli.training.plan import load_data
+    from baseten_loops_cli.training.rundir import RunDir
+
+    state = get_state(ctx)
+    out = state.output
+    rundir = RunDir(run_dir)
+    if not rundir.exists():
+        raise UsageError(f"{run_dir} is not a run directory (no state.json)", hint="Pass the --run-dir of `loops train run`.")
+    previous = rundir.read_state()
+    if previous.get("status") == "completed":
+        out.info(f"{run_dir}: already completed ({previous.get('step')} steps); nothing to resume.")
+        return
+    loaded = load_config(rundir.config_file)
+    data = load_data(loaded)
+    backend = state.backend(_profile_for(state, loaded))
+    if backend.kind != "local":
+        out.confirm(f"Resume on {backend.base_url} (may provision a new run)?", yes=yes)
+    _execute(state, backend, loaded, data, rundir, resume=True, keep_run=keep_run)
+
+
+@app.command("plot")
+def plot(
+    ctx: typer.Context,
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    metric: Annotated[Optional[list[str]], typer.Option("--metric", "-m", help="Metric(s) to plot (default: loss or reward).")] = None,
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="Write a PNG here (needs matplotlib).")] = None,
+) -> None:
+    """Draw a run's metric curves in the terminal, or to a PNG.
+
+    Examples:
+
+      loops train plot runs/tiny-sft-20261203-091500
+
+      loops train plot runs/my-rl --metric reward --metric pass_rate --out curves.png
+    """
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.training.plot import plot_png, plot_terminal
+    from baseten_loops_cli.training.rundir import RunDir
+
+    state = get_state(ctx)
+    rundir = RunDir(run_dir)
+    records = [r for r in rundir.metrics() if not r.get("final")]
+    if not records:
+        raise UsageError(f"{run_dir}: no metrics.jsonl records to plot")
+    names = metric or (["reward"] if "reward" in records[0] else ["loss"])
+    available = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
+    for name in names:
+        if name not in available:
+            raise UsageError(f"no metric {name!r} in {run_dir}", hint=f"Available: {', '.join(available)}.")
+    if out_file is not None:
+        plot_png(records, names, out_file)
+        state.output.success(f"Wrote {out_file}.")
+        return
+    typer.echo(plot_terminal(records, names))

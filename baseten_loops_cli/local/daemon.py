@@ -95,11 +95,16 @@ def _read_info(state_dir: Path | None = None) -> dict[str, Any] | None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process. A server this process started and that has
+    died stays a zombie until reaped; it is reaped here and counts as dead."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
     try:
         os.kill(pid, 0)
     except OSError as exc:
         return exc.errno == errno.EPERM
-    return True
+    return not _is_zombie(pid)
 
 
 def _clear_records(state_dir: Path | None = None) -> None:
@@ -257,7 +262,7 @@ def stop(state_dir: Path | None = None, *, timeout: float = STOP_TIMEOUT_S) -> b
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _pid_alive(pid) or _is_zombie(pid):
+        if not _pid_alive(pid):
             break
         time.sleep(0.1)
     else:
@@ -268,9 +273,13 @@ def stop(state_dir: Path | None = None, *, timeout: float = STOP_TIMEOUT_S) -> b
 
 
 def _is_zombie(pid: int) -> bool:
+    """A dead process not yet reaped by its parent. Only once its last thread has exited:
+    a killed process's main thread turns zombie first, while the others (and the sockets
+    they share, such as the listening one) are still being torn down."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        return state == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1
     except (OSError, IndexError):
         return False
 

@@ -750,7 +750,8 @@ class Store:
             )
             return cur.rowcount
 
-    def fail_pending_operations_of_run(self, run_id: str, error: str, error_class: str) -> list[str]:
+    def fail_pending_operations_of_run(self, run_id: str, error: str,
+                                       error_class: str) -> list[str]:
         with self._tx() as db:
             ids = [r[0] for r in db.execute(
                 "SELECT id FROM operations WHERE run_id = ? AND status = ?",

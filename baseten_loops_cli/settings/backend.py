@@ -101,3 +101,15 @@ def open_backend(
         debug_log = _stderr
     client = LoopsClient(base_url, key, team=resolved.profile.team, debug_log=debug_log)
     return Backend(resolved, base_url, key, source, client)
+
+
+def open_backend_if_reachable(profile_flag: str | None = None) -> Backend | None:
+    """The backend, without starting the local server: None when it is not running."""
+    try:
+        resolved, base_url, key, source = resolve_connection(profile_flag, autostart=False)
+    except LoopsError:
+        return None
+    from baseten_loops_cli.api.client import LoopsClient
+
+    client = LoopsClient(base_url, key, team=resolved.profile.team)
+    return Backend(resolved, base_url, key, source, client)

@@ -102,7 +102,7 @@ def _render_with_template(tokenizer: Any, messages: Sequence[dict], trained: set
     stop_texts = [tokenizer.decode([t]) for t in tokenizer.stop_token_ids]
     spans: list[tuple[int, int]] = []
     for i in sorted(trained):
-        header = render(messages[:i], True) if i else ""
+        header = render(messages[:i], True)
         through = render(messages[: i + 1], False)
         if not (full.startswith(through) and through.startswith(header)):
             raise ValueError(f"{tokenizer.name}'s chat template does not render message {i} "

@@ -29,7 +29,8 @@ def _parse_options(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or key not in allowed:
-            raise SystemExit(f"--option expects KEY=VALUE with KEY one of: {', '.join(sorted(allowed))}")
+            raise SystemExit("--option expects KEY=VALUE with KEY one of: "
+                             f"{', '.join(sorted(allowed))}")
         try:
             options[key] = json.loads(raw)
         except ValueError:

@@ -114,23 +114,20 @@ async def presigned_file(request: Request) -> Response:
 
 async def _janitor(ctx: ServerContext) -> None:
     """Scale idle runs/samplers to zero; expire op results and TTL'd checkpoints."""
-    last_expiry = 0.0
     while True:
         await asyncio.sleep(ctx.config.janitor_interval_s)
         try:
             now = time.time()
             ctx.runs.sweep(now)
             ctx.samplers.sweep(now)
-            if now - last_expiry >= 5 or ctx.config.janitor_interval_s >= 5:
-                last_expiry = now
-                ctx.ops.expire(now)
-                for cp in ctx.store.expired_checkpoints(now):
-                    ctx.store.delete_checkpoint(cp.pk)
-                    ctx.files.remove(cp.storage_dir)
-                    run = ctx.store.get_run(cp.run_id)
-                    if run is not None:
-                        ctx.log(run.deployment_id, f"Checkpoint {cp.bt_path} expired (TTL) "
-                                                   "and was deleted.")
+            ctx.ops.expire(now)
+            for cp in ctx.store.expired_checkpoints(now):
+                ctx.store.delete_checkpoint(cp.pk)
+                ctx.files.remove(cp.storage_dir)
+                run = ctx.store.get_run(cp.run_id)
+                if run is not None:
+                    ctx.log(run.deployment_id, f"Checkpoint {cp.bt_path} expired (TTL) and was "
+                                               "deleted.")
         except Exception:  # keep sweeping; a failure here is logged, not fatal
             log.exception("janitor tick failed")
 

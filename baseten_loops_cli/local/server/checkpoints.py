@@ -6,16 +6,15 @@ Layout under the data dir::
     checkpoints/<run_id>/sampler_weights/<name>/   plain PEFT adapter, what samplers serve
     runs/<run_id>/live/                            the run's own state while scaled to zero
 
-Saving a name that exists replaces it atomically: the engine writes into a staging
-folder next to the target, then the folders are swapped with renames, so a reader (a
-download, a sampler loading the adapter) never sees a half-written checkpoint.
+Saving a name that exists replaces it atomically (the engine writes a sibling folder and
+swaps it in with renames), so a reader (a download, a sampler loading the adapter) never
+sees a half-written checkpoint.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -86,36 +85,20 @@ class CheckpointFiles:
     def live_state_dir(self, run_id: str) -> Path:
         return self.data_dir / "runs" / run_id / "live"
 
-    def publish(self, ref: CheckpointRef, write: Callable[[Path], object]) -> tuple[str, int]:
-        """Run ``write(staging_dir)`` then swap the staging dir into place.
+    def publish(self, ref: CheckpointRef, save: Callable[[Path], object]) -> tuple[str, int]:
+        """Run the engine's (atomic) ``save`` into the checkpoint's folder.
 
         Returns (storage dir relative to the data dir, total size in bytes). Runs on a
-        compute thread: ``write`` is the engine's save.
+        compute thread.
         """
         relative = self.relative_dir(ref)
         target = self.absolute(relative)
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.parent / f".staging-{ref.name}-{uuid.uuid4().hex[:8]}"
-        try:
-            write(staging)
-            replace_dir(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        save(target)
         return relative, dir_size(target)
 
     def remove(self, storage_dir: str) -> None:
         shutil.rmtree(self.absolute(storage_dir), ignore_errors=True)
-
-
-def replace_dir(new: Path, target: Path) -> None:
-    """Atomically (per rename) put ``new`` at ``target``, discarding what was there."""
-    if target.exists():
-        trash = target.parent / f".trash-{target.name}-{uuid.uuid4().hex[:8]}"
-        target.rename(trash)
-        new.rename(target)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        new.rename(target)
 
 
 def dir_size(root: Path) -> int:

@@ -40,7 +40,11 @@ class ModelSpec:
 
 
 class Engine:
-    """Lazy facade over ``baseten_loops_cli.local.engine`` (imports torch on first use)."""
+    """Lazy facade over ``baseten_loops_cli.local.engine`` (imports torch on first use).
+
+    Everything the server asks of the engine goes through here, so the rest of the server
+    depends on this small surface rather than on the engine's module layout.
+    """
 
     def __init__(self) -> None:
         self._modules: dict[str, Any] | None = None
@@ -50,11 +54,24 @@ class Engine:
     def _load(self) -> dict[str, Any]:
         with self._lock:
             if self._modules is None:
-                from baseten_loops_cli.local.engine import errors, registry, sampler, trainer
+                from baseten_loops_cli.local.engine import (
+                    datums,
+                    errors,
+                    losses,
+                    model_zoo,
+                    registry,
+                    sampler,
+                    trainer,
+                )
 
                 self._modules = {"errors": errors, "registry": registry, "sampler": sampler,
-                                 "trainer": trainer}
+                                 "trainer": trainer, "losses": losses, "datums": datums,
+                                 "model_zoo": model_zoo}
             return self._modules
+
+    @property
+    def loaded(self) -> bool:
+        return self._modules is not None
 
     def preload(self) -> None:
         """Import torch and the engine (call from a background thread at startup)."""
@@ -65,30 +82,109 @@ class Engine:
             log.exception("preloading the engine failed")
 
     @property
-    def loaded(self) -> bool:
-        return self._modules is not None
-
-    @property
     def input_error(self) -> type[Exception]:
         return self._load()["errors"].EngineInputError
 
+    def is_input_error(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the engine's "bad input" error (False if the engine never
+        loaded, so this is safe in error handlers)."""
+        return self._modules is not None and isinstance(
+            exc, self._modules["errors"].EngineInputError)
+
+    # ── models ──
+
     def models(self) -> dict[str, ModelSpec]:
+        """The models the engine offers by name (capabilities)."""
         if self._specs is None:
             infos = self._load()["registry"].available_models()
             self._specs = {info.name: _spec(info) for info in infos}
         return self._specs
 
+    def spec(self, name: str) -> ModelSpec | None:
+        """A named model, or a local Hugging Face model directory; None if neither."""
+        known = self.models().get(name)
+        if known is not None:
+            return known
+        try:
+            return _spec(self._load()["model_zoo"].model_info(name))
+        except LookupError:  # UnknownModelError
+            return None
+
+    def pull(self, name: str) -> Any:
+        return self._load()["registry"].pull_model(name)
+
     def load_base(self, name: str) -> Any:
         return self._load()["registry"].load_base(name)
+
+    # ── training ──
 
     def new_trainer(self, base: Any, adapter_name: str, lora_rank: int, seed: int | None) -> Any:
         return self._load()["trainer"].LoraTrainer(base, adapter_name, lora_rank, seed=seed)
 
+    def check_forward(self, data: Any, loss_fn: str, loss_fn_config: dict | None,
+                      vocab_size: int, max_seq_len: int) -> int:
+        """Validate a forward/forward_backward request exactly as the engine will read it
+        (raises EngineInputError); returns the number of input tokens. Thread-safe."""
+        m = self._load()
+        definition = m["losses"].loss_def(loss_fn)
+        m["losses"].resolve_config(loss_fn, loss_fn_config)
+        parsed = m["datums"].parse_data(data, loss_fn, definition, vocab_size, max_seq_len)
+        return sum(len(p.tokens) for p in parsed)
+
+    # ── sampling ──
+
     def new_sampler(self, base: Any) -> Any:
         return self._load()["sampler"].SamplerEngine(base)
 
-    def sampler_module(self) -> Any:
-        return self._load()["sampler"]
+    def sample(self, sampler: Any, jobs: list[Any]) -> list[Any]:
+        """Run ``SampleJob``s (samplers.py) through ``SamplerEngine.sample``; returns one
+        ``SampleOutput`` or exception per job. On a compute thread.
+
+        The engine validates a whole batch before generating, so one bad request (say,
+        an adapter whose files are corrupt) would fail every request it was batched with;
+        when a batch fails, each request is retried alone so only the bad one errors.
+        """
+        from baseten_loops_cli.local.server.samplers import SampledSequence, SampleOutput
+
+        module = self._load()["sampler"]
+        requests = [module.SampleRequest(
+            prompt=job.prompt, n=job.n, max_tokens=job.max_tokens,
+            temperature=job.temperature, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
+            stop_token_ids=list(job.stop_token_ids), stop=list(job.stop),
+            prompt_logprobs=job.prompt_logprobs,
+            adapter=job.adapter.key if job.adapter else None,
+            adapter_path=str(job.adapter.path) if job.adapter else None,
+        ) for job in jobs]
+        try:
+            results: list[Any] = sampler.sample(requests)
+        except self.input_error:
+            if len(requests) == 1:
+                raise
+            results = []
+            for request in requests:
+                try:
+                    results.append(sampler.sample([request])[0])
+                except Exception as exc:  # delivered to that request's caller only
+                    results.append(exc)
+
+        def convert(job: Any, result: Any) -> Any:
+            if isinstance(result, BaseException):
+                return result
+            token_text: dict[int, str] = {}
+            if result.prompt_logprobs is not None:  # vLLM reports each token's text too
+                ids = set(job.prompt) | {t for entry in result.prompt_logprobs if entry
+                                         for t, _ in entry.top}
+                token_text = {t: sampler.tokenizer.decode([t]) for t in ids}
+            return SampleOutput(
+                sequences=[SampledSequence(list(s.tokens), list(s.logprobs), s.finish_reason,
+                                           s.text) for s in result.sequences],
+                prompt_logprobs=[None if e is None else (e.logprob, e.rank, list(e.top))
+                                 for e in result.prompt_logprobs]
+                if result.prompt_logprobs is not None else None,
+                token_text=token_text,
+            )
+
+        return [convert(job, result) for job, result in zip(jobs, results)]
 
 
 def _spec(info: Any) -> ModelSpec:
@@ -144,6 +240,15 @@ class ModelWorker:
         if self._sampler is None:
             self._sampler = self.engine.new_sampler(self.base())
         return self._sampler
+
+    def sampler_adapters(self) -> list[str]:
+        """Keys of the adapters the sampler engine holds (read racily, for display)."""
+        return list(self._sampler.loaded_adapters) if self._sampler is not None else []
+
+    def unload_sampler_adapter(self, key: str) -> None:
+        """Drop an adapter from the sampler engine's cache (no-op if it is not loaded)."""
+        if self._sampler is not None:
+            self._sampler.unload_adapter(key)
 
     def _loop(self) -> None:
         while True:
@@ -210,6 +315,7 @@ class ComputePool:
                 "model": w.model_name,
                 "base_loaded": w.base_loaded,
                 "trainers_in_memory": sorted(w.trainers),
+                "sampler_adapters_in_memory": w.sampler_adapters(),
                 "current_job": w.current_job,
                 "jobs_done": w.jobs_done,
                 "busy_seconds": round(w.busy_seconds, 3),

@@ -84,8 +84,9 @@ class ServerContext:
                            "EngineUnavailable") from None
 
     async def model_spec(self, name: str) -> ModelSpec:
+        """A model by name (or local model directory); 400 listing the available ones."""
         models = await self.models()
-        spec = models.get(name)
+        spec = models.get(name) or await asyncio.to_thread(self.engine.spec, name)
         if spec is None:
             raise bad_request(
                 f"Unknown base model {name!r}. Models available on the local backend: "

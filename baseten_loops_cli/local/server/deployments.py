@@ -32,6 +32,7 @@ from baseten_loops_cli.local.server.sampler_routes import (
     DEFAULT_MAX_TOKENS,
     float_field,
     int_field,
+    top_p_field,
 )
 from baseten_loops_cli.local.server.samplers import Adapter, SampleJob
 from baseten_loops_cli.local.server.validation import check_token_ids
@@ -110,7 +111,7 @@ def _job(body: dict, prompt: list[int], max_len: int, stop_ids: list[int],
     return SampleJob(
         prompt=prompt, n=int_field(body, "n", 1, minimum=1, maximum=MAX_N) or 1,
         max_tokens=max_tokens, temperature=float_field(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=float_field(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        top_p=top_p_field(body),
         top_k=-1 if top_k in (None, 0) else top_k, seed=int_field(body, "seed", None),
         stop_token_ids=stop_ids, stop=stop, prompt_logprobs=None, adapter=adapter)
 
@@ -156,7 +157,7 @@ async def chat_completions(request: Request) -> Response:
     prompt, _ = render_chat(tokenizer, messages, add_generation_prompt=True)
     spec = await ctx.model_spec(dep.base_model)
     job = _job(body, list(prompt), spec.max_seq_len, _stop_ids(tokenizer), adapter)
-    out = await ctx.samplers.batcher(dep.base_model).submit(job)
+    out = await ctx.samplers.generate(dep.base_model, job)
     created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     completion_tokens = sum(len(s.tokens) for s in out.sequences)
     ctx.store.add_usage(dep.id, "deployment", tokens_sampled=completion_tokens,
@@ -194,7 +195,7 @@ async def completions(request: Request) -> Response:
     spec = await ctx.model_spec(dep.base_model)
     check_token_ids(prompt, spec, "prompt")
     job = _job(body, prompt, spec.max_seq_len, _stop_ids(tokenizer), adapter)
-    out = await ctx.samplers.batcher(dep.base_model).submit(job)
+    out = await ctx.samplers.generate(dep.base_model, job)
     created, ident = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     completion_tokens = sum(len(s.tokens) for s in out.sequences)
     ctx.store.add_usage(dep.id, "deployment", tokens_sampled=completion_tokens,

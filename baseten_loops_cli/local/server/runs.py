@@ -146,10 +146,17 @@ class RunExecutor:
                     if item.done is not None and not item.done.done():
                         item.done.set_result(None)
                     return
-            except Exception:  # a bug here must not kill the run's queue
+            except Exception as exc:  # a bug here must not kill the run's queue...
                 log.exception("run %s: %s failed", self.run_id, item.kind)
                 if item.done is not None and not item.done.done():
                     item.done.set_result(None)
+                if item.kind == "op":  # ...nor leave a poller waiting forever
+                    row = self.ctx.ops.find(self.run_id, item.op_id)
+                    if row is not None and row.status not in st.FINISHED_OP_STATUSES:
+                        self.ctx.ops.finish(
+                            self.run_id, item.op_id, error=f"Internal error in the local "
+                            f"server ({type(exc).__name__}: {exc}); see `loops server logs`.",
+                            error_class="InternalServerError")
             finally:
                 self._outstanding -= 1
 
@@ -250,6 +257,13 @@ class RunExecutor:
         try:
             if run.status != st.RUN_ACTIVE:
                 raise OpFailed(run_inactive_error(run).detail, "RunInactive")
+            if item.op == "optim_step" and run.gradients_lost:
+                self.ctx.store.update_run(run.id, gradients_lost=0, pending_grad_ops=0)
+                raise OpFailed(
+                    "The gradients accumulated by forward_backward before the server "
+                    "restarted were lost, so this optim_step would apply nothing. Redo the "
+                    "forward_backward calls for this step, then optim_step again.",
+                    "GradientsLost")
             await self._ensure_loaded()
             ops.mark_running(self.run_id, item.op_id)
             run = self.run()
@@ -263,7 +277,7 @@ class RunExecutor:
             return
         except Exception as exc:
             error_class = getattr(exc, "error_class", None)
-            if isinstance(exc, self.ctx.engine.input_error) and error_class:
+            if self.ctx.engine.is_input_error(exc) and error_class:
                 message = str(exc)
             else:
                 log.exception("run %s: %s crashed", self.run_id, item.op)
@@ -289,12 +303,6 @@ class RunExecutor:
         """Resolve what the op needs from the database, on the event loop."""
         who = trainer_ops.TrainerIdentity(run.id, run.lora_rank, run.seed)
         params = dict(item.params)
-        if item.op == "optim_step" and run.gradients_lost:
-            self.ctx.store.update_run(run.id, gradients_lost=0, pending_grad_ops=0)
-            raise OpFailed(
-                "The gradients accumulated by forward_backward before the server restarted "
-                "were lost, so this optim_step would apply nothing. Redo the forward_backward "
-                "calls for this step, then optim_step again.", "GradientsLost")
         if item.op in ("save_state", "save_weights_for_sampler"):
             target = st.TARGET_TRAINER if item.op == "save_state" else st.TARGET_SAMPLER
             return trainer_ops.TrainerJob(item.op, who, params,
@@ -380,6 +388,7 @@ class RunManager:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         self._executors: dict[str, RunExecutor] = {}
+        self._submit_locks: dict[str, asyncio.Lock] = {}
 
     def executor(self, run: st.RunRow) -> RunExecutor:
         executor = self._executors.get(run.id)
@@ -485,6 +494,7 @@ class RunManager:
         ctx.samplers.deactivate_paired(run.id)
         ctx.log(run.deployment_id, "Run deactivated; trainer stopped. Checkpoints are kept.")
         executor = self._executors.pop(run.id, None)
+        self._submit_locks.pop(run.id, None)
         if executor is not None:
             await executor.stop(hibernate=False)
         shutil.rmtree(ctx.files.live_state_dir(run.id).parent, ignore_errors=True)
@@ -493,32 +503,41 @@ class RunManager:
 
     async def submit(self, run: st.RunRow, op: str, body: dict[str, Any],
                      idempotency_key: str | None) -> st.OperationRow:
-        ctx = self.ctx
-        if idempotency_key:
-            existing = ctx.ops.find(run.id, idempotency_key)
-            if existing is not None:
-                if existing.op != op:
-                    raise conflict(f"Idempotency-Key {idempotency_key!r} was already used for "
-                                   f"{existing.op} on this run; use a fresh key per operation.",
-                                   "IdempotencyKeyReused")
-                return existing
-        if run.status != st.RUN_ACTIVE:
-            raise run_inactive_error(run)
-        model = body.get("model")
-        if model is not None and model != run.base_model:
-            raise bad_request(f"This trainer serves {run.base_model}, but the request names "
-                              f"model {model!r}.", "BaseModelMismatch")
-        params = await self._validate(run, op, body)
-        seq_id = body.get("seq_id") if isinstance(body.get("seq_id"), int) else None
-        row = ctx.ops.create(run.id, op, idempotency_key, seq_id)
-        ctx.store.touch_run(run.id)
-        self.executor(run).enqueue_op(row.id, op, params)
-        return row
+        """Accept an op: dedupe its key, validate it, queue it behind the run's earlier ops.
+
+        Submits of one run are handled one at a time (validation awaits a thread), so
+        ops are queued in the order they arrived and a retried submit racing its
+        original cannot create a second op.
+        """
+        lock = self._submit_locks.setdefault(run.id, asyncio.Lock())
+        async with lock:
+            ctx = self.ctx
+            if idempotency_key:
+                existing = ctx.ops.find(run.id, idempotency_key)
+                if existing is not None:
+                    if existing.op != op:
+                        raise conflict(f"Idempotency-Key {idempotency_key!r} was already used "
+                                       f"for {existing.op} on this run; use a fresh key per "
+                                       "operation.", "IdempotencyKeyReused")
+                    return existing
+            run = ctx.store.get_run(run.id) or run
+            if run.status != st.RUN_ACTIVE:
+                raise run_inactive_error(run)
+            model = body.get("model")
+            if model is not None and model != run.base_model:
+                raise bad_request(f"This trainer serves {run.base_model}, but the request names "
+                                  f"model {model!r}.", "BaseModelMismatch")
+            params = await self._validate(run, op, body)
+            seq_id = body.get("seq_id") if isinstance(body.get("seq_id"), int) else None
+            row = ctx.ops.create(run.id, op, idempotency_key, seq_id)
+            ctx.store.touch_run(run.id)
+            self.executor(run).enqueue_op(row.id, op, params)
+            return row
 
     async def _validate(self, run: st.RunRow, op: str, body: dict[str, Any]) -> dict[str, Any]:
         if op in ("forward", "forward_backward"):
             spec = await self.ctx.model_spec(run.base_model)
-            req = validate_forward(body, spec, run.max_seq_len)
+            req = await validate_forward(self.ctx.engine, body, spec, run.max_seq_len)
             return {"data": req.data, "loss_fn": req.loss_fn, "loss_fn_config": req.loss_fn_config,
                     "top_k_logprobs": req.top_k_logprobs, "token_count": req.token_count}
         if op == "optim_step":

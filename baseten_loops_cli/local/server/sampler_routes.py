@@ -58,6 +58,13 @@ def float_field(body: dict, key: str, default: float, lo: float, hi: float) -> f
     return float(value)
 
 
+def top_p_field(body: dict) -> float:
+    value = float_field(body, "top_p", 1.0, 0.0, 1.0)
+    if value <= 0:
+        raise bad_request("top_p must be in (0, 1].", "InvalidSampleRequest")
+    return value
+
+
 def parse_sample_request(body: dict, spec: ModelSpec, max_len: int) -> SampleJob:
     if body.get("model_input_chunks"):
         raise bad_request(f"{spec.name} is a text-only model; image prompts "
@@ -95,11 +102,12 @@ def parse_sample_request(body: dict, spec: ModelSpec, max_len: int) -> SampleJob
     if not isinstance(stop_ids, list):
         raise bad_request("stop_token_ids must be a list of token ids.", "InvalidSampleRequest")
     check_token_ids(stop_ids, spec, "stop_token_ids")
-    prompt_logprobs = int_field(body, "prompt_logprobs", None, minimum=0, maximum=MAX_PROMPT_LOGPROBS)
+    prompt_logprobs = int_field(body, "prompt_logprobs", None, minimum=0,
+                                maximum=MAX_PROMPT_LOGPROBS)
     return SampleJob(
         prompt=list(prompt), n=n or 1, max_tokens=max_tokens,
         temperature=float_field(body, "temperature", 1.0, 0.0, 100.0),
-        top_p=float_field(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        top_p=top_p_field(body),
         top_k=top_k,
         seed=int_field(body, "seed", None), stop_token_ids=list(stop_ids), stop=list(stop or []),
         prompt_logprobs=prompt_logprobs, adapter=None)
@@ -182,7 +190,7 @@ async def sample(request: Request) -> Response:
         sampler, request.headers.get("x-checkpoint-path") or None,
         _header_int(request, "x-min-policy-version"))
     job.adapter = adapter
-    output = await ctx.samplers.batcher(sampler.base_model).submit(job)
+    output = await ctx.samplers.generate(sampler.base_model, job)
     generated = sum(len(s.tokens) for s in output.sequences)
     owner, kind = (sampler.run_id, "run") if sampler.run_id else (sampler.id, "sampler")
     ctx.store.add_usage(owner, kind, tokens_sampled=generated, sample_requests=1)

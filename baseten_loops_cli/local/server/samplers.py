@@ -111,8 +111,9 @@ class SampleBatcher:
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(batch))
         jobs = [job for job, _ in batch]
-        done = self.worker.submit(f"sample x{len(jobs)}",
-                                  lambda: run_sample_batch(self.worker, jobs))
+        worker = self.worker
+        done = worker.submit(f"sample x{len(jobs)}",
+                             lambda: worker.engine.sample(worker.sampler(), jobs))
         asyncio.get_running_loop().create_task(self._deliver(done, batch))
 
     @staticmethod
@@ -125,15 +126,12 @@ class SampleBatcher:
                     future.set_exception(exc)
             return
         for (_, future), output in zip(batch, outputs):
-            if not future.done():
+            if future.done():
+                continue
+            if isinstance(output, BaseException):
+                future.set_exception(output)
+            else:
                 future.set_result(output)
-
-
-def run_sample_batch(worker: ModelWorker, jobs: list[SampleJob]) -> list[SampleOutput]:
-    """On the compute thread: one engine call for the whole batch."""
-    from baseten_loops_cli.local.server import engine_adapter
-
-    return engine_adapter.sample(worker, jobs)
 
 
 class SamplerService:
@@ -151,6 +149,15 @@ class SamplerService:
             batcher = self._batchers[base_model] = SampleBatcher(
                 self.ctx.pool.worker(base_model), cfg.sample_batch_window_s, cfg.max_sample_batch)
         return batcher
+
+    async def generate(self, base_model: str, job: SampleJob) -> SampleOutput:
+        """Sample through the batcher; the engine's input errors become 400s."""
+        try:
+            return await self.batcher(base_model).submit(job)
+        except Exception as exc:
+            if self.ctx.engine.is_input_error(exc):
+                raise bad_request(str(exc), getattr(exc, "error_class", "InvalidInput")) from None
+            raise
 
     def stats(self) -> dict[str, Any]:
         return {name: {"batches": b.batches, "largest_batch": b.largest_batch}
@@ -174,7 +181,8 @@ class SamplerService:
             ref = require_bt_path(req.model_path, what="model_path")
             if ref.target != st.TARGET_SAMPLER:
                 raise bad_request(f"model_path {req.model_path} is trainer state; samplers serve "
-                                  f"sampler weights: bt://loops:{ref.run_id}/sampler_weights/<name>.",
+                                  "sampler weights: "
+                                  f"bt://loops:{ref.run_id}/sampler_weights/<name>.",
                                   "WrongCheckpointTarget")
             cp = store.find_checkpoint(ref.run_id, ref.target, ref.name)
             if cp is None:
@@ -243,6 +251,7 @@ class SamplerService:
             return
         self.ctx.store.update_sampler(sampler.id, status=st.SAMPLER_INACTIVE,
                                       deactivated_at=time.time())
+        self._release_adapter(sampler)
         self.ctx.log(sampler.deployment_id, "Sampler deactivated.")
         self._notify(sampler.id)
 
@@ -340,8 +349,18 @@ class SamplerService:
             if (sampler.status == st.SAMPLER_ACTIVE
                     and now - sampler.last_active_at >= sampler.scale_down_delay_seconds):
                 store.update_sampler(sampler.id, status=st.SAMPLER_SCALED_TO_ZERO)
+                self._release_adapter(sampler)
                 self.ctx.log(sampler.deployment_id, "Idle: scaled to zero (the next request "
                                                     "or POST /wake brings it back).")
+
+    def _release_adapter(self, sampler: st.SamplerRow) -> None:
+        """Unload the idle sampler's adapter from the engine (it reloads on the next
+        request). Other samplers serving the same checkpoint reload it too: cheap."""
+        adapter = self.live_adapter(sampler)
+        if adapter is None:
+            return
+        worker = self.ctx.pool.worker(sampler.base_model)
+        worker.submit(f"unload {adapter.key}", lambda: worker.unload_sampler_adapter(adapter.key))
 
     def wake(self, sampler: st.SamplerRow) -> st.SamplerRow:
         if sampler.status == st.SAMPLER_INACTIVE:

@@ -8,13 +8,11 @@ job needs beforehand (a :class:`TrainerJob`) and applies the returned :class:`Op
 
 from __future__ import annotations
 
-import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from baseten_loops_cli.local.server.checkpoints import CheckpointFiles, CheckpointRef, replace_dir
+from baseten_loops_cli.local.server.checkpoints import CheckpointFiles, CheckpointRef
 from baseten_loops_cli.local.server.compute import ModelWorker
 
 # How an op leaves the run's accumulated gradients.
@@ -83,15 +81,11 @@ def release_trainer(worker: ModelWorker, run_id: str) -> None:
 
 
 def save_live_state(worker: ModelWorker, run_id: str, live_dir: Path) -> int:
-    """Write the run's full state (adapter, optimizer, step) to its live folder."""
+    """Write the run's full state (adapter, optimizer, step) to its live folder; the
+    engine's save is atomic, so a crash mid-save leaves the previous snapshot intact."""
     trainer = worker.trainers[run_id]
     live_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = live_dir.parent / f".live-staging-{time.monotonic_ns()}"
-    try:
-        trainer.save_state(str(staging))
-        replace_dir(staging, live_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    trainer.save_state(str(live_dir))
     return int(trainer.step)
 
 

@@ -98,9 +98,10 @@ async def poll(request: Request) -> Response:
                             "here, or finished long ago. Resubmit it with the same "
                             "Idempotency-Key.", "UnknownOperation")
     if row.status == st.OP_EXPIRED:
-        raise ApiError(404, f"Operation {op_id}'s result expired ({ctx.config.op_result_ttl_s:.0f}s "
-                            "after it finished). Resubmitting with the same Idempotency-Key "
-                            "will not re-run it.", "ResultExpired")
+        ttl = ctx.config.op_result_ttl_s
+        raise ApiError(404, f"Operation {op_id}'s result expired ({ttl:.0f}s after it "
+                            "finished). Resubmitting with the same Idempotency-Key will not "
+                            "re-run it.", "ResultExpired")
     if row.status == st.OP_DONE:
         return JSONResponse({"status": "done", "result": row.result, "operation_id": row.id})
     if row.status == st.OP_ERROR:

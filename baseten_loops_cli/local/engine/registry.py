@@ -1,0 +1,173 @@
+"""Loaded base models, shared by every trainer and sampler that uses them.
+
+One :class:`BaseModel` per name per process. LoRA adapters (trainers' and samplers') all
+live on that one module through PEFT's multi-adapter support, so N runs on a base cost one
+copy of the base weights plus N small adapters. Only one adapter is active at a time:
+callers hold ``base.lock`` from :meth:`BaseModel.activate` until their compute is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from baseten_loops_cli.local.engine.model_zoo import (
+    ModelInfo,
+    available_models,
+    load_model,
+    pull_model,
+)
+
+__all__ = ["BaseModel", "ModelInfo", "available_models", "load_base", "pull_model"]
+
+
+class BaseModel:
+    """A frozen float32 causal LM plus the LoRA adapters attached to it."""
+
+    def __init__(self, name: str, info: ModelInfo, module: Any) -> None:
+        self.name = name
+        self.info = info
+        self.module = module  # the transformers model; LoRA layers are injected into it
+        self.lock = threading.RLock()
+        self._peft: Any = None  # peft.PeftModel, created with the first adapter
+        self._adapter_names: dict[str, str] = {}  # caller's name -> PEFT-safe name
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.info.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.module.config.vocab_size)
+
+    # ── adapters ──
+
+    @staticmethod
+    def _safe_name(name: str) -> str:
+        # PEFT adapter names become nn.ModuleDict keys: no dots. The hash keeps names that
+        # sanitise alike ("a.b" / "a_b") distinct.
+        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+        return f"{re.sub(r'[^A-Za-z0-9_]', '_', name)[:40]}_{digest}"
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self._adapter_names
+
+    def add_adapter(self, name: str, config: Any) -> None:
+        """Attach a fresh adapter (initialised from the current torch RNG)."""
+        from peft import get_peft_model
+
+        if name in self._adapter_names:
+            raise ValueError(f"adapter {name!r} already exists on {self.name}")
+        safe = self._safe_name(name)
+        with self.lock, warnings.catch_warnings():
+            # PEFT calls a transformers API deprecated in 5.x; nothing for us to act on.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            if self._peft is None:
+                self._peft = get_peft_model(self.module, config, adapter_name=safe)
+            else:
+                self._peft.add_adapter(safe, config)
+            self._adapter_names[name] = safe
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Attach an adapter saved in PEFT format at ``path``."""
+        from peft import LoraConfig
+        from safetensors.torch import load_file
+
+        config = LoraConfig.from_pretrained(str(path))
+        if config.base_model_name_or_path not in (None, self.name):
+            raise ValueError(f"it was trained on {config.base_model_name_or_path}, not {self.name}")
+        config.inference_mode = True
+        self.add_adapter(name, config)
+        state = load_file(str(Path(path) / "adapter_model.safetensors"))
+        self.set_adapter_state(name, state)
+
+    def delete_adapter(self, name: str) -> None:
+        safe = self._adapter_names.pop(name, None)
+        if safe is None:
+            return
+        with self.lock, warnings.catch_warnings():
+            # PEFT warns when the active adapter goes; activate() sets one before each use.
+            warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
+            self._peft.delete_adapter(safe)
+
+    def adapter_parameters(self, name: str) -> list[tuple[str, torch.nn.Parameter]]:
+        """The adapter's parameters, sorted by name (a stable order for optimizer state)."""
+        marker = f".{self._adapter_names[name]}."
+        return sorted((n, p) for n, p in self.module.named_parameters() if marker in n)
+
+    def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
+        """The adapter's weights keyed as in PEFT's ``adapter_model.safetensors``."""
+        from peft import get_peft_model_state_dict
+
+        # save_embedding_layers=False: LoRA never touches the embeddings, and "auto" would
+        # look the base model up on the Hugging Face hub.
+        state = get_peft_model_state_dict(self._peft, adapter_name=self._adapter_names[name],
+                                          save_embedding_layers=False)
+        return {k: v.detach().clone().contiguous() for k, v in state.items()}
+
+    def set_adapter_state(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        with self.lock:
+            result = set_peft_model_state_dict(self._peft, state,
+                                               adapter_name=self._adapter_names[name])
+        marker = f".{self._adapter_names[name]}."
+        missing = [k for k in result.missing_keys if marker in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"adapter weights do not match the adapter's layers (missing "
+                             f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})")
+
+    def adapter_config(self, name: str) -> Any:
+        return self._peft.peft_config[self._adapter_names[name]]
+
+    @contextlib.contextmanager
+    def activate(self, name: str | None) -> Iterator[Any]:
+        """Hold the lock with adapter ``name`` (None: no adapter, the plain base) active;
+        yields the module to call."""
+        with self.lock:
+            if self._peft is None:
+                if name is not None:
+                    raise KeyError(name)
+                yield self.module
+                return
+            lora = self._peft.base_model
+            if name is None:
+                lora.disable_adapter_layers()
+                try:
+                    yield self.module
+                finally:
+                    lora.enable_adapter_layers()
+                return
+            lora.set_adapter(self._adapter_names[name])
+            yield self.module
+
+
+_bases: dict[str, BaseModel] = {}
+_load_locks: dict[str, threading.Lock] = {}
+_registry_lock = threading.Lock()
+
+
+def load_base(name: str) -> BaseModel:
+    """The base model ``name``, loaded once per process (concurrent callers wait for the
+    first load). Raises UnknownModelError (listing the names) or ModelUnavailableError."""
+    with _registry_lock:
+        base = _bases.get(name)
+        if base is not None:
+            return base
+        lock = _load_locks.setdefault(name, threading.Lock())
+    with lock:
+        with _registry_lock:
+            if name in _bases:
+                return _bases[name]
+        module, info = load_model(name)
+        base = BaseModel(name, info, module)
+        with _registry_lock:
+            _bases[name] = base
+        return base

@@ -1,0 +1,318 @@
+"""Batched token generation on a base model or one of its LoRA adapters.
+
+Requests for the same adapter (or the plain base) are generated together: their prompts
+(each repeated ``n`` times) are left-padded into one batch, prefilled once, and decoded one
+token per step with a KV cache (``DynamicCache``), in this module's own loop rather than
+``model.generate`` so that it controls the logprobs:
+
+- the logprob reported for each sampled token is from the **unmodified** distribution
+  (temperature 1, no top-k/top-p), a float32 log-softmax of the same logits the trainer
+  computes, so sampler and trainer logprobs of the same tokens under the same weights agree
+  (up to float noise, ~1e-5): RL importance ratios depend on it;
+- temperature, top-k and top-p only shape the distribution the token is *drawn* from
+  (temperature 0 = greedy).
+
+Seeded requests draw from their own ``torch.Generator`` per sample, so the same request
+gives the same tokens (other requests in the batch do not change its random stream).
+
+A generation stops at a stop token (the tokenizer's eos / end-of-turn ids plus the
+request's ``stop_token_ids``; the token is kept in ``tokens``), at a stop string (checked on
+the decoded text; ``text`` is cut before it), or after ``max_tokens`` (``"length"``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from baseten_loops_cli.local.engine.errors import EngineInputError
+from baseten_loops_cli.local.engine.registry import BaseModel
+
+MAX_LOADED_ADAPTERS = 8
+MAX_PROMPT_LOGPROBS_TOP_K = 20
+
+
+@dataclass
+class SampleRequest:
+    prompt: list[int]
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): off
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    # None: no prompt logprobs; k >= 0: each prompt token's logprob plus k alternatives.
+    prompt_logprobs: int | None = None
+    # The adapter to sample from (None = the base model): a key given to load_adapter, or
+    # any key together with the PEFT folder to load it from on first use.
+    adapter: str | None = None
+    adapter_path: str | Path | None = None
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    text: str
+
+
+class PromptTokenLogprob(NamedTuple):
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # the k most likely (token id, logprob)
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    # One entry per prompt token; None for the first (nothing precedes it).
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
+
+
+@dataclass
+class _Row:
+    """One sequence being generated (request ``request`` sample ``sample``)."""
+
+    request: int
+    sample: int
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None
+
+
+class SamplerEngine:
+    """Samples from ``base`` and from adapters loaded onto it (an LRU of
+    :data:`MAX_LOADED_ADAPTERS`)."""
+
+    def __init__(self, base: BaseModel) -> None:
+        self.base = base
+        self._adapters: OrderedDict[str, str] = OrderedDict()  # key -> name on the base
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from baseten_loops_cli.tokenization import get_tokenizer
+
+            self._tokenizer = get_tokenizer(self.base.name)
+        return self._tokenizer
+
+    # ── adapters ──
+
+    def load_adapter(self, key: str, path: str | Path) -> None:
+        """Make the PEFT adapter at ``path`` available as ``key`` (no-op if it is loaded)."""
+        if key in self._adapters:
+            self._adapters.move_to_end(key)
+            return
+        while len(self._adapters) >= MAX_LOADED_ADAPTERS:
+            self.unload_adapter(next(iter(self._adapters)))
+        name = f"sampler:{key}"
+        try:
+            self.base.load_adapter(name, path)
+        except (OSError, ValueError, RuntimeError) as exc:  # missing, malformed, wrong shapes
+            self.base.delete_adapter(name)
+            raise EngineInputError(f"Cannot load the adapter at {path}: {exc}",
+                                   "InvalidCheckpoint") from exc
+        self._adapters[key] = name
+
+    def unload_adapter(self, key: str) -> None:
+        name = self._adapters.pop(key, None)
+        if name is not None:
+            self.base.delete_adapter(name)
+
+    @property
+    def loaded_adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    # ── sampling ──
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        """Results in request order; requests on the same adapter share one batch."""
+        for index, request in enumerate(requests):
+            self._validate(request, index)
+        results: list[SampleResult | None] = [None] * len(requests)
+        groups: dict[str | None, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(request.adapter, []).append(index)
+        for key, indices in groups.items():
+            adapter_name = self._adapter_for(key, requests[indices[0]])
+            batch = [requests[i] for i in indices]
+            for i, result in zip(indices, self._generate(adapter_name, batch)):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _adapter_for(self, key: str | None, request: SampleRequest) -> str | None:
+        if key is None:
+            return None
+        if key not in self._adapters:
+            if request.adapter_path is None:
+                raise EngineInputError(f"Adapter {key!r} is not loaded.", "AdapterNotLoaded")
+            self.load_adapter(key, request.adapter_path)
+        self._adapters.move_to_end(key)
+        return self._adapters[key]
+
+    def _validate(self, request: SampleRequest, index: int) -> None:
+        where = f"requests[{index}]"
+        vocab = self.base.vocab_size
+        if not request.prompt:
+            raise EngineInputError(f"{where}.prompt is empty.", "InvalidSampleRequest")
+        bad = next((t for t in request.prompt + list(request.stop_token_ids)
+                    if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise EngineInputError(f"{where} has token id {bad!r}, outside [0, {vocab}).",
+                                   "InvalidTokenId")
+        if request.n < 1 or request.max_tokens < 0:
+            raise EngineInputError(f"{where} needs n >= 1 and max_tokens >= 0.",
+                                   "InvalidSampleRequest")
+        total = len(request.prompt) + request.max_tokens
+        if total > self.base.max_seq_len:
+            raise EngineInputError(
+                f"{where}: the prompt ({len(request.prompt)} tokens) plus max_tokens "
+                f"({request.max_tokens}) is {total}, over the model's limit of "
+                f"{self.base.max_seq_len}.", "SequenceTooLong")
+        if request.temperature < 0 or not 0 < request.top_p <= 1:
+            raise EngineInputError(f"{where} needs temperature >= 0 and 0 < top_p <= 1.",
+                                   "InvalidSampleRequest")
+        k = request.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_PROMPT_LOGPROBS_TOP_K:
+            raise EngineInputError(f"{where}.prompt_logprobs must be in "
+                                   f"0..{MAX_PROMPT_LOGPROBS_TOP_K}.", "InvalidSampleRequest")
+
+    @torch.no_grad()
+    def _generate(self, adapter_name: str | None, requests: list[SampleRequest]
+                  ) -> list[SampleResult]:
+        from transformers import DynamicCache
+
+        rows = [_Row(r, j, _generator(req.seed, j))
+                for r, req in enumerate(requests) for j in range(req.n)]
+        prompts = [requests[row.request].prompt for row in rows]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, prompt in enumerate(prompts):  # left padding: every prompt ends at `width`
+            input_ids[i, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[i, width - len(prompt):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        stops = [set(self.tokenizer.stop_token_ids) | set(req.stop_token_ids)
+                 for req in requests]
+        max_steps = max(req.max_tokens for req in requests)
+
+        with self.base.activate(adapter_name) as model:
+            cache = DynamicCache()
+            out = model(input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=position_ids, cache=cache, use_cache=True)
+            prompt_logprobs = self._prompt_logprobs(out.logits, rows, requests, width)
+            logits = out.logits[:, -1].float()
+            next_positions = position_ids[:, -1] + 1
+            for step in range(max_steps):
+                for row in rows:
+                    if row.finish_reason is None and step >= requests[row.request].max_tokens:
+                        row.finish_reason = "length"
+                active = [i for i, row in enumerate(rows) if row.finish_reason is None]
+                if not active:
+                    break
+                logprobs = torch.log_softmax(logits, dim=-1)
+                chosen = torch.zeros(len(rows), dtype=torch.long)
+                for i in active:
+                    row = rows[i]
+                    req = requests[row.request]
+                    token = _draw(logits[i], req, row.generator)
+                    chosen[i] = token
+                    row.tokens.append(token)
+                    row.logprobs.append(float(logprobs[i, token]))
+                    self._check_stop(row, req, stops[row.request])
+                if all(row.finish_reason is not None for row in rows):
+                    break
+                attention_mask = torch.cat(
+                    [attention_mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=-1)
+                out = model(input_ids=chosen.unsqueeze(-1), attention_mask=attention_mask,
+                            position_ids=next_positions.unsqueeze(-1), cache=cache,
+                            use_cache=True)
+                logits = out.logits[:, -1].float()
+                next_positions = next_positions + 1
+
+        results = [SampleResult([], prompt_logprobs[r]) for r in range(len(requests))]
+        for row in rows:
+            if row.finish_reason is None:
+                row.finish_reason = "length"
+            text = row.text if row.text is not None else self.tokenizer.decode(
+                _text_tokens(row, stops[row.request]), skip_special_tokens=True)
+            results[row.request].sequences.append(
+                SampledSequence(row.tokens, row.logprobs, row.finish_reason, text))
+        return results
+
+    def _check_stop(self, row: _Row, request: SampleRequest, stop_ids: set[int]) -> None:
+        if row.tokens[-1] in stop_ids:
+            row.finish_reason = "stop"
+            return
+        if request.stop:
+            text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            hits = [text.find(s) for s in request.stop if s and s in text]
+            if hits:
+                row.finish_reason = "stop"
+                row.text = text[: min(hits)]
+
+    def _prompt_logprobs(self, logits: torch.Tensor, rows: list[_Row],
+                         requests: list[SampleRequest], width: int
+                         ) -> list[list[PromptTokenLogprob | None] | None]:
+        """Per request (from its first row's prefill logits), or None if not asked for."""
+        found: list[list[PromptTokenLogprob | None] | None] = [None] * len(requests)
+        for i, row in enumerate(rows):
+            req = requests[row.request]
+            if req.prompt_logprobs is None or row.sample != 0:
+                continue
+            start = width - len(req.prompt)
+            # logits at position p predict token p + 1
+            logprobs = torch.log_softmax(logits[i, start: width - 1].float(), dim=-1)
+            targets = torch.tensor(req.prompt[1:], dtype=torch.long)
+            picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            ranks = (logprobs > picked.unsqueeze(-1)).sum(-1) + 1
+            entries: list[PromptTokenLogprob | None] = [None]
+            top_values, top_ids = logprobs.topk(req.prompt_logprobs, dim=-1)
+            for p in range(len(req.prompt) - 1):
+                top = list(zip(top_ids[p].tolist(), top_values[p].tolist()))
+                entries.append(PromptTokenLogprob(float(picked[p]), int(ranks[p]), top))
+            found[row.request] = entries
+        return found
+
+
+def _generator(seed: int | None, sample: int) -> torch.Generator:
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**62)
+    # A distinct, deterministic stream per sample of a seeded request.
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + sample) % 2**63)
+
+
+def _draw(logits: torch.Tensor, request: SampleRequest, generator: torch.Generator) -> int:
+    """A token from ``logits`` (one row, float32) shaped by temperature, top-k and top-p."""
+    if request.temperature == 0:
+        return int(logits.argmax())
+    scaled = logits / request.temperature
+    if request.top_k > 0 and request.top_k < scaled.numel():
+        kth = scaled.topk(request.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if request.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always the top token).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= request.top_p
+        sorted_probs[drop] = 0
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _text_tokens(row: _Row, stop_ids: set[int]) -> list[int]:
+    """The tokens whose text is returned: without a final stop token."""
+    if row.finish_reason == "stop" and row.tokens and row.tokens[-1] in stop_ids:
+        return row.tokens[:-1]
+    return row.tokens

@@ -1,0 +1,355 @@
+"""One run's LoRA trainer: its own adapter on the shared base model and its own AdamW.
+
+Contract (DEVELOPERS.md, "Local engine"): ``forward`` / ``forward_backward`` take Datum JSON
+and return ForwardBackwardOutput JSON; ``optim_step`` returns OptimStepResponse JSON;
+``step`` counts optimizer steps (= the policy version).
+
+LoRA: rank ``lora_rank``, ``lora_alpha = 32`` for every rank (so the update scale is
+32/rank, as PEFT defines it), dropout 0, on the attention (q, k, v, o) and MLP (gate, up,
+down) projections. A is initialised from ``seed`` (B is zero, so a fresh adapter leaves the
+base model unchanged).
+
+Checkpoints are folders:
+
+- ``save_state``: ``adapter_model.safetensors`` + ``adapter_config.json`` (plain PEFT, so it
+  is also loadable as an adapter), ``optimizer.pt`` (AdamW state) and
+  ``trainer_state.json`` (step, rank, base model).
+- ``save_sampler_weights``: only the PEFT pair, loadable with
+  ``peft.PeftModel.from_pretrained(base, dir)``; ``base_model_name_or_path`` is the loops
+  model name (``loops-local/tiny`` for the tiny model).
+
+Both are written to a temporary sibling folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from baseten_loops_cli.local.engine import losses
+from baseten_loops_cli.local.engine.datums import ParsedDatum, parse_data
+from baseten_loops_cli.local.engine.errors import EngineInputError
+from baseten_loops_cli.local.engine.registry import BaseModel
+
+LORA_ALPHA = 32
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"]
+STATE_FORMAT_VERSION = 1
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_STATE = "trainer_state.json"
+MAX_TOP_K_LOGPROBS = 20
+ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12,
+                 "weight_decay": 0.0, "grad_clip_norm": 1.0}  # the SDK's AdamParams
+
+# How the gradients accumulated since the last optim_step are to be scaled.
+_TOKEN_MEAN = "token_mean"
+_SUM = "sum"
+
+
+def lora_config(rank: int, base_name: str) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                      target_modules=list(LORA_TARGET_MODULES), bias="none",
+                      task_type="CAUSAL_LM", base_model_name_or_path=base_name)
+
+
+class LoraTrainer:
+    def __init__(self, base: BaseModel, adapter_name: str, lora_rank: int,
+                 seed: int | None = None) -> None:
+        if not isinstance(lora_rank, int) or lora_rank < 1:
+            raise EngineInputError(f"lora_rank must be a positive integer, got {lora_rank!r}.",
+                                   "InvalidLoraRank")
+        self.base = base
+        self.adapter_name = adapter_name
+        self.lora_rank = lora_rank
+        self.seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
+        self.step = 0
+        self.tokens_trained = 0
+        self._released = False
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            base.add_adapter(adapter_name, lora_config(lora_rank, base.name))
+        self._params = [p for _, p in base.adapter_parameters(adapter_name)]
+        self._optimizer = self._new_optimizer()
+        self._reset_accumulation()
+
+    # ── compute ──
+
+    def forward(self, data: list[dict], loss_fn: str = "cross_entropy",
+                loss_fn_config: dict | None = None, top_k_logprobs: int = 0) -> dict:
+        """Loss and per-token outputs without touching the gradients."""
+        return self._run(data, loss_fn, loss_fn_config, top_k_logprobs, backward=False)
+
+    def forward_backward(self, data: list[dict], loss_fn: str = "cross_entropy",
+                         loss_fn_config: dict | None = None, top_k_logprobs: int = 0) -> dict:
+        """Like :meth:`forward`, and adds the loss's gradient to the accumulated gradients."""
+        return self._run(data, loss_fn, loss_fn_config, top_k_logprobs, backward=True)
+
+    def _run(self, data: list[dict], loss_fn: str, loss_fn_config: dict | None,
+             top_k_logprobs: int, backward: bool) -> dict:
+        self._check_live()
+        definition = losses.loss_def(loss_fn)
+        config = losses.resolve_config(loss_fn, loss_fn_config)
+        if not isinstance(top_k_logprobs, int) or not 0 <= top_k_logprobs <= MAX_TOP_K_LOGPROBS:
+            raise EngineInputError(f"top_k_logprobs must be an integer in 0..{MAX_TOP_K_LOGPROBS}.",
+                                   "InvalidRequest")
+        parsed = parse_data(data, loss_fn, definition, self.base.vocab_size,
+                            self.base.max_seq_len)
+        normalization = _TOKEN_MEAN if definition.token_normalized(config) else _SUM
+        if backward and self._pending_mode not in (None, normalization):
+            raise EngineInputError(
+                "This forward_backward mixes token-normalized and unnormalized gradients in "
+                "one optimizer step (cross_entropy with and without skip_token_normalization, "
+                "or with an RL loss). Call optim_step first.", "MixedLossNormalization")
+
+        with self.base.activate(self.adapter_name) as model, torch.set_grad_enabled(backward):
+            logits = _batched_logits(model, [p.tokens for p in parsed])
+            loss_inputs, top_k = _target_logprobs(logits, parsed, top_k_logprobs)
+            result = losses.compute(loss_fn, loss_inputs, config)
+            if backward:
+                result.total.backward()
+        if backward:
+            self._pending_mode = normalization
+            self._pending_tokens += result.trained_tokens
+            self.tokens_trained += sum(len(p.tokens) for p in parsed)
+        return _output(loss_fn, result, loss_inputs, top_k, config)
+
+    # ── optimizer ──
+
+    def optim_step(self, adam_params: dict | None = None) -> dict:
+        """One AdamW step on the accumulated gradients (then cleared). ``adam_params``:
+        learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm (0 = no clipping)."""
+        self._check_live()
+        params = _adam_params(adam_params)
+        for group in self._optimizer.param_groups:
+            group.update(lr=params["learning_rate"], betas=(params["beta1"], params["beta2"]),
+                         eps=params["eps"], weight_decay=params["weight_decay"])
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if self._pending_mode == _TOKEN_MEAN and self._pending_tokens > 0:
+            for grad in grads:
+                grad.div_(self._pending_tokens)
+        grad_norm = (float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0)
+        if params["grad_clip_norm"] > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(self._params, params["grad_clip_norm"])
+        with self.base.lock:
+            self._optimizer.step()
+        self.step += 1
+        self._reset_accumulation()
+        return {"metrics": {"grad_norm": grad_norm,
+                            "learning_rate": float(params["learning_rate"]),
+                            "step": float(self.step)}}
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        # Hyperparameters are set from adam_params at every step.
+        return torch.optim.AdamW(self._params)
+
+    def _reset_accumulation(self) -> None:
+        for p in self._params:
+            p.grad = None
+        self._pending_mode: str | None = None
+        self._pending_tokens = 0
+
+    # ── checkpoints ──
+
+    def save_sampler_weights(self, directory: str | os.PathLike) -> None:
+        self._check_live()
+        with _atomic_dir(directory) as tmp:
+            self._write_adapter(tmp)
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        self._check_live()
+        with _atomic_dir(directory) as tmp:
+            self._write_adapter(tmp)
+            torch.save(self._optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+            (tmp / TRAINER_STATE).write_text(json.dumps({
+                "format_version": STATE_FORMAT_VERSION, "base_model": self.base.name,
+                "lora_rank": self.lora_rank, "lora_alpha": LORA_ALPHA, "step": self.step,
+            }, indent=2))
+
+    def _write_adapter(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.base.adapter_state(self.adapter_name), str(directory / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        config = copy.deepcopy(self.base.adapter_config(self.adapter_name))
+        config.inference_mode = True  # as PEFT's own save_pretrained writes it
+        config.save_pretrained(str(directory))
+
+    def load_state(self, directory: str | os.PathLike, with_optimizer: bool = False) -> int:
+        """Load adapter weights from a ``save_state`` folder (or a plain PEFT adapter folder).
+        Weights only: the optimizer is reset and ``step`` becomes 0. ``with_optimizer``:
+        also the AdamW state and the step. Pending gradients are dropped. Returns ``step``."""
+        from safetensors.torch import load_file
+
+        self._check_live()
+        directory = Path(directory)
+        config = _read_json(directory / ADAPTER_CONFIG)
+        state = _read_json(directory / TRAINER_STATE) if (directory / TRAINER_STATE).exists() \
+            else None
+        if config is None or not (directory / ADAPTER_WEIGHTS).is_file():
+            raise EngineInputError(f"{directory} is not a LoRA checkpoint (no {ADAPTER_CONFIG} "
+                                   f"and {ADAPTER_WEIGHTS}).", "InvalidCheckpoint")
+        if int(config.get("r", -1)) != self.lora_rank:
+            raise EngineInputError(f"The checkpoint has LoRA rank {config.get('r')}, but this "
+                                   f"trainer has rank {self.lora_rank}.", "LoraRankMismatch")
+        saved_base = config.get("base_model_name_or_path")
+        if saved_base and saved_base != self.base.name:
+            raise EngineInputError(f"The checkpoint was trained on {saved_base}, not "
+                                   f"{self.base.name}.", "BaseModelMismatch")
+        if with_optimizer and (state is None or not (directory / OPTIMIZER_FILE).is_file()):
+            raise EngineInputError(f"{directory} has no optimizer state (it holds sampler "
+                                   "weights only); load it without the optimizer.",
+                                   "InvalidCheckpoint")
+        try:
+            self.base.set_adapter_state(self.adapter_name,
+                                        load_file(str(directory / ADAPTER_WEIGHTS)))
+        except (ValueError, RuntimeError) as exc:  # wrong keys or shapes
+            raise EngineInputError(f"{directory}: {exc}", "InvalidCheckpoint") from exc
+        self._optimizer = self._new_optimizer()
+        self._reset_accumulation()
+        if with_optimizer:
+            self._optimizer.load_state_dict(
+                torch.load(directory / OPTIMIZER_FILE, weights_only=True))
+            self.step = int(state["step"])
+        else:
+            self.step = 0
+        return self.step
+
+    def release(self) -> None:
+        """Free the adapter and optimizer; the trainer is unusable afterwards."""
+        if not self._released:
+            self._released = True
+            self._params = []
+            self._optimizer = None  # type: ignore[assignment]
+            self.base.delete_adapter(self.adapter_name)
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise RuntimeError(f"trainer {self.adapter_name!r} was released")
+
+
+# ── helpers ──
+
+def _adam_params(given: dict | None) -> dict[str, float]:
+    unknown = sorted(set(given or {}) - set(ADAM_DEFAULTS))
+    if unknown:
+        raise EngineInputError(f"Unknown adam_params {', '.join(unknown)} (accepted: "
+                               f"{', '.join(ADAM_DEFAULTS)}).", "InvalidAdamParams")
+    params = {**ADAM_DEFAULTS, **(given or {})}
+    for key, value in params.items():
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not math.isfinite(value) or value < 0):
+            raise EngineInputError(f"adam_params.{key} must be a finite number >= 0, got "
+                                   f"{value!r}.", "InvalidAdamParams")
+    return {key: float(value) for key, value in params.items()}
+
+
+def _batched_logits(model: Any, sequences: list[list[int]]) -> torch.Tensor:
+    """One right-padded forward pass; (B, T, V) float32 logits (padding positions are junk
+    and never read)."""
+    longest = max(len(s) for s in sequences)
+    input_ids = torch.zeros((len(sequences), longest), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, seq in enumerate(sequences):
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        attention_mask[row, : len(seq)] = 1
+    return model(input_ids=input_ids, attention_mask=attention_mask,
+                 use_cache=False).logits.float()
+
+
+TopK = tuple[torch.Tensor, torch.Tensor]  # (logprobs, token ids), each (N, k)
+
+
+def _target_logprobs(logits: torch.Tensor, parsed: list[ParsedDatum], top_k: int
+                     ) -> tuple[list[losses.DatumLossInput], list[TopK]]:
+    """Each datum's logprobs of its targets (and optionally the top-k alternatives)."""
+    inputs: list[losses.DatumLossInput] = []
+    top: list[TopK] = []
+    for row, datum in enumerate(parsed):
+        row_logits = logits[row, : len(datum.tokens)]
+        normalizer = torch.logsumexp(row_logits, dim=-1)  # (N,)
+        targets = datum.inputs["target_tokens"]
+        valid = targets != losses.IGNORE_INDEX
+        index = targets.clamp(min=0)
+        if index.dim() == 1:
+            picked = row_logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - normalizer
+        else:
+            picked = row_logits.gather(-1, index) - normalizer.unsqueeze(-1)
+        inputs.append(losses.DatumLossInput(picked * valid, valid, datum.inputs))
+        if top_k:
+            values, ids = row_logits.detach().topk(top_k, dim=-1)
+            top.append((values - normalizer.detach().unsqueeze(-1), ids))
+    return inputs, top
+
+
+def _tensor_data(tensor: torch.Tensor, dtype: str, nan_where: torch.Tensor | None = None
+                 ) -> dict:
+    values = tensor.detach().reshape(-1).tolist()
+    if nan_where is not None:  # JSON has no NaN: masked positions go out as null
+        values = [None if masked else v for v, masked in
+                  zip(values, nan_where.reshape(-1).tolist())]
+    return {"data": values, "dtype": dtype, "shape": list(tensor.shape)}
+
+
+def _output(loss_fn: str, result: losses.LossResult, inputs: list[losses.DatumLossInput],
+            top_k: list[TopK], config: dict) -> dict:
+    outputs = []
+    for i, datum in enumerate(inputs):
+        item = {"logprobs": _tensor_data(datum.target_logprobs, "float32", ~datum.valid),
+                "elementwise_loss": _tensor_data(result.elementwise[i], "float32")}
+        if top_k:
+            item["top_k_logprobs"] = _tensor_data(top_k[i][0], "float32")
+            item["top_k_tokens"] = _tensor_data(top_k[i][1], "int64")
+        outputs.append(item)
+    loss_sum = result.metrics["loss:sum"]
+    mean = loss_sum / max(result.trained_tokens, 1)
+    metrics = {**result.metrics, "loss": mean, "tokens": float(result.trained_tokens)}
+    if loss_fn == "cross_entropy":
+        metrics["skip_token_normalization"] = float(config["skip_token_normalization"])
+    # ``loss`` is telemetry (the per-trained-token mean); the gradient is defined by the
+    # loss's sum and the token normalization described in losses.py.
+    return {"loss": mean, "loss_fn_output_type": loss_fn, "loss_fn_outputs": outputs,
+            "metrics": metrics}
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@contextlib.contextmanager
+def _atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
+    """Write into the yielded temporary folder; on success it replaces ``dest`` by renames
+    (an existing ``dest`` is swapped out first, then deleted)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if dest.exists():
+        old = dest.with_name(f"{tmp.name}.old")
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

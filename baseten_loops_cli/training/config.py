@@ -1,0 +1,312 @@
+"""The YAML training config: a strict schema, loading with line numbers, ``--set`` overrides.
+
+Every error names the file, the line and the key, and suggests the nearest valid key, because
+a typo in a config that provisions GPUs should cost seconds, not a run.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from baseten_loops_cli.errors import ConfigError, UsageError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class OptimizerConfig(_Strict):
+    learning_rate: float = Field(1e-4, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "linear"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of the decay, as a fraction of learning_rate.")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(1.0, ge=0, description="0 disables clipping.")
+
+
+class CheckpointConfig(_Strict):
+    save_every: int = Field(0, ge=0, description="Save trainer state every N steps (0 = only at the end).")
+    ttl_seconds: int | None = Field(None, ge=1)
+    keep_final: bool = True
+
+
+class LoggingConfig(_Strict):
+    run_dir: str | None = Field(None, description="Default: runs/<name>-<timestamp> beside the config.")
+    wandb_project: str | None = None
+    wandb_name: str | None = None
+
+
+class PricingConfig(_Strict):
+    """Optional prices, for the plan's cost estimate (no public Loops prices exist)."""
+
+    usd_per_million_train_tokens: float | None = Field(None, ge=0)
+    usd_per_million_sample_tokens: float | None = Field(None, ge=0)
+    usd_per_hour: float | None = Field(None, ge=0)
+
+
+class SFTData(_Strict):
+    train: str
+    eval: str | None = None
+    train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
+    shuffle: bool = True
+
+
+class RLData(_Strict):
+    prompts: str
+    eval_prompts: str | None = None
+    shuffle: bool = True
+
+
+class RewardConfig(_Strict):
+    """A builtin reward (``exact_match``, ``numeric_match``, ``regex``, ``contains``,
+    ``starts_with``) or ``path/to/file.py:function``."""
+
+    fn: str
+    pattern: str | None = None
+    case_sensitive: bool = False
+    partial_credit: bool = Field(
+        False, description="contains/starts_with: score the longest matched prefix of the answer."
+    )
+
+
+class LossConfig(_Strict):
+    name: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
+    config: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_keys(self) -> "LossConfig":
+        allowed = {
+            "importance_sampling": set(),
+            "ppo": {"clip_low_threshold", "clip_high_threshold"},
+            "cispo": {"clip_low_threshold", "clip_high_threshold"},
+            "dro": {"beta"},
+        }[self.name]
+        for key in self.config:
+            if key not in allowed:
+                valid = ", ".join(sorted(allowed)) or "none"
+                raise ValueError(f"unknown {self.name} config key {key!r} (valid: {valid})")
+        return self
+
+
+class SamplingConfig(_Strict):
+    max_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    stop: list[str] = Field(default_factory=list)
+
+
+class _Common(_Strict):
+    name: str = Field(..., min_length=1, max_length=255)
+    base_model: str
+    profile: str | None = Field(None, description="Backend profile (default: the active one).")
+    lora_rank: int = Field(32, ge=1)
+    max_seq_len: int = Field(2048, ge=8)
+    seed: int = 0
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    batch_size: int = Field(8, ge=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    eval_every: int = Field(0, ge=0)
+    checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    pricing: PricingConfig = Field(default_factory=PricingConfig)
+
+
+class SFTConfig(_Common):
+    kind: Literal["sft"]
+    data: SFTData
+
+
+class RLConfig(_Common):
+    kind: Literal["rl"]
+    data: RLData
+    reward: RewardConfig
+    group_size: int = Field(4, ge=2)
+    groups_per_batch: int = Field(8, ge=1)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    kl_penalty_coef: float = Field(0.0, ge=0, description="KL penalty against the base model (0 = off).")
+    max_steps_off_policy: int = Field(0, ge=0, description="0 = synchronous; N >= 1 = async with that staleness bound.")
+    pass_threshold: float = Field(1.0, description="A rollout passes when its reward is at least this.")
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_shorthand(cls, value: Any) -> Any:
+        return {"fn": value} if isinstance(value, str) else value
+
+
+TrainConfig = Annotated[Union[SFTConfig, RLConfig], Field(discriminator="kind")]
+
+
+class LoadedConfig:
+    """A validated config plus where it came from (paths in it are relative to its folder)."""
+
+    def __init__(self, config: SFTConfig | RLConfig, path: Path, raw: dict):
+        self.config = config
+        self.path = path
+        self.raw = raw
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    def resolve_path(self, value: str) -> Path:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else (self.base_dir / p)
+
+
+# ------------------------------------------------------------------ YAML with line numbers
+def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]:
+    """Parse YAML safely and record the line of every mapping key, by key path."""
+    import yaml
+
+    lines: dict[tuple, int] = {}
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader, node, deep=False):
+        loader.flatten_mapping(node)
+        mapping = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            mapping[key] = loader.construct_object(value_node, deep=True)
+            lines[(id(mapping), key)] = key_node.start_mark.line + 1
+        return mapping
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+    # Re-key by path (ids are only valid while the objects live, which they do here).
+    by_path: dict[tuple, int] = {}
+
+    def walk(obj: Any, prefix: tuple) -> None:
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                line = lines.get((id(obj), key))
+                if line is not None:
+                    by_path[prefix + (key,)] = line
+                walk(value, prefix + (key,))
+        elif isinstance(obj, list):
+            for i, value in enumerate(obj):
+                walk(value, prefix + (i,))
+
+    walk(data, ())
+    return data, by_path
+
+
+def _model_for(raw: dict) -> type[BaseModel]:
+    return RLConfig if raw.get("kind") == "rl" else SFTConfig
+
+
+def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names valid at ``loc`` (the parent of an unknown key)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = getattr(annotation, "__args__", None) or (annotation,)
+        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if current is None:
+            return []
+    return list(getattr(current, "model_fields", {}))
+
+
+def _format_validation_error(exc: ValidationError, path: Path, lines: dict[tuple, int], raw: dict) -> ConfigError:
+    err = exc.errors()[0]
+    loc = tuple(p for p in err["loc"] if p not in ("sft", "rl"))
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    line = None
+    probe = loc
+    while probe and line is None:
+        line = lines.get(probe)
+        probe = probe[:-1]
+    where = f"{path}:{line}" if line else str(path)
+    hint = None
+    if err["type"] == "extra_forbidden":
+        valid = _valid_keys(_model_for(raw), loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+        message = f"{where}: unknown key {key!r}"
+        if close:
+            message += f"; did you mean {'.'.join(str(p) for p in loc[:-1] + (close[0],))!r}?"
+        elif valid:
+            hint = f"Valid keys here: {', '.join(valid)}."
+    elif err["type"] == "missing":
+        message = f"{where}: missing required key {key!r}"
+    elif err["type"] == "union_tag_invalid" or (err["type"] == "literal_error" and loc == ("kind",)):
+        message = f"{where}: kind must be 'sft' or 'rl'"
+    else:
+        message = f"{where}: {key}: {err['msg']}"
+    if len(exc.errors()) > 1:
+        hint = (hint + " " if hint else "") + f"({len(exc.errors()) - 1} more problem(s) after this one.)"
+    return ConfigError(message, hint=hint)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``key.path=value`` overrides; values are parsed as YAML scalars (``3``, ``true``)."""
+    import yaml
+
+    for item in overrides:
+        if "=" not in item:
+            raise UsageError(f"--set {item!r}: expected key.path=value")
+        key, value = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise UsageError(f"--set {item!r}: empty key")
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            parsed = value
+        node = raw
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = parsed
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> LoadedConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file", hint="Create one with `loops train init`.") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    raw, lines = _load_yaml_with_lines(text, path)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}:1: the config must be a YAML mapping (key: value lines)")
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+    if "kind" not in raw:
+        raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft` or `kind: rl`.")
+    if raw.get("kind") not in ("sft", "rl"):
+        line = lines.get(("kind",))
+        raise ConfigError(f"{path}:{line or 1}: kind must be 'sft' or 'rl', not {raw.get('kind')!r}")
+    from pydantic import TypeAdapter
+
+    try:
+        config = TypeAdapter(TrainConfig).validate_python(raw)
+    except ValidationError as exc:
+        raise _format_validation_error(exc, path, lines, raw) from None
+    return LoadedConfig(config, path.resolve(), raw)

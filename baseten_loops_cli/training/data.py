@@ -1,0 +1,199 @@
+"""Training data: JSONL rows -> token sequences -> Datums.
+
+SFT rows are either OpenAI chat (``{"messages": [{"role", "content"}, ...]}``) or
+``{"prompt": ..., "completion": ...}``. RL rows are ``{"prompt": ...}`` or ``{"messages": [...]}``
+plus whatever the reward needs (usually ``"answer"``). Every error names the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from baseten_loops_cli.errors import ConfigError
+
+
+@dataclass
+class Example:
+    """One rendered SFT example: tokens and per-token training weights."""
+
+    tokens: list[int]
+    weights: list[float]
+    source: str  # "file:line", for error messages
+
+    @property
+    def trained_tokens(self) -> int:
+        return int(sum(1 for w in self.weights[1:] if w > 0))
+
+
+@dataclass
+class Prompt:
+    """One RL prompt: its rendered tokens and its row (for the reward)."""
+
+    tokens: list[int]
+    row: dict[str, Any]
+    source: str
+    text: str = field(default="")
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """Yield (line number, row) for each non-blank line; a bad line is an error naming it."""
+    try:
+        handle = path.open(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: data file not found", hint="Check the path in the config (relative to the config file).") from None
+    with handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{lineno}: each line must be a JSON object")
+            yield lineno, row
+
+
+def _check_messages(messages: Any, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: 'messages' must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ConfigError(f"{where}: messages[{i}] must have a string 'content'")
+        if message.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ConfigError(f"{where}: messages[{i}] has role {message.get('role')!r}; expected system, user or assistant")
+    return messages
+
+
+def _too_long(where: str, length: int, max_seq_len: int) -> ConfigError:
+    return ConfigError(
+        f"{where}: example is {length} tokens, over max_seq_len {max_seq_len}",
+        hint=f"Raise max_seq_len to at least {length} (if the model allows) or shorten the example.",
+    )
+
+
+def load_sft_examples(path: Path, tokenizer: Any, *, train_on: str, max_seq_len: int) -> list[Example]:
+    from baseten_loops_cli.tokenization import render_chat, render_prompt_completion
+
+    examples = []
+    for lineno, row in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        if "messages" in row:
+            messages = _check_messages(row["messages"], where)
+            if not any(m.get("role") == "assistant" for m in messages):
+                raise ConfigError(f"{where}: no assistant message to train on")
+            try:
+                tokens, weights = render_chat(tokenizer, messages, train_on=train_on)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+        elif "prompt" in row and "completion" in row:
+            if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
+                raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings")
+            tokens, weights = render_prompt_completion(tokenizer, row["prompt"], row["completion"])
+        else:
+            raise ConfigError(
+                f"{where}: expected a 'messages' list or 'prompt' and 'completion' keys, found {sorted(row)}"
+            )
+        if len(tokens) > max_seq_len:
+            raise _too_long(where, len(tokens), max_seq_len)
+        example = Example(list(tokens), [float(w) for w in weights], where)
+        if example.trained_tokens == 0:
+            raise ConfigError(f"{where}: nothing to train on (every token has weight 0)")
+        examples.append(example)
+    if not examples:
+        raise ConfigError(f"{path}: no examples (the file is empty)")
+    return examples
+
+
+def load_prompts(path: Path, tokenizer: Any, *, max_seq_len: int, max_tokens: int) -> list[Prompt]:
+    from baseten_loops_cli.tokenization import render_chat
+
+    prompts = []
+    for lineno, row in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        if "messages" in row:
+            messages = _check_messages(row["messages"], where)
+        elif isinstance(row.get("prompt"), str):
+            messages = [{"role": "user", "content": row["prompt"]}]
+        else:
+            raise ConfigError(f"{where}: expected a string 'prompt' or a 'messages' list, found {sorted(row)}")
+        tokens, _ = render_chat(tokenizer, messages, train_on="all", add_generation_prompt=True)
+        if len(tokens) + max_tokens > max_seq_len:
+            raise ConfigError(
+                f"{where}: prompt is {len(tokens)} tokens; with sampling.max_tokens {max_tokens} that exceeds max_seq_len {max_seq_len}",
+                hint="Raise max_seq_len, lower sampling.max_tokens or shorten the prompt.",
+            )
+        prompts.append(Prompt(list(tokens), row, where, messages[-1]["content"]))
+    if not prompts:
+        raise ConfigError(f"{path}: no prompts (the file is empty)")
+    return prompts
+
+
+def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The example order of one epoch: a pure function of (seed, epoch), so resume replays it."""
+    order = list(range(n))
+    if shuffle:
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def batches_for_step(n: int, batch_size: int, step: int, *, seed: int, shuffle: bool) -> list[int]:
+    """Indices of the examples of ``step`` (0-based). Partial last batches are dropped."""
+    per_epoch = max(1, n // batch_size)
+    epoch, index = divmod(step, per_epoch)
+    order = epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle)
+    return order[index * batch_size : (index + 1) * batch_size]
+
+
+def sft_datum(example: Example) -> dict:
+    """A cross-entropy Datum with the one-token shift: input[i] predicts target[i] = tokens[i+1]."""
+    inputs = example.tokens[:-1]
+    targets = example.tokens[1:]
+    weights = example.weights[1:]
+    n = len(inputs)
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": inputs}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": targets, "dtype": "int64", "shape": [n]},
+            "weights": {"data": weights, "dtype": "float32", "shape": [n]},
+        },
+    }
+
+
+def rl_datum(prompt_tokens: list[int], completion: list[int], logprobs: list[float], advantage: float) -> dict:
+    """An RL Datum over prompt + completion: only completion targets carry advantage and loss."""
+    full = list(prompt_tokens) + list(completion)
+    inputs = full[:-1]
+    targets = full[1:]
+    n = len(inputs)
+    prompt_targets = len(prompt_tokens) - 1
+    behaviour = [0.0] * prompt_targets + [float(x) for x in logprobs]
+    advantages = [0.0] * prompt_targets + [float(advantage)] * len(completion)
+    mask = [0.0] * prompt_targets + [1.0] * len(completion)
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": inputs}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": targets, "dtype": "int64", "shape": [n]},
+            "logprobs": {"data": behaviour, "dtype": "float32", "shape": [n]},
+            "advantages": {"data": advantages, "dtype": "float32", "shape": [n]},
+            "mask": {"data": mask, "dtype": "float32", "shape": [n]},
+        },
+    }
+
+
+def weighted_nll(datums: list[dict], outputs: list[dict]) -> tuple[float, int]:
+    """Mean negative log-likelihood over trained tokens, from forward(_backward) outputs."""
+    total = 0.0
+    count = 0.0
+    for datum, out in zip(datums, outputs):
+        weights = datum["loss_fn_inputs"]["weights"]["data"]
+        logprobs = out["logprobs"]["data"]
+        for w, lp in zip(weights, logprobs):
+            if w and lp is not None:
+                total -= w * lp
+                count += w
+    return (total / count if count else float("nan")), int(count)

@@ -1,0 +1,131 @@
+"""How a training run shows itself: a Rich live view on a TTY, one plain line per step off a
+TTY, JSON Lines on stdout with ``-o jsonl``. All human output goes to stderr."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any, TextIO
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 30) -> str:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))][-width:]
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = hi - lo or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in values)
+
+
+def _fmt(value: Any, spec: str = ".4f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def step_line(record: dict, total: int, main_metric: str) -> str:
+    parts = [f"step {record['step']}/{total}"]
+    if main_metric == "reward":
+        parts.append(f"reward {_fmt(record.get('reward'), '.3f')}")
+        parts.append(f"pass {_fmt(record.get('pass_rate'), '.0%')}")
+        parts.append(f"groups {record.get('groups_trained', 0)}/{record.get('groups', 0)}")
+    else:
+        parts.append(f"loss {_fmt(record.get('loss'))}")
+    if "eval_loss" in record:
+        parts.append(f"eval_loss {_fmt(record['eval_loss'])}")
+    if "eval_reward_mean" in record:
+        parts.append(f"eval_reward {_fmt(record['eval_reward_mean'], '.3f')}")
+    parts.append(f"lr {_fmt(record.get('learning_rate'), '.2e')}")
+    parts.append(f"tok/s {_fmt(record.get('tokens_per_s'), '.0f')}")
+    parts.append(f"v{record.get('policy_version', '-')}")
+    return "  ".join(parts)
+
+
+class PlainReporter:
+    """One line per step on stderr; with ``jsonl`` also each record on stdout."""
+
+    def __init__(self, *, jsonl: bool = False, quiet: bool = False, out: TextIO | None = None, err: TextIO | None = None):
+        self.jsonl = jsonl
+        self.quiet = quiet
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.total = 0
+        self.main_metric = "loss"
+
+    def start(self, total_steps: int, start_step: int, main_metric: str) -> None:
+        self.total = total_steps
+        self.main_metric = main_metric
+
+    def step(self, record: dict) -> None:
+        if self.jsonl:
+            self.out.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self.out.flush()
+        if not self.quiet:
+            print(step_line(record, self.total, self.main_metric), file=self.err, flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.quiet:
+            print(text, file=self.err, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class LiveReporter:
+    """A Rich live view: progress bar with ETA, the main metric, LR, tokens/s, policy version,
+    and a sparkline of the main metric."""
+
+    def __init__(self, console) -> None:
+        self.console = console
+        self.history: list[float] = []
+        self.total = 0
+        self.main_metric = "loss"
+        self.last: dict = {}
+        self._live = None
+        self._progress = None
+        self._task = None
+
+    def start(self, total_steps: int, start_step: int, main_metric: str) -> None:
+        from rich.live import Live
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.total = total_steps
+        self.main_metric = main_metric
+        self._progress = Progress(
+            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+        )  # fmt: skip
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step)
+        self._live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+        self._live.start()
+
+    def _render(self):
+        from rich.console import Group
+        from rich.text import Text
+
+        record = self.last
+        if record:
+            line = step_line(record, self.total, self.main_metric)
+        else:
+            line = "waiting for the first step..."
+        spark = sparkline(self.history)
+        return Group(self._progress, Text(line), Text(f"{self.main_metric} {spark}", style="cyan"))
+
+    def step(self, record: dict) -> None:
+        self.last = record
+        value = record.get(self.main_metric)
+        if isinstance(value, (int, float)):
+            self.history.append(float(value))
+        self._progress.update(self._task, completed=record["step"])
+        self._live.update(self._render())
+
+    def message(self, text: str) -> None:
+        self.console.print(text)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

@@ -1,0 +1,158 @@
+"""Validate a config end to end and compute its plan: examples, steps, tokens, time and cost.
+
+Everything here is checked before any capacity is provisioned: the schema, that every file
+exists and every row parses, token lengths against max_seq_len, the reward, and (when a
+backend is reachable) that the base model is offered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from baseten_loops_cli.errors import ConfigError
+from baseten_loops_cli.training.config import LoadedConfig, RLConfig
+
+# Rough throughputs for the time estimate (tokens/s through forward+backward). The local CPU
+# backend is measured on 2 cores with loops-local/tiny; remote GPUs are far faster.
+_TRAIN_TOKENS_PER_S = {"local": 4000.0, "baseten": 50000.0}
+_SAMPLE_TOKENS_PER_S = {"local": 400.0, "baseten": 5000.0}
+
+
+@dataclass
+class Plan:
+    kind: str
+    base_model: str
+    examples: int
+    eval_examples: int
+    steps: int
+    train_tokens: int
+    sample_tokens: int
+    est_seconds: float | None
+    est_cost_usd: float | None
+    notes: list[str] = field(default_factory=list)
+    data: Any = field(default=None, repr=False)  # the loaded examples/prompts, for the loops
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "base_model": self.base_model,
+            "examples": self.examples,
+            "eval_examples": self.eval_examples,
+            "steps": self.steps,
+            "train_tokens": self.train_tokens,
+            "sample_tokens": self.sample_tokens,
+            "estimated_seconds": self.est_seconds,
+            "estimated_cost_usd": self.est_cost_usd,
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class LoadedData:
+    tokenizer: Any
+    train: list
+    eval: list | None
+    reward: tuple[str, Any] | None = None
+
+
+def load_data(loaded: LoadedConfig) -> LoadedData:
+    from baseten_loops_cli.tokenization import get_tokenizer
+    from baseten_loops_cli.training import data as data_mod
+
+    config = loaded.config
+    try:
+        tokenizer = get_tokenizer(config.base_model)
+    except Exception as exc:
+        message = getattr(exc, "message", None) or str(exc)
+        raise ConfigError(f"{loaded.path}: base_model {config.base_model!r}: {message}") from None
+    if isinstance(config, RLConfig):
+        from baseten_loops_cli.training.rewards import build_reward
+
+        kwargs = {"max_seq_len": config.max_seq_len, "max_tokens": config.sampling.max_tokens}
+        train = data_mod.load_prompts(loaded.resolve_path(config.data.prompts), tokenizer, **kwargs)
+        evals = (
+            data_mod.load_prompts(loaded.resolve_path(config.data.eval_prompts), tokenizer, **kwargs)
+            if config.data.eval_prompts
+            else None
+        )
+        reward = build_reward(config.reward, loaded.base_dir)
+        return LoadedData(tokenizer, train, evals, reward)
+    kwargs = {"train_on": config.data.train_on, "max_seq_len": config.max_seq_len}
+    train = data_mod.load_sft_examples(loaded.resolve_path(config.data.train), tokenizer, **kwargs)
+    evals = (
+        data_mod.load_sft_examples(loaded.resolve_path(config.data.eval), tokenizer, **kwargs)
+        if config.data.eval
+        else None
+    )
+    return LoadedData(tokenizer, train, evals)
+
+
+def check_base_model(client: Any, base_model: str, max_seq_len: int, use_case: str) -> list[str]:
+    """Ask the backend's capabilities whether the model is offered; return notes or raise."""
+    models = client.capabilities(use_case=use_case)
+    names = [m.model_name for m in models]
+    match = next((m for m in models if m.model_name == base_model), None)
+    if match is None:
+        import difflib
+
+        close = difflib.get_close_matches(base_model, names, n=1)
+        raise ConfigError(
+            f"base_model {base_model!r} is not offered by this backend"
+            + (f"; did you mean {close[0]!r}?" if close else ""),
+            hint=f"Available: {', '.join(names) or '(none)'}.",
+        )
+    notes = []
+    limit = getattr(match, "max_enabled_seq_len", None) or getattr(match, "max_seq_len", None)
+    if limit and max_seq_len > limit:
+        raise ConfigError(
+            f"max_seq_len {max_seq_len} is over what {base_model} allows here ({limit})",
+            hint=f"Set max_seq_len to {limit} or less.",
+        )
+    if getattr(match, "enabled", True) is False:
+        detail = getattr(match, "enablement_details", None)
+        raise ConfigError(f"{base_model} is not enabled for this workspace" + (f": {detail}" if detail else ""))
+    return notes
+
+
+def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan:
+    from baseten_loops_cli.training import rl as rl_mod
+    from baseten_loops_cli.training import sft as sft_mod
+
+    config = loaded.config
+    pricing = config.pricing
+    if isinstance(config, RLConfig):
+        steps = rl_mod.total_steps(len(data.train), config)
+        per_step_prompts = config.groups_per_batch * config.group_size
+        avg_prompt = sum(len(p.tokens) for p in data.train) / len(data.train)
+        sample_tokens = int(steps * per_step_prompts * config.sampling.max_tokens)
+        train_tokens = int(steps * per_step_prompts * (avg_prompt + config.sampling.max_tokens))
+    else:
+        steps = sft_mod.total_steps(len(data.train), config)
+        avg = sum(len(e.tokens) for e in data.train) / len(data.train)
+        train_tokens = int(steps * config.batch_size * avg)
+        sample_tokens = 0
+    est = train_tokens / _TRAIN_TOKENS_PER_S.get(backend_kind, 50000.0) + sample_tokens / _SAMPLE_TOKENS_PER_S.get(backend_kind, 5000.0)
+    cost = None
+    if any(v is not None for v in (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour)):
+        cost = (
+            train_tokens / 1e6 * (pricing.usd_per_million_train_tokens or 0.0)
+            + sample_tokens / 1e6 * (pricing.usd_per_million_sample_tokens or 0.0)
+            + est / 3600 * (pricing.usd_per_hour or 0.0)
+        )
+    notes = []
+    if config.max_steps and steps < config.max_steps:
+        notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
+    return Plan(
+        kind=config.kind,
+        base_model=config.base_model,
+        examples=len(data.train),
+        eval_examples=len(data.eval or []),
+        steps=steps,
+        train_tokens=train_tokens,
+        sample_tokens=sample_tokens,
+        est_seconds=est,
+        est_cost_usd=cost,
+        notes=notes,
+        data=data,
+    )

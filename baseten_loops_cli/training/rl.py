@@ -1,0 +1,260 @@
+"""The reinforcement-learning loop (GRPO-style group advantages).
+
+Per step: publish the current weights to the sampler, sample ``group_size`` completions for each
+of ``groups_per_batch`` prompts with every request in flight, score them, set
+advantage = reward - group mean, drop groups whose rewards are all equal (no signal), build
+datums carrying the sampler's logprobs, then ``forward_backward`` with the configured loss and
+``optim_step``.
+
+``max_steps_off_policy: 0`` is synchronous (sample with the weights of this very step).
+``N >= 1`` overlaps: the next batch is sampled while this one trains. Each group is tagged
+with the policy version that sampled it, and a group more than N versions behind the trainer
+is resampled, never trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from baseten_loops_cli.training.data import Prompt, rl_datum
+from baseten_loops_cli.training.rewards import score
+from baseten_loops_cli.training.session import StopRequested, TrainingSession, learning_rate, save_checkpoint
+
+
+@dataclass
+class Rollout:
+    prompt: Prompt
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    reward: float
+    stop_reason: str
+
+
+@dataclass
+class Batch:
+    """The sampled groups of one step and the policy version that sampled them."""
+
+    step: int
+    version: int
+    groups: list[list[Rollout]]
+    sample_time_s: float
+
+
+def total_steps(n_prompts: int, config) -> int:
+    per_epoch = max(1, n_prompts // config.groups_per_batch)
+    steps = per_epoch * config.epochs
+    return min(steps, config.max_steps) if config.max_steps else steps
+
+
+def prompts_for_step(prompts: list[Prompt], step: int, config) -> list[Prompt]:
+    from baseten_loops_cli.training.data import batches_for_step
+
+    idx = batches_for_step(len(prompts), config.groups_per_batch, step, seed=config.seed, shuffle=config.data.shuffle)
+    return [prompts[i] for i in idx]
+
+
+class Rollouts:
+    """Samples groups through the sampler (async, all requests in flight) and scores them."""
+
+    def __init__(self, session: TrainingSession, tokenizer: Any, reward: tuple[str, Any]):
+        self.session = session
+        self.tokenizer = tokenizer
+        self.reward_name, self.reward_fn = reward
+
+    async def _group(self, sampler, prompt: Prompt, *, n: int, seed: int, version: int, sampling) -> list[Rollout]:
+        result = await sampler.asample(
+            prompt.tokens,
+            n=n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=seed,
+            stop=list(self.tokenizer.stop_token_ids),
+            min_policy_version=version or None,
+        )
+        rollouts = []
+        for seq in result.sequences:
+            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+            for stop_text in sampling.stop:
+                if stop_text in text:
+                    text = text[: text.index(stop_text)]
+            value = score(self.reward_name, self.reward_fn, text, prompt.row, prompt.source)
+            rollouts.append(Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, value, seq.stop_reason))
+        return rollouts
+
+    def sample(self, prompts: list[Prompt], *, step: int, version: int, n: int, sampling, seed: int) -> Batch:
+        started = time.monotonic()
+
+        # One client per batch: batches may be sampled from two threads (async mode), and an
+        # async HTTP client belongs to the event loop that made it.
+        sampler = self.session.new_sampler_client()
+
+        async def gather() -> list[list[Rollout]]:
+            try:
+                return await asyncio.gather(
+                    *(self._group(sampler, p, n=n, seed=seed * 1_000_003 + step * 1009 + i, version=version, sampling=sampling)
+                      for i, p in enumerate(prompts))
+                )  # fmt: skip
+            finally:
+                await sampler.aclose()
+                sampler.close()
+
+        groups = asyncio.run(gather())
+        return Batch(step, version, groups, time.monotonic() - started)
+
+
+def _datums(groups: list[list[Rollout]]) -> tuple[list[dict], int]:
+    datums, kept = [], 0
+    for group in groups:
+        rewards = [r.reward for r in group]
+        if max(rewards) - min(rewards) < 1e-12:
+            continue  # every rollout scored the same: no learning signal
+        kept += 1
+        mean = statistics.fmean(rewards)
+        for r in group:
+            if r.tokens and len(r.logprobs) == len(r.tokens):
+                datums.append(rl_datum(r.prompt.tokens, r.tokens, r.logprobs, r.reward - mean))
+    return datums, kept
+
+
+def evaluate(rollouts: Rollouts, prompts: list[Prompt], config, version: int) -> dict:
+    batch = rollouts.sample(prompts, step=0, version=version, n=1, sampling=config.sampling, seed=config.seed + 7)
+    rewards = [r.reward for g in batch.groups for r in g]
+    return {
+        "eval_reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+        "eval_pass_rate": sum(r >= config.pass_threshold for r in rewards) / len(rewards) if rewards else float("nan"),
+    }
+
+
+def run_rl(
+    session: TrainingSession,
+    prompts: list[Prompt],
+    eval_prompts: list[Prompt] | None,
+    tokenizer: Any,
+    reward: tuple[str, Any],
+    reporter,
+    stop: StopRequested,
+) -> str:
+    from baseten_loops_cli.workers.types import AdamParams
+
+    config = session.config
+    steps = total_steps(len(prompts), config)
+    opt = config.optimizer
+    bound = config.max_steps_off_policy
+    rollouts = Rollouts(session, tokenizer, reward)
+    reporter.start(steps, session.start_step, "reward")
+    started = time.monotonic()
+
+    def publish(step: int) -> int:
+        """Publish the current adapter; return the policy version the sampler must reach."""
+        result = session.trainer.save_weights_for_sampler(f"rl-{step:06d}", bump_version=True).result()
+        return int(result.get("version") or step)
+
+    def sample(step: int, version: int) -> Batch:
+        return rollouts.sample(
+            prompts_for_step(prompts, step, config), step=step, version=version,
+            n=config.group_size, sampling=config.sampling, seed=config.seed,
+        )  # fmt: skip
+
+    step = session.start_step
+    version = publish(step)
+    pending: tuple[threading.Thread, dict] | None = None  # async mode: the next batch in flight
+    prefetched: Batch | None = None
+    while step < steps:
+        if stop.requested:
+            save_checkpoint(session, step)
+            return "interrupted"
+        step_started = time.monotonic()
+        if pending is not None:
+            thread, box = pending
+            thread.join()
+            pending = None
+            if "error" in box:
+                raise box["error"]
+            prefetched = box["batch"]
+        if prefetched is not None and step - prefetched.version <= bound:
+            batch = prefetched
+        else:
+            batch = sample(step, version)  # synchronous, or the prefetched batch was too stale
+        prefetched = None
+        stale = step - batch.version
+        if bound and step + 1 < steps:
+            # Overlap: sample the next batch with the weights published so far while this trains.
+            box: dict = {}
+
+            def prefetch(next_step: int = step + 1, with_version: int = version) -> None:
+                try:
+                    box["batch"] = sample(next_step, with_version)
+                except BaseException as exc:  # surfaced on join
+                    box["error"] = exc
+
+            thread = threading.Thread(target=prefetch, name="loops-rl-prefetch", daemon=True)
+            thread.start()
+            pending = (thread, box)
+        datums, kept = _datums(batch.groups)
+        lr = learning_rate(opt, step, steps)
+        metrics_out: dict = {}
+        if datums:
+            adam = AdamParams(
+                learning_rate=lr, beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps,
+                weight_decay=opt.weight_decay, grad_clip_norm=opt.grad_clip_norm,
+            )  # fmt: skip
+            fb = session.trainer.forward_backward(datums, config.loss.name, config.loss.config or None)
+            optim = session.trainer.optim_step(adam)
+            metrics_out = fb.result().get("metrics") or {}
+            optim.result()
+        else:
+            # No group had signal: still take the (empty) step so step == policy version.
+            session.trainer.optim_step(AdamParams(learning_rate=0.0)).result()
+        step += 1
+        version = publish(step) if (bound == 0 or step < steps) else version
+        rewards = [r.reward for g in batch.groups for r in g]
+        sampled_tokens = sum(len(r.tokens) for g in batch.groups for r in g)
+        elapsed = time.monotonic() - step_started
+        record = {
+            "step": step,
+            "reward": statistics.fmean(rewards) if rewards else float("nan"),
+            "pass_rate": sum(x >= config.pass_threshold for x in rewards) / len(rewards) if rewards else float("nan"),
+            "groups_trained": kept,
+            "groups": len(batch.groups),
+            "learning_rate": lr,
+            "loss": metrics_out.get("loss:sum"),
+            "sampled_tokens": sampled_tokens,
+            "tokens_per_s": sampled_tokens / elapsed if elapsed > 0 else None,
+            "sample_time_s": batch.sample_time_s,
+            "step_time_s": elapsed,
+            "time_s": time.monotonic() - started,
+            "policy_version": step,
+            "sampled_with_version": batch.version,
+            "staleness": stale,
+            "progress": step / steps,
+        }
+        if eval_prompts and config.eval_every and step % config.eval_every == 0:
+            record.update(evaluate(rollouts, eval_prompts, config, version))
+        session.rundir.append_samples(
+            [
+                {"step": step, "prompt": r.prompt.text, "completion": r.text, "reward": r.reward,
+                 "policy_version": batch.version, "stop_reason": r.stop_reason}
+                for g in batch.groups for r in g
+            ]
+        )  # fmt: skip
+        session.rundir.append_metrics(record)
+        reporter.step(record)
+        if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
+            save_checkpoint(session, step)
+    if pending is not None:
+        pending[0].join()
+    if eval_prompts:
+        final = evaluate(rollouts, eval_prompts, config, version)
+        reporter.message(f"Final eval: mean reward {final['eval_reward_mean']:.3f}, pass rate {final['eval_pass_rate']:.0%}")
+        session.rundir.append_metrics({"step": steps, "final": True, **final})
+    record = save_checkpoint(session, steps, final=True)
+    reporter.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
+    return "completed"

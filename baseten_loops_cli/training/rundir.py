@@ -1,0 +1,152 @@
+"""The run directory: everything a training run leaves on disk, written so nothing is half-written.
+
+    config.yaml        the resolved config (after --set overrides)
+    state.json         run id, backend, status, last completed step (atomic rewrite)
+    metrics.jsonl      one record per step (and eval records), appended and fsynced
+    checkpoints.jsonl  one record per saved trainer state: the resume points
+    samples.jsonl      RL rollouts with their rewards
+
+Resume rule: the last line of checkpoints.jsonl is the truth. Steps after it are replayed, so
+their metrics are trimmed first; nothing is repeated or skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Read records; a torn last line (a kill mid-write) is ignored, never fatal."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+class RunDir:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    # ---------------------------------------------------------------- files
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "state.json"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def checkpoints_file(self) -> Path:
+        return self.path / "checkpoints.jsonl"
+
+    @property
+    def samples_file(self) -> Path:
+        return self.path / "samples.jsonl"
+
+    def exists(self) -> bool:
+        return self.state_file.exists()
+
+    # ---------------------------------------------------------------- create
+    def create(self, raw_config: dict, source: Path) -> None:
+        import yaml
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        header = f"# Resolved from {source} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+        atomic_write(self.config_file, header + yaml.safe_dump(raw_config, sort_keys=False))
+        self.write_state({"status": "created", "step": 0, "config_source": str(source)})
+
+    # ---------------------------------------------------------------- state
+    def read_state(self) -> dict:
+        try:
+            return json.loads(self.state_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+
+    def write_state(self, state: dict) -> None:
+        atomic_write(self.state_file, json.dumps(state, indent=2, sort_keys=True) + "\n")
+
+    def update_state(self, **changes: Any) -> dict:
+        state = self.read_state()
+        state.update(changes)
+        self.write_state(state)
+        return state
+
+    # ---------------------------------------------------------------- records
+    def _append(self, path: Path, record: dict) -> None:
+        line = json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n"
+        with path.open("a", encoding="utf-8") as fh:
+            fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def append_metrics(self, record: dict) -> None:
+        self._append(self.metrics_file, record)
+
+    def append_checkpoint(self, record: dict) -> None:
+        self._append(self.checkpoints_file, record)
+
+    def append_samples(self, records: list[dict]) -> None:
+        if not records:
+            return
+        text = "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in records)
+        with self.samples_file.open("a", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.metrics_file)
+
+    def checkpoints(self) -> list[dict]:
+        return read_jsonl(self.checkpoints_file)
+
+    def last_checkpoint(self) -> dict | None:
+        records = self.checkpoints()
+        return records[-1] if records else None
+
+    def trim_after(self, step: int) -> None:
+        """Drop metric and sample records of steps after ``step`` (they will be replayed)."""
+        for path in (self.metrics_file, self.samples_file):
+            if not path.exists():
+                continue
+            kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
+            atomic_write(path, "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in kept))

@@ -1,0 +1,188 @@
+"""What every training loop shares: the run on the backend, the worker clients, the learning-rate
+schedule, graceful Ctrl-C, and the exactly-once resume point.
+
+The loops (sft.py, rl.py) know nothing about the CLI; they take a ``TrainingSession`` and a
+``Reporter`` and write only through the run directory.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from baseten_loops_cli.errors import LoopsError
+from baseten_loops_cli.training.config import LoadedConfig, RLConfig, SFTConfig
+from baseten_loops_cli.training.rundir import RunDir
+
+
+class Reporter(Protocol):
+    def start(self, total_steps: int, start_step: int, main_metric: str) -> None: ...
+    def step(self, record: dict) -> None: ...
+    def message(self, text: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def learning_rate(opt: Any, step: int, total_steps: int) -> float:
+    """LR at 0-based ``step``: linear warmup, then constant, linear or cosine decay to the floor."""
+    base = opt.learning_rate
+    if opt.warmup_steps and step < opt.warmup_steps:
+        return base * (step + 1) / opt.warmup_steps
+    if opt.schedule == "constant":
+        return base
+    decay_steps = max(1, total_steps - opt.warmup_steps)
+    progress = min(1.0, (step - opt.warmup_steps) / decay_steps)
+    floor = base * opt.min_lr_ratio
+    if opt.schedule == "linear":
+        return floor + (base - floor) * (1.0 - progress)
+    return floor + (base - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class StopRequested:
+    """Ctrl-C handling: the first SIGINT asks the loop to stop after the step in flight; a second
+    one interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> "StopRequested":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+@dataclass
+class TrainingSession:
+    """A connected run: control-plane client, trainer, sampler, and where to resume from."""
+
+    loaded: LoadedConfig
+    rundir: RunDir
+    client: Any  # api.client.LoopsClient
+    api_key: str
+    run: Any  # api.models.LoopsRun
+    trainer: Any  # workers.trainer.TrainerClient
+    created_run: bool
+    start_step: int = 0
+    _sampler: Any = field(default=None, repr=False)
+
+    @property
+    def config(self) -> SFTConfig | RLConfig:
+        return self.loaded.config
+
+    @property
+    def run_id(self) -> str:
+        return self.run.id
+
+    def new_sampler_client(self) -> Any:
+        """A client of the run's paired sampler (created on first use if the run has none)."""
+        from baseten_loops_cli.workers.sampler import SamplerClient
+
+        if self._sampler is None:
+            sampler = self.run.sampler
+            if sampler is None or not sampler.base_url:
+                sampler = self.client.samplers.create({"session_id": self.run.session_id, "run_id": self.run.id})
+            self._sampler = sampler
+        return SamplerClient(self._sampler.base_url, api_key=self.api_key, run_id=self.run.id)
+
+    def close(self, *, deactivate: bool) -> None:
+        self.trainer.close()
+        if deactivate:
+            try:
+                self.client.runs.deactivate(self.run.id)
+            except LoopsError:
+                pass  # best effort: the run may already be gone
+
+
+def _create_run(client: Any, config: SFTConfig | RLConfig) -> Any:
+    session = client.sessions.create()
+    return client.runs.create(
+        {
+            "session_id": session.id,
+            "base_model": config.base_model,
+            "name": config.name,
+            "lora_rank": config.lora_rank,
+            "max_seq_len": config.max_seq_len,
+            "seed": config.seed,
+        }
+    )
+
+
+def open_session(
+    loaded: LoadedConfig,
+    rundir: RunDir,
+    backend: Any,
+    *,
+    resume: bool,
+    announce: Callable[[str], None],
+) -> TrainingSession:
+    """Create the run (or, on resume, reattach to it or start a new one from the last checkpoint)."""
+    from baseten_loops_cli.workers.trainer import TrainerClient
+
+    client = backend.client
+    config = loaded.config
+    state = rundir.read_state()
+    checkpoint = rundir.last_checkpoint() if resume else None
+    run = None
+    created = False
+    if resume and state.get("run_id") and checkpoint is not None:
+        try:
+            existing = client.runs.get(state["run_id"])
+            if existing.is_active:
+                run = existing
+                created = bool(state.get("created_run"))
+        except LoopsError:
+            run = None
+    if run is None:
+        run = _create_run(client, config)
+        created = True
+        announce(f"Created run {run.id} ({config.base_model}, LoRA rank {config.lora_rank}).")
+    else:
+        announce(f"Reattached to run {run.id}.")
+    trainer = TrainerClient(run.base_url, api_key=backend.api_key, run_id=run.id, base_model=config.base_model)
+    start_step = 0
+    if checkpoint is not None:
+        # Loading the trainer state rolls the adapter, optimizer and step back to the checkpoint,
+        # whatever happened after it: that is what makes resume exactly-once.
+        trainer.load_state_with_optimizer(checkpoint["path"]).result()
+        start_step = int(checkpoint["step"])
+        rundir.trim_after(start_step)
+        announce(f"Resuming at step {start_step + 1} from {checkpoint['path']}.")
+    rundir.update_state(
+        run_id=run.id,
+        created_run=created,
+        profile=backend.profile_name,
+        base_url=backend.base_url,
+        status="running",
+        step=start_step,
+    )
+    return TrainingSession(loaded, rundir, client, backend.api_key, run, trainer, created, start_step)
+
+
+def save_checkpoint(session: TrainingSession, step: int, *, final: bool = False) -> dict:
+    """Save trainer state (the resume point) and record it; ``final`` also publishes sampler weights."""
+    config = session.config
+    name = "final" if final else f"step-{step:06d}"
+    ttl = None if final and config.checkpointing.keep_final else config.checkpointing.ttl_seconds
+    state_future = session.trainer.save_state(name, ttl_seconds=ttl)
+    sampler_future = session.trainer.save_weights_for_sampler(name, ttl_seconds=ttl) if final else None
+    saved = state_future.result()
+    record = {"step": step, "name": name, "path": saved["path"], "time": time.time()}
+    if sampler_future is not None:
+        record["sampler_path"] = sampler_future.result()["path"]
+    session.rundir.append_checkpoint(record)
+    session.rundir.update_state(step=step)
+    return record

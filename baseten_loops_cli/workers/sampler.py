@@ -1,0 +1,558 @@
+"""Client of a sampler worker: ``POST /sample`` (§3.3), sync and async.
+
+The body is the vLLM completions flavour the SDK sends (token-id prompt, ``logprobs: 0``,
+``return_tokens_as_token_ids: true``); the answer is an OpenAI completions body parsed into
+:class:`~baseten_loops_cli.workers.types.SampleResult`. A serverless-queue style ``202
+{operation_id}`` answer is also understood (polled like a trainer op).
+
+Routing headers: ``X-Run-Id`` (paired sampler) or ``X-Sampler-Id`` (standalone, only when no
+checkpoint is pinned) - never both; ``X-Checkpoint-Path`` pins weights; ``X-Min-Policy-Version``
+is a floor (never sent as 0); the sampler answers 408 while it is behind, which is retried.
+``Idempotency-Key`` is one uuid4 per ``sample()`` call, reused by its retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from typing import Any, Callable, Iterable, Mapping, Sequence
+from urllib.parse import quote
+
+import httpx
+
+from baseten_loops_cli.api.errors import (
+    OperationTimeoutError,
+    ProtocolError,
+    RemoteOpError,
+    SampleTimeoutError,
+    ServerShutdownError,
+)
+from baseten_loops_cli.api.http import (
+    USER_AGENT,
+    auth_headers,
+    backoff_delay,
+    connection_error,
+    error_from_response,
+    retry_after_seconds,
+)
+from baseten_loops_cli.workers.types import ExternalRef, ModelInput, SampledSequence, SampleResult
+
+RUN_ID_HEADER = "X-Run-Id"
+SAMPLER_ID_HEADER = "X-Sampler-Id"
+MIN_POLICY_VERSION_HEADER = "X-Min-Policy-Version"
+CHECKPOINT_PATH_HEADER = "X-Checkpoint-Path"
+AFFINITY_HEADER = "X-Baseten-Session-ID"
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+POLICY_VERSION_HEADER = "x-trainers-policy-version"
+
+DEFAULT_READY_TIMEOUT = 600.0
+# 408 = the sampler is behind X-Min-Policy-Version (or a gateway timeout); 5xx = proxy/cold start.
+_RETRY_STATUSES = frozenset({408, 502, 504})
+# Connection-level failures are retried (the Idempotency-Key makes a repeat safe, as in the
+# SDK); a read *timeout* is not: the generation is still running and a retry restarts it.
+_RETRYABLE_TRANSPORT = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
+
+
+# ── response parsing (the SDK's _parse_completions) ─────────────────────────────────────────
+
+
+def parse_token_id(tok: str | int) -> int:
+    """A vLLM ``return_tokens_as_token_ids`` marker (``"token_id:123"``) or a plain int."""
+    if isinstance(tok, int):
+        return tok
+    prefix, _, suffix = str(tok).partition(":")
+    if prefix != "token_id" or not suffix:
+        raise ProtocolError(f"expected a 'token_id:<int>' token (return_tokens_as_token_ids), got {tok!r}")
+    return int(suffix)
+
+
+def _stop_reason(finish_reason: Any) -> str:
+    return "stop" if finish_reason == "stop" else "length"
+
+
+def _int_list(raw: Any) -> list[int] | None:
+    if isinstance(raw, list) and all(isinstance(t, int) for t in raw):
+        return list(raw)
+    return None
+
+
+def _parse_prompt_logprobs(
+    raw: list | None, prompt_ids: Sequence[int], with_topk: bool
+) -> tuple[list[float | None] | None, list[list[tuple[int, float]] | None] | None]:
+    """vLLM's per-position ``{token_id: {logprob, ...}}`` dicts → (actual logprobs, top-k)."""
+    if not raw:
+        return None, None
+    logprobs: list[float | None] = []
+    topk: list[list[tuple[int, float]] | None] = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            logprobs.append(None)
+            topk.append(None)
+            continue
+        actual = entry.get(str(prompt_ids[i])) if i < len(prompt_ids) else None
+        logprobs.append(actual.get("logprob") if isinstance(actual, dict) else None)
+        topk.append([(int(tid), obj["logprob"]) for tid, obj in entry.items() if isinstance(obj, dict)])
+    return logprobs, (topk if with_topk else None)
+
+
+def parse_completions(
+    payload: Mapping[str, Any],
+    headers: Mapping[str, str] | None = None,
+    *,
+    prompt_token_ids: Sequence[int] | None = None,
+    include_topk_prompt_logprobs: bool = False,
+) -> SampleResult:
+    """Map an OpenAI ``/v1/completions`` body (+ response headers) to a :class:`SampleResult`.
+
+    Tokens come from ``choices[].token_ids`` or ``logprobs.tokens`` (``"token_id:N"``); a prompt
+    prefix echoed in front of the completion is stripped when it matches exactly.
+    """
+    sequences: list[SampledSequence] = []
+    raw_prompt_logprobs = None
+    echoed_prompt: list[int] | None = None
+    for choice in payload.get("choices") or []:
+        lp = choice.get("logprobs") or {}
+        raw_tokens = choice.get("token_ids") or lp.get("tokens") or []
+        tokens = [parse_token_id(t) for t in raw_tokens]
+        token_logprobs = lp.get("token_logprobs")
+        logprobs = list(token_logprobs) if token_logprobs is not None else None
+        choice_prompt = _int_list(choice.get("prompt_token_ids"))
+        if echoed_prompt is None and choice_prompt is not None:
+            echoed_prompt = choice_prompt
+        prefix = choice_prompt if choice_prompt is not None else (list(prompt_token_ids) if prompt_token_ids else None)
+        if prefix and tokens[: len(prefix)] == prefix:
+            tokens = tokens[len(prefix) :]
+            logprobs = logprobs[len(prefix) :] if logprobs is not None else None
+        raw_ref = choice.get("routed_experts_ref")
+        sequences.append(
+            SampledSequence(
+                tokens=tokens,
+                logprobs=logprobs,
+                stop_reason=_stop_reason(choice.get("finish_reason")),
+                text=choice.get("text"),
+                routed_experts=ExternalRef.model_validate(raw_ref) if raw_ref else None,
+            )
+        )
+        if raw_prompt_logprobs is None:
+            raw_prompt_logprobs = choice.get("prompt_logprobs")
+    policy_version = None
+    if headers is not None and headers.get(POLICY_VERSION_HEADER) not in (None, ""):
+        try:
+            policy_version = int(headers[POLICY_VERSION_HEADER])
+        except ValueError:
+            policy_version = None
+    prompt_ids = echoed_prompt if echoed_prompt is not None else (list(prompt_token_ids) if prompt_token_ids is not None else None)
+    prompt_logprobs, topk = _parse_prompt_logprobs(raw_prompt_logprobs, prompt_ids or [], include_topk_prompt_logprobs)
+    return SampleResult(
+        sequences=sequences,
+        policy_version=policy_version,
+        prompt_token_ids=prompt_ids,
+        prompt_logprobs=prompt_logprobs,
+        topk_prompt_logprobs=topk,
+    )
+
+
+# ── request building ────────────────────────────────────────────────────────────────────────
+
+
+def build_sample_body(
+    prompt_tokens: Sequence[int] | ModelInput,
+    *,
+    n: int = 1,
+    max_tokens: int | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: int | None = None,
+    stop: str | Sequence[str] | Sequence[int] | None = None,
+    prompt_logprobs: bool = False,
+    topk_prompt_logprobs: int = 0,
+    structured_outputs: dict | None = None,
+) -> dict:
+    """The §3.3 ``/sample`` body, key for key what the SDK sends."""
+    if isinstance(prompt_tokens, ModelInput):
+        prompt = prompt_tokens.to_ints()
+    else:
+        prompt = [int(t) for t in prompt_tokens]
+    if topk_prompt_logprobs < 0:
+        raise ValueError("topk_prompt_logprobs must be non-negative")
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "n": int(n),
+        "temperature": temperature,
+        "top_p": top_p,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
+    if prompt_logprobs:
+        body["prompt_logprobs"] = int(topk_prompt_logprobs)
+    if max_tokens is not None:
+        body["max_tokens"] = int(max_tokens)
+    if seed is not None:
+        body["seed"] = int(seed)
+    if top_k is not None and top_k > 0:
+        body["top_k"] = int(top_k)
+    if stop is not None:
+        if isinstance(stop, (list, tuple)) and stop and all(isinstance(s, int) for s in stop):
+            body["stop_token_ids"] = list(stop)
+        else:
+            body["stop"] = list(stop) if isinstance(stop, tuple) else stop
+    if structured_outputs is not None:
+        body["structured_outputs"] = structured_outputs
+    return body
+
+
+class SamplerClient:
+    """Client of one sampler (``sampler.base_url``), sync (:meth:`sample`) and async
+    (:meth:`asample`). ``min_policy_version`` / ``checkpoint_path`` given here are defaults for
+    every call; a call's own arguments override them."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None,
+        run_id: str | None = None,
+        sampler_id: str | None = None,
+        checkpoint_path: str | None = None,
+        min_policy_version: int | None = None,
+        timeout: float = 300.0,
+        ready_timeout: float = DEFAULT_READY_TIMEOUT,
+        poll_hold_timeout: float = 35.0,
+        user_agent: str = USER_AGENT,
+        http: httpx.Client | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: Callable[[], float] = random.random,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.run_id = run_id
+        self.sampler_id = sampler_id
+        self.checkpoint_path = checkpoint_path
+        self.min_policy_version = min_policy_version
+        self.ready_timeout = ready_timeout
+        self.poll_hold_timeout = poll_hold_timeout
+        self._api_key = api_key
+        self._timeout = httpx.Timeout(timeout, connect=10.0)
+        self._base_headers = auth_headers(api_key, user_agent)
+        self._sleep = sleep
+        self._rng = rng
+        self._owns_http = http is None
+        self._http = http or httpx.Client(timeout=self._timeout, headers=self._base_headers)
+        if http is not None:
+            http.headers.update(self._base_headers)
+        self._ahttp: httpx.AsyncClient | None = None
+        self._ahttp_loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+        # An AsyncClient must be closed on its loop; drop it if that loop is gone.
+        self._ahttp = None
+
+    async def aclose(self) -> None:
+        if self._ahttp is not None:
+            await self._ahttp.aclose()
+            self._ahttp = None
+        self.close()
+
+    def __enter__(self) -> "SamplerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "SamplerClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _async_client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._ahttp is None or self._ahttp_loop is not loop:
+            limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+            self._ahttp = httpx.AsyncClient(timeout=self._timeout, headers=self._base_headers, limits=limits)
+            self._ahttp_loop = loop
+        return self._ahttp
+
+    # -- headers ---------------------------------------------------------------------------
+
+    def request_headers(
+        self,
+        *,
+        min_policy_version: int | None = None,
+        checkpoint_path: str | None = None,
+        affinity_key: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, str]:
+        """Per-request routing headers (the auth headers are on the HTTP client)."""
+        ckpt = checkpoint_path if checkpoint_path is not None else self.checkpoint_path
+        floor = min_policy_version if min_policy_version is not None else self.min_policy_version
+        headers: dict[str, str] = {}
+        if ckpt:
+            headers[CHECKPOINT_PATH_HEADER] = ckpt
+        if self.run_id:
+            headers[RUN_ID_HEADER] = self.run_id
+        elif self.sampler_id and not ckpt:
+            headers[SAMPLER_ID_HEADER] = self.sampler_id  # a checkpoint path already names its run
+        if floor:  # never sent as 0: 0 means "base weights", no floor at all
+            headers[MIN_POLICY_VERSION_HEADER] = str(int(floor))
+        if affinity_key:
+            headers[AFFINITY_HEADER] = affinity_key
+        if idempotency_key:
+            headers[IDEMPOTENCY_KEY_HEADER] = idempotency_key
+        return headers
+
+    # -- sample ----------------------------------------------------------------------------
+
+    def sample(
+        self,
+        prompt_tokens: Sequence[int] | ModelInput,
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | Sequence[int] | None = None,
+        min_policy_version: int | None = None,
+        checkpoint_path: str | None = None,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        affinity_key: str | None = None,
+    ) -> SampleResult:
+        body = build_sample_body(
+            prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+        )  # fmt: skip
+        headers = self.request_headers(
+            min_policy_version=min_policy_version,
+            checkpoint_path=checkpoint_path,
+            affinity_key=affinity_key,
+            idempotency_key=uuid.uuid4().hex,
+        )
+        url = f"{self.base_url}/sample"
+        deadline = time.monotonic() + self.ready_timeout
+        attempt = 0
+        while True:
+            try:
+                resp = self._http.post(url, json=body, headers=headers)
+            except httpx.ReadTimeout as exc:
+                raise self._sample_timeout() from exc
+            except _RETRYABLE_TRANSPORT as exc:
+                if time.monotonic() >= deadline:
+                    raise connection_error(exc, url, api_key=self._api_key) from exc
+                self._sleep(self._delay(attempt, None, deadline))
+                attempt += 1
+                continue
+            except httpx.TransportError as exc:
+                raise connection_error(exc, url, api_key=self._api_key) from exc
+            delay = self._retry_decision(resp, deadline)
+            if delay is not None:
+                self._sleep(self._delay(attempt, delay, deadline))
+                attempt += 1
+                continue
+            if resp.status_code == 202:
+                payload = self._poll_queued(resp, headers, deadline)
+                return parse_completions(payload, None, prompt_token_ids=body["prompt"],
+                                         include_topk_prompt_logprobs=prompt_logprobs and topk_prompt_logprobs > 0)  # fmt: skip
+            return self._parse(resp, body, prompt_logprobs and topk_prompt_logprobs > 0)
+
+    async def asample(
+        self,
+        prompt_tokens: Sequence[int] | ModelInput,
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | Sequence[int] | None = None,
+        min_policy_version: int | None = None,
+        checkpoint_path: str | None = None,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        affinity_key: str | None = None,
+    ) -> SampleResult:
+        """Async :meth:`sample` on an ``httpx.AsyncClient``; fan out with ``asyncio.gather``."""
+        body = build_sample_body(
+            prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+        )  # fmt: skip
+        headers = self.request_headers(
+            min_policy_version=min_policy_version,
+            checkpoint_path=checkpoint_path,
+            affinity_key=affinity_key,
+            idempotency_key=uuid.uuid4().hex,
+        )
+        client = self._async_client()
+        url = f"{self.base_url}/sample"
+        deadline = time.monotonic() + self.ready_timeout
+        attempt = 0
+        while True:
+            try:
+                resp = await client.post(url, json=body, headers=headers)
+            except httpx.ReadTimeout as exc:
+                raise self._sample_timeout() from exc
+            except _RETRYABLE_TRANSPORT as exc:
+                if time.monotonic() >= deadline:
+                    raise connection_error(exc, url, api_key=self._api_key) from exc
+                await asyncio.sleep(self._delay(attempt, None, deadline))
+                attempt += 1
+                continue
+            except httpx.TransportError as exc:
+                raise connection_error(exc, url, api_key=self._api_key) from exc
+            delay = self._retry_decision(resp, deadline)
+            if delay is not None:
+                await asyncio.sleep(self._delay(attempt, delay, deadline))
+                attempt += 1
+                continue
+            if resp.status_code == 202:
+                # Rare (serverless queue); poll on a worker thread with the sync client.
+                payload = await asyncio.to_thread(self._poll_queued, resp, headers, deadline)
+                return parse_completions(payload, None, prompt_token_ids=body["prompt"],
+                                         include_topk_prompt_logprobs=prompt_logprobs and topk_prompt_logprobs > 0)  # fmt: skip
+            return self._parse(resp, body, prompt_logprobs and topk_prompt_logprobs > 0)
+
+    # -- other routes ----------------------------------------------------------------------
+
+    def models(self) -> list[dict]:
+        """``GET /v1/models`` → ``[{id, parent}]`` (base: ``parent`` null; adapters: set)."""
+        body = self._get_json("/v1/models")
+        data = body.get("data") if isinstance(body, dict) else None
+        return list(data or [])
+
+    def trainers_policy_version(self) -> int:
+        """``GET /trainers_policy_version``: the adapter version the sampler serves now."""
+        body = self._get_json("/trainers_policy_version")
+        try:
+            return int(body["policy_version"])
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ProtocolError(f"unexpected /trainers_policy_version body: {str(body)[:200]}") from exc
+
+    def wait_for_policy_version(self, version: int, *, timeout: float = 600.0, interval: float = 0.5) -> int:
+        """Poll :meth:`trainers_policy_version` until it reaches ``version``; returns it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            current = self.trainers_policy_version()
+            if current >= version:
+                return current
+            if time.monotonic() >= deadline:
+                raise OperationTimeoutError(
+                    f"the sampler still serves policy version {current} after {timeout:g}s (waiting for {version})"
+                )
+            self._sleep(interval)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _get_json(self, path: str) -> Any:
+        url = f"{self.base_url}{path}"
+        try:
+            resp = self._http.get(url, headers=self.request_headers())
+        except httpx.TransportError as exc:
+            raise connection_error(exc, url, api_key=self._api_key) from exc
+        if resp.status_code >= 400:
+            raise error_from_response(resp, api_key=self._api_key)
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise ProtocolError(f"GET {path}: non-JSON answer (HTTP {resp.status_code})") from exc
+
+    def _sample_timeout(self) -> SampleTimeoutError:
+        return SampleTimeoutError(
+            f"the sampler at {self.base_url} did not answer /sample within {self._timeout.read}s",
+            hint="lower max_tokens or n, or raise the timeout; the request is not retried because it restarts generation",
+        )
+
+    def _retry_decision(self, resp: httpx.Response, deadline: float) -> float | None:
+        """``None`` = do not retry (caller continues/raises); a number = wait that long (< 0 =
+        use backoff). Raises for statuses that end the call."""
+        status = resp.status_code
+        if status < 400:
+            return None
+        retry_after = retry_after_seconds(resp.headers)
+        can_wait = time.monotonic() < deadline
+        if can_wait and (status in _RETRY_STATUSES or (status in (429, 503) and retry_after is not None)):
+            return retry_after if retry_after is not None else -1.0
+        if status == 503 and retry_after is None:
+            raise ServerShutdownError("the sampler is unavailable (HTTP 503)", url=self.base_url)
+        raise error_from_response(resp, api_key=self._api_key)
+
+    def _delay(self, attempt: int, requested: float | None, deadline: float) -> float:
+        wait = requested if requested is not None and requested >= 0 else backoff_delay(attempt, initial=0.5, maximum=10.0, rng=self._rng)
+        return max(0.0, min(wait, deadline - time.monotonic()))
+
+    def _parse(self, resp: httpx.Response, body: dict, with_topk: bool) -> SampleResult:
+        try:
+            payload = resp.json()
+        except ValueError as exc:
+            raise ProtocolError(f"/sample answered {resp.status_code} with a non-JSON body") from exc
+        if not isinstance(payload, dict):
+            raise ProtocolError(f"/sample answered an unexpected body: {str(payload)[:200]}")
+        return parse_completions(payload, resp.headers, prompt_token_ids=body["prompt"], include_topk_prompt_logprobs=with_topk)
+
+    def _poll_queued(self, accepted: httpx.Response, headers: Mapping[str, str], deadline: float) -> dict:
+        """Poll ``/operations/{id}`` for a queued (202) sample, as the trainer protocol."""
+        try:
+            op_id = accepted.json()["operation_id"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError("/sample answered 202 without an operation_id") from exc
+        url = f"{self.base_url}/operations/{quote(str(op_id), safe='')}"
+        poll_headers = {k: v for k, v in headers.items() if k != IDEMPOTENCY_KEY_HEADER}
+        while time.monotonic() < deadline:
+            try:
+                resp = self._http.get(url, headers=poll_headers, timeout=httpx.Timeout(self.poll_hold_timeout, connect=10.0))
+            except httpx.TransportError:
+                self._sleep(min(2.0, max(deadline - time.monotonic(), 0)))
+                continue
+            if resp.status_code == 408:
+                continue
+            if resp.status_code in (502, 504):
+                self._sleep(min(2.0, max(deadline - time.monotonic(), 0)))
+                continue
+            if resp.status_code >= 400:
+                raise error_from_response(resp, api_key=self._api_key)
+            payload = resp.json()
+            if payload.get("status") == "done":
+                return payload.get("result") or {}
+            if payload.get("status") == "error":
+                raise RemoteOpError(str(payload.get("error") or "unknown error"), error_class=payload.get("error_class"),
+                                    operation="sample", operation_id=str(op_id), run_id=self.run_id)  # fmt: skip
+            self._sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+        try:  # best effort: do not leave a queued generation running for nobody
+            self._http.post(f"{url}/cancel", headers=poll_headers)
+        except httpx.TransportError:
+            pass
+        raise OperationTimeoutError(f"queued sample {op_id} did not finish within {self.ready_timeout:g}s")
+
+
+def sample_many(client: SamplerClient, prompts: Iterable[Sequence[int]], **kwargs: Any) -> list[SampleResult]:
+    """Sample several prompts concurrently (asyncio) from sync code."""
+
+    async def _run() -> list[SampleResult]:
+        try:
+            return list(await asyncio.gather(*(client.asample(p, **kwargs) for p in prompts)))
+        finally:
+            if client._ahttp is not None:
+                await client._ahttp.aclose()
+                client._ahttp = None
+
+    return asyncio.run(_run())
+
+
+__all__ = ["SamplerClient", "build_sample_body", "parse_completions", "parse_token_id", "sample_many"]

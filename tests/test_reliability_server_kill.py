@@ -1,0 +1,118 @@
+"""The local server SIGKILLed mid-run, then restarted on the same dirs and port: runs,
+checkpoints, logs and metrics are intact, and training resumed from the last checkpoint ends
+with the same step count and the same adapter as an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.test_reliability_faults import BATCHES, adapter_tensors, assert_same_adapter  # noqa: E402
+
+MODEL = "loops-local/tiny"
+STEPS = 6
+SAVE_EVERY = 2
+
+
+def _new_run(c: httpx.Client, seed: int) -> dict:
+    session = c.post("/v1/loops/sessions", json={}).json()["session"]["id"]
+    r = c.post("/v1/loops/runs", json={"session_id": session, "base_model": MODEL, "lora_rank": 4,
+                                        "seed": seed, "name": f"kill-{seed}"})
+    assert r.status_code == 200, r.text
+    return r.json()["run"]
+
+
+def _client(server, run: dict, **kw):
+    from baseten_loops_cli.workers.trainer import TrainerClient
+
+    return TrainerClient(f"{server.url}/trainers/{run['id']}", api_key=server.token, run_id=run["id"],
+                         base_model=MODEL, **kw)
+
+
+def _steps(tc, start: int, stop: int) -> None:
+    for step in range(start, stop):
+        fb = tc.forward_backward(BATCHES[step % len(BATCHES)])
+        opt = tc.optim_step({"learning_rate": 0.05})
+        fb.result(timeout=300)
+        opt.result(timeout=300)
+        if (step + 1) % SAVE_EVERY == 0:
+            tc.save_state(f"step-{step + 1}").result(timeout=300)
+
+
+def _kill(server) -> None:
+    os.kill(server.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server.pid, 0)
+        except ProcessLookupError:
+            return
+        try:  # reap it if it is our child
+            os.waitpid(server.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("server did not die")
+
+
+def test_server_sigkill_mid_run_then_restart_and_resume(server_factory):
+    server = server_factory()
+    with server.client() as c:
+        clean, victim = _new_run(c, seed=3), _new_run(c, seed=3)
+    with _client(server, clean) as tc:
+        _steps(tc, 0, STEPS)
+        tc.save_weights_for_sampler("final").result(timeout=300)
+        assert tc.policy_version() == STEPS
+
+    # The victim: 3 steps (checkpoint step-2 saved), then a step in flight when the server dies.
+    with _client(server, victim) as tc:
+        _steps(tc, 0, 3)
+        tc.forward_backward(BATCHES[3])
+        with server.client() as c:
+            before = {
+                "run": c.get(f"/v1/loops/runs/{victim['id']}").json()["run"],
+                "checkpoints": sorted(x["checkpoint_id"] for x in c.get(
+                    "/v1/loops/checkpoints", params={"run_id": victim["id"]}).json()["checkpoints"]),
+                "usage": c.get("/v1/local/usage", params={"run_id": victim["id"]}).json()["usage"],
+            }
+        _kill(server)
+        # The client sees the server gone: a bounded, typed error, not a hang.
+        from baseten_loops_cli.api.errors import ApiError
+
+        t0 = time.monotonic()
+        with pytest.raises((ApiError, Exception)) as info:
+            tc.optim_step({"learning_rate": 0.05}).result(timeout=10)
+        assert time.monotonic() - t0 < 60
+        assert "Traceback" not in str(info.value)
+
+    server.start()  # same dirs, same port
+    with server.client() as c:
+        runs = {r["id"]: r for r in c.get("/v1/loops/runs", params={"all": "true"}).json()["runs"]}
+        assert victim["id"] in runs and clean["id"] in runs
+        after_run = c.get(f"/v1/loops/runs/{victim['id']}").json()["run"]
+        assert after_run["id"] == before["run"]["id"] and after_run["base_model"] == MODEL
+        cps = c.get("/v1/loops/checkpoints", params={"run_id": victim["id"]}).json()["checkpoints"]
+        assert sorted(x["checkpoint_id"] for x in cps) == before["checkpoints"] == ["step-2"]
+        for cp in cps:  # every checkpoint file still downloads, at its listed size
+            for f in c.get(f"/v1/loops/checkpoints/{cp['id']}/files").json()["presigned_urls"]:
+                body = httpx.get(f["url"], timeout=30).content
+                assert len(body) == f["size_bytes"], f["relative_file_name"]
+        usage = c.get("/v1/local/usage", params={"run_id": victim["id"]}).json()["usage"]
+        assert usage and usage[0]["operations"] >= before["usage"][0]["operations"]
+        logs = c.get(f"/v1/loops/deployments/{after_run['deployment_id']}/logs").json()
+        assert logs
+
+    # Resume from the last checkpoint, as `loops train resume` does, to the same end.
+    with _client(server, victim) as tc:
+        step = tc.load_state_with_optimizer(f"bt://loops:{victim['id']}/weights/step-2").result(timeout=300)
+        assert step.get("step") == 2
+        _steps(tc, 2, STEPS)
+        tc.save_weights_for_sampler("final").result(timeout=300)
+        assert tc.policy_version() == STEPS
+    assert_same_adapter(adapter_tensors(server, clean["id"]), adapter_tensors(server, victim["id"]))
