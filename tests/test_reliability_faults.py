@@ -163,3 +163,90 @@ def test_control_plane_client_retries_408_and_dropped_connections(local_server):
                 assert "runs" in http.request_json("GET", "/v1/loops/runs")
         snap = proxy.snapshot()
     assert snap["by_kind"].get("408", 0) > 0, snap
+
+
+# ── `loops train run` through the proxy ─────────────────────────────────────────────────────
+
+SFT_STEPS = int(os.environ.get("LOOPS_FAULT_SFT_STEPS", "8"))
+
+
+def sft_config(tmp: Path, *, steps: int = SFT_STEPS, save_every: int = 2, seed: int = 3) -> Path:
+    path = tmp / "sft.yaml"
+    path.write_text(
+        f"""kind: sft
+name: reliability-sft
+base_model: {MODEL}
+lora_rank: 4
+max_seq_len: 64
+seed: {seed}
+batch_size: 4
+max_steps: {steps}
+optimizer:
+  learning_rate: 3.0e-3
+checkpointing:
+  save_every: {save_every}
+data:
+  train: {ROOT / 'examples' / 'data' / 'tiny_sft_train.jsonl'}
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+def cli_env(server, base_url: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
+    env.update(server.env)
+    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", TERM="dumb", PYTHONPATH=str(ROOT))
+    if base_url:
+        env["LOOPS_BASE_URL"] = base_url
+    return env
+
+
+def loops(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def run_dir_result(run_dir: Path) -> tuple[int, str, str]:
+    """(steps completed per state.json, run id, final sampler checkpoint name) of a run dir."""
+    state = json.loads((run_dir / "state.json").read_text())
+    lines = [json.loads(x) for x in (run_dir / "checkpoints.jsonl").read_text().splitlines() if x.strip()]
+    final = lines[-1]
+    uri = final.get("sampler_path") or final["path"]
+    run_id = uri.split("bt://loops:", 1)[1].split("/", 1)[0]
+    return int(state["step"]), run_id, uri.rsplit("/", 1)[1]
+
+
+def test_sft_run_through_20pct_faults_matches_fault_free_run(local_server, tmp_path):
+    """`loops train run` (fixed seed, same data) through the fault proxy: exactly N optimizer
+    steps, the same adapter as a fault-free run, within 3x its wall time."""
+    config = sft_config(tmp_path)
+    t0 = time.monotonic()
+    clean = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "clean")], cli_env(local_server), tmp_path)
+    clean_s = time.monotonic() - t0
+    assert clean.returncode == 0, clean.stderr
+    with FaultProxy("127.0.0.1", _port(local_server.url), rate=FAULT_RATE, seed=FAULT_SEED,
+                    delay_s=0.2, retry_after_s=1) as proxy:
+        t0 = time.monotonic()
+        faulty = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "faulty")],
+                       cli_env(local_server, proxy.url), tmp_path)
+        faulty_s = time.monotonic() - t0
+        snap = proxy.snapshot()
+    print(f"\nSFT {SFT_STEPS} steps: clean {clean_s:.1f}s, through faults {faulty_s:.1f}s "
+          f"({faulty_s / clean_s:.2f}x); proxy: {snap}")
+    assert faulty.returncode == 0, f"faults: {snap}\n{faulty.stderr}"
+    assert snap["injected"] >= 3, snap
+    clean_steps, clean_run, clean_name = run_dir_result(tmp_path / "clean")
+    faulty_steps, faulty_run, faulty_name = run_dir_result(tmp_path / "faulty")
+    assert clean_steps == faulty_steps == SFT_STEPS
+    with local_server.client() as c:
+        for run_id in (clean_run, faulty_run):
+            trainer = c.get(f"/trainers/{run_id}/policy_version")
+            if trainer.status_code == 200:  # still reachable (runs are deactivated at the end)
+                assert trainer.json()["policy_version"] == SFT_STEPS
+    metrics = [json.loads(x) for x in (tmp_path / "faulty" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, SFT_STEPS + 1))
+    assert metrics[-1].get("policy_version", SFT_STEPS) == SFT_STEPS
+    assert_same_adapter(adapter_tensors(local_server, clean_run, clean_name),
+                        adapter_tensors(local_server, faulty_run, faulty_name))
+    assert faulty_s <= 3 * clean_s, f"{faulty_s:.1f}s through faults vs {clean_s:.1f}s clean"

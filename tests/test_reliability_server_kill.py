@@ -71,7 +71,9 @@ def test_server_sigkill_mid_run_then_restart_and_resume(server_factory):
         assert tc.policy_version() == STEPS
 
     # The victim: 3 steps (checkpoint step-2 saved), then a step in flight when the server dies.
-    with _client(server, victim) as tc:
+    # (Short budgets: the worker client's defaults retry a vanished server for 10 min, as the
+    # SDK does; `loops train` is tested for a prompt exit in the CLI kill tests.)
+    with _client(server, victim, submit_timeout=10, result_timeout=10) as tc:
         _steps(tc, 0, 3)
         tc.forward_backward(BATCHES[3])
         with server.client() as c:
@@ -83,13 +85,13 @@ def test_server_sigkill_mid_run_then_restart_and_resume(server_factory):
             }
         _kill(server)
         # The client sees the server gone: a bounded, typed error, not a hang.
-        from baseten_loops_cli.api.errors import ApiError
+        from baseten_loops_cli.errors import LoopsError
 
         t0 = time.monotonic()
-        with pytest.raises((ApiError, Exception)) as info:
+        with pytest.raises(LoopsError) as info:
             tc.optim_step({"learning_rate": 0.05}).result(timeout=10)
         assert time.monotonic() - t0 < 60
-        assert "Traceback" not in str(info.value)
+        assert "could not reach" in info.value.message or "timed out" in info.value.message, info.value.message
 
     server.start()  # same dirs, same port
     with server.client() as c:

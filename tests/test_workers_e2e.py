@@ -46,7 +46,9 @@ def test_train_publish_sample(local_server):
                 losses.append(fb.parsed(timeout=300).loss)
                 opt.result(timeout=300)
             assert tc.policy_version() == 2
-            saved = tc.save_weights_for_sampler("e2e").parsed(timeout=300)
+            # bump_version=True publishes to the paired sampler (hot swap), as the SDK's
+            # save_weights_and_get_sampling_client; a plain save only stages the adapter.
+            saved = tc.save_weights_for_sampler("e2e", bump_version=True).parsed(timeout=300)
             assert saved.version == 2
             uri = CheckpointUri.parse(saved.path)
             assert (uri.run_id, uri.target, uri.name) == (run.id, "sampler", "e2e")
@@ -59,7 +61,8 @@ def test_train_publish_sample(local_server):
         sampler = api.runs.get(run.id).sampler
         if sampler is None:
             sampler = api.samplers.create({"session_id": session.id, "run_id": run.id})
-        with SamplerClient(sampler.base_url, api_key=local_server.token, run_id=run.id) as sc:
+        with SamplerClient(sampler.base_url, api_key=local_server.token, run_id=run.id, ready_timeout=120) as sc:
+            sc.wait_for_policy_version(2, timeout=120)
             res = sc.sample([1, 5, 9], n=2, max_tokens=4, temperature=1.0, seed=3, min_policy_version=2)
             assert len(res.sequences) == 2
             for seq in res.sequences:

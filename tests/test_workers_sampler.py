@@ -65,17 +65,18 @@ def test_optional_fields_and_sampler_id(server):
 
 
 def test_408_behind_then_ok_reuses_key(server):
-    server.script("POST", "/s/sync/sample", Reply(408), Reply(502), Reply(reset=True))
+    server.script("POST", "/s/sync/sample", Reply(408), Reply(502), Reply(reset=True), Reply(503))
     server.route("POST", "/s/sync/sample", lambda r: Reply(200, completion()))
     sc = client(server, run_id="r")
     assert sc.sample([1], min_policy_version=2).sequences[0].tokens == [7, 8]
     keys = {r.header("idempotency-key") for r in server.requests_to("POST", "/s/sync/sample")}
-    assert len(server.requests_to("POST", "/s/sync/sample")) == 4 and len(keys) == 1
+    assert len(server.requests_to("POST", "/s/sync/sample")) == 5 and len(keys) == 1
 
 
 def test_errors(server):
-    server.script("POST", "/s/sync/sample", Reply(401, {"detail": "bad key"}), Reply(503), Reply(200, completion(), delay=1.0))
-    sc = client(server, run_id="r", timeout=0.3)
+    server.script("POST", "/s/sync/sample", Reply(401, {"detail": "bad key"}), Reply(503), Reply(503),
+                  Reply(200, completion(), delay=1.0))  # fmt: skip
+    sc = client(server, run_id="r", timeout=0.3, max_unavailable_retries=1)
     with pytest.raises(AuthenticationError) as info:
         sc.sample([1])
     assert "sk-secret-123" not in str(info.value)

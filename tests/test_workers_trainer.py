@@ -152,16 +152,27 @@ def test_poll_transient_502_and_reset_then_done(server, trainer):
     assert sleeps == [0.01, 0.01]  # 408 re-polls at once, 502 and the reset back off
 
 
-def test_poll_503_is_shutdown(server, trainer):
-    server.script("GET", "/trainer/operations/*", Reply(503))
+def test_poll_503_blip_survived_persistent_is_shutdown(server, trainer):
+    trainer.pending_polls = 0
+    server.script("GET", "/trainer/operations/*", Reply(503), Reply(503))
+    tc = make_client(server, max_unavailable_retries=2)
+    assert tc.forward([datum()]).result()["op"] == "forward"
+    server.route("GET", "/trainer/operations/*", lambda r: Reply(503))
+    server._routes.insert(0, server._routes.pop())
     with pytest.raises(ServerShutdownError):
-        make_client(server).forward([datum()]).result()
+        tc.forward([datum()]).result()
+    assert len(server.requests_to("GET", "/trainer/operations/*")) == 3 + 3
 
 
-def test_submit_503_without_retry_after_is_shutdown(server, trainer):
-    server.script("POST", "/trainer/forward", Reply(503))
+def test_submit_503_without_retry_after(server, trainer):
+    server.script("POST", "/trainer/forward", Reply(503), Reply(503))
+    tc = make_client(server, max_unavailable_retries=2)
+    fut = tc.forward([datum()])  # a short blip is survived, same key
+    assert len({r.header("idempotency-key") for r in server.requests_to("POST", "/trainer/forward")}) == 1
+    assert len(trainer.applied) == 1 and fut.result()["op"] == "forward"
+    server.script("POST", "/trainer/forward", *[Reply(503)] * 3)
     with pytest.raises(ServerShutdownError):
-        make_client(server).forward([datum()])
+        tc.forward([datum()])
 
 
 def test_remote_error(server, trainer):
@@ -237,3 +248,11 @@ def test_await_future(server, trainer):
         return await tc.forward([datum()])
 
     assert asyncio.run(go())["op"] == "forward"
+
+
+def test_plain_gets_are_retried(server, trainer):
+    server.script("GET", "/trainer/policy_version", Reply(503), Reply(reset=True), Reply(502))
+    server.script("GET", "/trainer/health", Reply(408))
+    tc = make_client(server)
+    assert tc.policy_version() == 0
+    assert tc.health() == {"status": "ok"}

@@ -285,6 +285,41 @@ def is_permanent_rejection(resp: httpx.Response) -> bool:
     return payload.get("type") == "BadRequestError" or bool(body.get("error_class"))
 
 
+def get_with_retries(
+    client: httpx.Client,
+    url: str,
+    *,
+    params: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    max_retries: int = 8,
+    sleep: Sleep = time.sleep,
+    rng: Callable[[], float] = random.random,
+    api_key: str | None = None,
+) -> httpx.Response:
+    """A GET on a bare ``httpx.Client`` (the worker clients), retried like :class:`HttpClient`
+    retries a GET: transport errors, 408, 429, 500, 502, 503, 504 (honouring Retry-After).
+
+    Returns the last response, error statuses included (the caller maps them: a 501 can mean
+    "unsupported"); raises :class:`ConnectionFailedError` when the server never answered.
+    """
+    attempt = 0
+    while True:
+        try:
+            resp = client.get(url, params=params, headers=headers)
+        except httpx.TransportError as exc:
+            if attempt >= max_retries:
+                raise connection_error(exc, url, api_key=api_key) from exc
+            sleep(backoff_delay(attempt, rng=rng))
+            attempt += 1
+            continue
+        if resp.status_code in (408, 429, 500, 502, 503, 504) and attempt < max_retries:
+            delay = retry_after_seconds(resp.headers)
+            sleep(backoff_delay(attempt, rng=rng) if delay is None else delay)
+            attempt += 1
+            continue
+        return resp
+
+
 # ── the client ──────────────────────────────────────────────────────────────────────────────
 
 
@@ -473,6 +508,7 @@ __all__ = [
     "connection_error",
     "error_fields",
     "error_from_response",
+    "get_with_retries",
     "is_permanent_rejection",
     "redact_header",
     "redact_headers",

@@ -35,6 +35,7 @@ from baseten_loops_cli.api.http import (
     backoff_delay,
     connection_error,
     error_from_response,
+    get_with_retries,
     retry_after_seconds,
 )
 from baseten_loops_cli.workers.types import ExternalRef, ModelInput, SampledSequence, SampleResult
@@ -228,6 +229,7 @@ class SamplerClient:
         timeout: float = 300.0,
         ready_timeout: float = DEFAULT_READY_TIMEOUT,
         poll_hold_timeout: float = 35.0,
+        max_unavailable_retries: int = 6,
         user_agent: str = USER_AGENT,
         http: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
@@ -240,6 +242,7 @@ class SamplerClient:
         self.min_policy_version = min_policy_version
         self.ready_timeout = ready_timeout
         self.poll_hold_timeout = poll_hold_timeout
+        self.max_unavailable_retries = max_unavailable_retries
         self._api_key = api_key
         self._timeout = httpx.Timeout(timeout, connect=10.0)
         self._base_headers = auth_headers(api_key, user_agent)
@@ -347,6 +350,7 @@ class SamplerClient:
         url = f"{self.base_url}/sample"
         deadline = time.monotonic() + self.ready_timeout
         attempt = 0
+        unavailable = 0  # consecutive 503s without Retry-After
         while True:
             try:
                 resp = self._http.post(url, json=body, headers=headers)
@@ -360,7 +364,8 @@ class SamplerClient:
                 continue
             except httpx.TransportError as exc:
                 raise connection_error(exc, url, api_key=self._api_key) from exc
-            delay = self._retry_decision(resp, deadline)
+            unavailable = unavailable + 1 if resp.status_code == 503 else 0
+            delay = self._retry_decision(resp, deadline, unavailable)
             if delay is not None:
                 self._sleep(self._delay(attempt, delay, deadline))
                 attempt += 1
@@ -404,6 +409,7 @@ class SamplerClient:
         url = f"{self.base_url}/sample"
         deadline = time.monotonic() + self.ready_timeout
         attempt = 0
+        unavailable = 0  # consecutive 503s without Retry-After
         while True:
             try:
                 resp = await client.post(url, json=body, headers=headers)
@@ -417,7 +423,8 @@ class SamplerClient:
                 continue
             except httpx.TransportError as exc:
                 raise connection_error(exc, url, api_key=self._api_key) from exc
-            delay = self._retry_decision(resp, deadline)
+            unavailable = unavailable + 1 if resp.status_code == 503 else 0
+            delay = self._retry_decision(resp, deadline, unavailable)
             if delay is not None:
                 await asyncio.sleep(self._delay(attempt, delay, deadline))
                 attempt += 1
@@ -462,10 +469,8 @@ class SamplerClient:
 
     def _get_json(self, path: str) -> Any:
         url = f"{self.base_url}{path}"
-        try:
-            resp = self._http.get(url, headers=self.request_headers())
-        except httpx.TransportError as exc:
-            raise connection_error(exc, url, api_key=self._api_key) from exc
+        resp = get_with_retries(self._http, url, headers=self.request_headers(), sleep=self._sleep, rng=self._rng,
+                                api_key=self._api_key)  # fmt: skip
         if resp.status_code >= 400:
             raise error_from_response(resp, api_key=self._api_key)
         try:
@@ -479,7 +484,7 @@ class SamplerClient:
             hint="lower max_tokens or n, or raise the timeout; the request is not retried because it restarts generation",
         )
 
-    def _retry_decision(self, resp: httpx.Response, deadline: float) -> float | None:
+    def _retry_decision(self, resp: httpx.Response, deadline: float, unavailable: int = 0) -> float | None:
         """``None`` = do not retry (caller continues/raises); a number = wait that long (< 0 =
         use backoff). Raises for statuses that end the call."""
         status = resp.status_code
@@ -490,6 +495,9 @@ class SamplerClient:
         if can_wait and (status in _RETRY_STATUSES or (status in (429, 503) and retry_after is not None)):
             return retry_after if retry_after is not None else -1.0
         if status == 503 and retry_after is None:
+            # The SDK retries a dedicated sampler's 503 (cold start / proxy); bounded here.
+            if unavailable <= self.max_unavailable_retries and can_wait:
+                return -1.0
             raise ServerShutdownError("the sampler is unavailable (HTTP 503)", url=self.base_url)
         raise error_from_response(resp, api_key=self._api_key)
 

@@ -45,6 +45,7 @@ from baseten_loops_cli.api.http import (
     backoff_delay,
     connection_error,
     error_from_response,
+    get_with_retries,
     is_permanent_rejection,
     retry_after_seconds,
 )
@@ -179,6 +180,7 @@ class OpFuture(Generic[T]):
     def _poll(self, budget: float) -> dict:
         c = self._client
         deadline = time.monotonic() + budget
+        unavailable = 0  # consecutive 503s without Retry-After
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -200,6 +202,7 @@ class OpFuture(Generic[T]):
                 continue
 
             status = resp.status_code
+            unavailable = unavailable + 1 if status == 503 else 0
             if status == 408:
                 continue  # the normal "still pending": re-poll at once, no backoff
             if status == 200:
@@ -235,7 +238,11 @@ class OpFuture(Generic[T]):
             if status == 503:
                 delay = retry_after_seconds(resp.headers)
                 if delay is None:
-                    raise ServerShutdownError(url=c.base_url)
+                    # The SDK treats this as shutdown at once; a proxy in front of the trainer
+                    # also answers 503 for a moment, so tolerate a few in a row first.
+                    if unavailable > c.max_unavailable_retries:
+                        raise ServerShutdownError(url=c.base_url)
+                    delay = c._backoff_delay(unavailable - 1)
                 c._sleep(min(delay, max(deadline - time.monotonic(), 0)))
                 continue
             if status in (502, 504):
@@ -267,6 +274,8 @@ class TrainerClient:
         submit_timeout: float = DEFAULT_SUBMIT_TIMEOUT,
         result_timeout: float = DEFAULT_RESULT_TIMEOUT,
         poll_backoff: float = POLL_BACKOFF,
+        max_unavailable_retries: int = 6,
+        get_retries: int = 8,
         user_agent: str = USER_AGENT,
         sleep: Callable[[float], None] = time.sleep,
         rng: Callable[[], float] = random.random,
@@ -278,6 +287,10 @@ class TrainerClient:
         self.submit_timeout = submit_timeout
         self.result_timeout = result_timeout
         self.poll_backoff = poll_backoff
+        # Consecutive 503s without Retry-After tolerated (with backoff) before ServerShutdownError.
+        self.max_unavailable_retries = max_unavailable_retries
+        # Retries of the plain GETs (health, policy_version) on transport errors / 5xx / 408.
+        self.get_retries = get_retries
         self._api_key = api_key
         self._sleep = sleep
         self._rng = rng
@@ -314,10 +327,8 @@ class TrainerClient:
     def health(self) -> dict:
         """``GET /health?base_model=...``; returns the JSON body, raises a typed error if not 2xx."""
         url = f"{self.base_url}/health"
-        try:
-            resp = self._http.get(url, params={"base_model": self.base_model})
-        except httpx.TransportError as exc:
-            raise connection_error(exc, url, api_key=self._api_key) from exc
+        resp = get_with_retries(self._http, url, params={"base_model": self.base_model}, max_retries=self.get_retries,
+                                sleep=self._sleep, rng=self._rng, api_key=self._api_key)  # fmt: skip
         if resp.status_code >= 400:
             raise error_from_response(resp, api_key=self._api_key)
         body = _json(resp)
@@ -326,10 +337,8 @@ class TrainerClient:
     def policy_version(self) -> int:
         """``GET /policy_version`` = number of optim steps applied so far."""
         url = f"{self.base_url}/policy_version"
-        try:
-            resp = self._http.get(url)
-        except httpx.TransportError as exc:
-            raise connection_error(exc, url, api_key=self._api_key) from exc
+        resp = get_with_retries(self._http, url, max_retries=self.get_retries, sleep=self._sleep, rng=self._rng,
+                                api_key=self._api_key)  # fmt: skip
         if resp.status_code == 501:
             raise PolicyVersionUnavailableError(
                 "this trainer does not expose its policy version (serverless trainer)",
@@ -420,6 +429,7 @@ class TrainerClient:
         headers = {IDEMPOTENCY_KEY_HEADER: sub.key}
         deadline = time.monotonic() + self.submit_timeout
         attempt = 0
+        unavailable = 0  # consecutive 503s without Retry-After
         while True:
             try:
                 resp = self._http.post(url, json=sub.body, headers=headers)
@@ -443,7 +453,12 @@ class TrainerClient:
                 or (status in _COLD_START_STATUSES and not self._warm and not is_permanent_rejection(resp))
             )
             if status == 503 and retry_after is None:
-                raise ServerShutdownError(url=self.base_url)
+                unavailable += 1
+                if unavailable > self.max_unavailable_retries:
+                    raise ServerShutdownError(url=self.base_url)
+                retryable = True  # a few in a row are a proxy blip, not a shutdown
+            else:
+                unavailable = 0
             if retryable and time.monotonic() < deadline:
                 if retry_after is not None:
                     self._sleep(min(retry_after, max(deadline - time.monotonic(), 0)))
@@ -464,9 +479,11 @@ class TrainerClient:
             )
         return op_id
 
+    def _backoff_delay(self, attempt: int) -> float:
+        return backoff_delay(attempt, initial=SUBMIT_INITIAL_BACKOFF, maximum=SUBMIT_MAX_BACKOFF, rng=self._rng)
+
     def _backoff(self, attempt: int, deadline: float) -> None:
-        delay = backoff_delay(attempt, initial=SUBMIT_INITIAL_BACKOFF, maximum=SUBMIT_MAX_BACKOFF, rng=self._rng)
-        self._sleep(min(delay, max(deadline - time.monotonic(), 0)))
+        self._sleep(min(self._backoff_delay(attempt), max(deadline - time.monotonic(), 0)))
 
 
 __all__ = ["OpFuture", "TrainerClient", "RemoteOpError", "ServerShutdownError", "ApiError"]

@@ -1,0 +1,189 @@
+"""The training config and data layer: errors name the file, line and key; nothing needs a server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from baseten_loops_cli.errors import ConfigError, UsageError
+from baseten_loops_cli.training.config import load_config
+from baseten_loops_cli.training.data import batches_for_step, rl_datum, sft_datum, Example
+from baseten_loops_cli.training.plan import load_data
+from baseten_loops_cli.training.rewards import RewardError, build_reward, score
+from baseten_loops_cli.training.rundir import RunDir
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+SFT = """\
+kind: sft
+name: t
+base_model: loops-local/tiny
+max_seq_len: 64
+batch_size: 2
+data:
+  train: train.jsonl
+"""
+
+
+def write(tmp_path: Path, text: str, rows: list | None = None, name: str = "c.yaml") -> Path:
+    if rows is not None:
+        (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ANSWER: 1"}]}
+
+
+def test_examples_are_valid():
+    for name in ("tiny-sft.yaml", "tiny-rl.yaml", "smol-sft.yaml", "smol-rl.yaml"):
+        loaded = load_config(EXAMPLES / name)
+        if loaded.config.base_model == "loops-local/tiny":
+            load_data(loaded)
+
+
+def test_unknown_key_names_line_and_suggests(tmp_path):
+    path = write(tmp_path, SFT + "optimizer:\n  learnin_rate: 0.1\n", [ROW])
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"{path}:9:" in info.value.message
+    assert "optimizer.learnin_rate" in info.value.message
+    assert "did you mean 'optimizer.learning_rate'" in info.value.message
+
+
+def test_top_level_typo(tmp_path):
+    path = write(tmp_path, SFT + "batchsize: 4\n", [ROW])
+    with pytest.raises(ConfigError, match=r":8: unknown key 'batchsize'; did you mean 'batch_size'"):
+        load_config(path)
+
+
+def test_wrong_type_names_key_and_line(tmp_path):
+    path = write(tmp_path, SFT.replace("batch_size: 2", "batch_size: many"), [ROW])
+    with pytest.raises(ConfigError, match=r"c.yaml:5: batch_size: "):
+        load_config(path)
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    path = write(tmp_path, SFT + "data: [unclosed\n", [ROW])
+    with pytest.raises(ConfigError, match=r"c.yaml:\d+: YAML syntax error"):
+        load_config(path)
+
+
+def test_missing_and_bad_kind(tmp_path):
+    with pytest.raises(ConfigError, match="missing required key 'kind'"):
+        load_config(write(tmp_path, "name: x\n"))
+    with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft' or 'rl'"):
+        load_config(write(tmp_path, "kind: dpo\nname: x\n"))
+    with pytest.raises(ConfigError, match="missing required key 'base_model'"):
+        load_config(write(tmp_path, "kind: sft\nname: x\ndata: {train: a}\n"))
+
+
+def test_set_overrides_any_field(tmp_path):
+    path = write(tmp_path, SFT, [ROW])
+    loaded = load_config(path, ["optimizer.learning_rate=0.5", "batch_size=4", "data.shuffle=false"])
+    assert loaded.config.optimizer.learning_rate == 0.5
+    assert loaded.config.batch_size == 4
+    assert loaded.config.data.shuffle is False
+    with pytest.raises(UsageError, match="key.path=value"):
+        load_config(path, ["batch_size"])
+    with pytest.raises(ConfigError, match="unknown key 'bogus'"):
+        load_config(path, ["bogus=1"])
+
+
+def test_data_row_errors_name_the_line(tmp_path):
+    path = write(tmp_path, SFT, [ROW])
+    with (tmp_path / "train.jsonl").open("a") as fh:
+        fh.write("{not json\n")
+    with pytest.raises(ConfigError, match=r"train.jsonl:2: not valid JSON"):
+        load_data(load_config(path))
+    (tmp_path / "train.jsonl").write_text(json.dumps(ROW) + "\n" + json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ConfigError, match=r"train.jsonl:2: expected a 'messages' list"):
+        load_data(load_config(path))
+
+
+def test_over_long_example_says_how_long_and_what_to_change(tmp_path):
+    long_row = {"prompt": "x" * 100, "completion": "y"}
+    path = write(tmp_path, SFT, [ROW, long_row])
+    with pytest.raises(ConfigError) as info:
+        load_data(load_config(path))
+    assert "train.jsonl:2" in info.value.message and "over max_seq_len 64" in info.value.message
+    assert "Raise max_seq_len" in info.value.hint
+
+
+def test_missing_data_file(tmp_path):
+    path = write(tmp_path, SFT)
+    with pytest.raises(ConfigError, match="train.jsonl: data file not found"):
+        load_data(load_config(path))
+
+
+def test_sft_datum_shifts_by_one():
+    datum = sft_datum(Example([1, 2, 3, 4], [0, 0, 1, 1], "x"))
+    assert datum["model_input"]["chunks"][0]["tokens"] == [1, 2, 3]
+    assert datum["loss_fn_inputs"]["target_tokens"]["data"] == [2, 3, 4]
+    assert datum["loss_fn_inputs"]["weights"]["data"] == [0, 1, 1]
+
+
+def test_rl_datum_puts_advantage_on_completion_only():
+    datum = rl_datum([1, 2, 3], [7, 8], [-0.5, -0.25], 0.75)
+    inputs = datum["loss_fn_inputs"]
+    assert datum["model_input"]["chunks"][0]["tokens"] == [1, 2, 3, 7]
+    assert inputs["target_tokens"]["data"] == [2, 3, 7, 8]
+    assert inputs["logprobs"]["data"] == [0.0, 0.0, -0.5, -0.25]
+    assert inputs["advantages"]["data"] == [0.0, 0.0, 0.75, 0.75]
+    assert inputs["mask"]["data"] == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    first = [batches_for_step(10, 3, s, seed=1, shuffle=True) for s in range(6)]
+    again = [batches_for_step(10, 3, s, seed=1, shuffle=True) for s in range(6)]
+    assert first == again
+    assert sorted(sum(first[:3], [])) == sorted(set(sum(first[:3], [])))  # no repeats in an epoch
+    assert first[0] != batches_for_step(10, 3, 0, seed=2, shuffle=True)
+
+
+class _Spec:
+    def __init__(self, fn, **kw):
+        self.fn, self.pattern, self.case_sensitive, self.partial_credit = fn, kw.get("pattern"), False, kw.get("partial", False)
+
+
+def test_builtin_rewards(tmp_path):
+    row = {"answer": "42"}
+    assert build_reward(_Spec("exact_match"), tmp_path)[1](" 42 ", row) == 1.0
+    assert build_reward(_Spec("numeric_match"), tmp_path)[1]("it is 42.", row) == 1.0
+    assert build_reward(_Spec("contains"), tmp_path)[1]("x42y", row) == 1.0
+    assert build_reward(_Spec("regex", pattern=r"^\d+$"), tmp_path)[1]("42", row) == 1.0
+    assert build_reward(_Spec("starts_with", partial=True), tmp_path)[1]("4x", row) == 0.5
+    with pytest.raises(ConfigError, match="did you mean 'exact_match'"):
+        build_reward(_Spec("exact_mach"), tmp_path)
+
+
+def test_file_reward_and_its_failures(tmp_path):
+    (tmp_path / "r.py").write_text("def good(c, row):\n    return len(c)\ndef bad(c, row):\n    raise KeyError('x')\ndef nan(c, row):\n    return 'high'\n")
+    name, fn = build_reward(_Spec("r.py:good"), tmp_path)
+    assert score(name, fn, "abc", {}, "p.jsonl:1") == 3.0
+    name, fn = build_reward(_Spec("r.py:bad"), tmp_path)
+    with pytest.raises(RewardError, match=r"reward 'r.py:bad' raised KeyError.*p.jsonl:3"):
+        score(name, fn, "abc", {}, "p.jsonl:3")
+    name, fn = build_reward(_Spec("r.py:nan"), tmp_path)
+    with pytest.raises(RewardError, match="returned 'high', not a finite number"):
+        score(name, fn, "abc", {}, "p.jsonl:1")
+    with pytest.raises(ConfigError, match="not found"):
+        build_reward(_Spec("missing.py:f"), tmp_path)
+    with pytest.raises(ConfigError, match="no function 'nope'"):
+        build_reward(_Spec("r.py:nope"), tmp_path)
+
+
+def test_rundir_resume_trims_metrics_after_last_checkpoint(tmp_path):
+    rundir = RunDir(tmp_path / "run")
+    rundir.create({"kind": "sft"}, tmp_path / "c.yaml")
+    for step in range(1, 8):
+        rundir.append_metrics({"step": step, "loss": 1.0 / step})
+    rundir.append_checkpoint({"step": 4, "name": "step-4", "path": "bt://loops:r/weights/step-4"})
+    with rundir.metrics_file.open("a") as fh:
+        fh.write('{"step": 8, "lo')  # a kill mid-write
+    assert [r["step"] for r in rundir.metrics()] == list(range(1, 8))
+    rundir.trim_after(rundir.last_checkpoint()["step"])
+    assert [r["step"] for r in rundir.metrics()] == [1, 2, 3, 4]

@@ -1,0 +1,166 @@
+"""`loops train` end to end against the real local backend: SFT learns, RL learns, Ctrl-C and
+SIGKILL followed by `loops train resume` give the same run as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def cli_env(server) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_"))}
+    env.update(server.env)
+    return env
+
+
+def loops(server, *args, timeout=300, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "baseten_loops_cli", *args],
+        env=cli_env(server), capture_output=True, text=True, timeout=timeout, **kw,
+    )
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+def final_adapter(server, run_dir: Path) -> dict:
+    """The final sampler adapter's tensors, fetched through the control plane's presigned URLs."""
+    import httpx
+    from safetensors.torch import load as load_safetensors
+
+    state = json.loads((run_dir / "state.json").read_text())
+    with server.client() as http:
+        ckpts = http.get("/v1/loops/checkpoints", params={"run_id": state["run_id"]}).json()["checkpoints"]
+        final = next(c for c in ckpts if c["target"] == "sampler" and c["checkpoint_id"] == "final")
+        files = http.get(f"/v1/loops/checkpoints/{final['id']}/files").json()["presigned_urls"]
+    url = next(f["url"] for f in files if f["relative_file_name"].endswith("adapter_model.safetensors"))
+    return load_safetensors(httpx.get(url, timeout=60).content)
+
+
+def test_tiny_sft_loss_halves_and_records_everything(local_server, tmp_path):
+    run_dir = tmp_path / "sft"
+    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-sft.yaml"), "--run-dir", str(run_dir),
+                   "--set", "max_steps=30", "--set", "eval_every=15", "-o", "jsonl")
+    assert result.returncode == 0, result.stderr
+    streamed = [json.loads(l) for l in result.stdout.splitlines()]
+    records = [r for r in metrics(run_dir) if not r.get("final")]
+    assert [r["step"] for r in streamed] == [r["step"] for r in records] == list(range(1, 31))
+    assert records[-1]["loss"] < records[0]["loss"] / 2, (records[0]["loss"], records[-1]["loss"])
+    assert any("eval_loss" in r for r in records)
+    assert records[-1]["policy_version"] == 30
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["status"] == "completed" and state["step"] == 30
+    ckpts = [json.loads(l) for l in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
+    assert ckpts[-1]["name"] == "final" and ckpts[-1]["sampler_path"].startswith("bt://loops:")
+    assert (run_dir / "config.yaml").exists()
+    # The run this command created was deactivated at the end: no idle capacity left.
+    with local_server.client() as http:
+        run = http.get(f"/v1/loops/runs/{state['run_id']}").json()["run"]
+    assert run["status"]["name"] == "INACTIVE"
+    # Off a TTY: one plain line per step on stderr.
+    assert sum(1 for l in result.stderr.splitlines() if l.startswith("step ")) == 30
+
+
+def test_tiny_rl_reward_rises(local_server, tmp_path):
+    run_dir = tmp_path / "rl"
+    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-rl.yaml"), "--run-dir", str(run_dir),
+                   "--set", "max_steps=12", "--set", "data.eval_prompts=null")
+    assert result.returncode == 0, result.stderr
+    rewards = [r["reward"] for r in metrics(run_dir) if "reward" in r]
+    assert len(rewards) == 12
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.3, rewards
+    samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 12 * 8 * 8 and {"prompt", "completion", "reward", "policy_version"} <= set(samples[0])
+
+
+def _run_args(run_dir: Path) -> list[str]:
+    return ["train", "run", str(EXAMPLES / "tiny-sft.yaml"), "--run-dir", str(run_dir),
+            "--set", "max_steps=14", "--set", "eval_every=0", "--set", "checkpointing.save_every=3",
+            "--set", "data.eval=null"]
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir)):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never came")
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(local_server, tmp_path):
+    reference = tmp_path / "reference"
+    assert loops(local_server, *_run_args(reference)).returncode == 0
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *_run_args(killed)],
+                            env=cli_env(local_server), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(killed, 8, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = loops(local_server, "train", "resume", str(killed))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resuming at step" in resumed.stderr
+    steps = [r["step"] for r in metrics(killed) if not r.get("final")]
+    assert steps == list(range(1, 15))  # nothing repeated, nothing skipped
+    ref_losses = [r["loss"] for r in metrics(reference)]
+    got_losses = [r["loss"] for r in metrics(killed)]
+    assert got_losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
+    a, b = final_adapter(local_server, reference), final_adapter(local_server, killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() < 1e-5, name
+
+
+def test_ctrl_c_saves_state_prints_resume_and_exits_130(local_server, tmp_path):
+    run_dir = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *_run_args(run_dir)],
+                            env=cli_env(local_server), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"loops train resume {run_dir}" in err
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["status"] == "interrupted"
+    last = json.loads((run_dir / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == state["step"] >= 2
+    resumed = loops(local_server, "train", "resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 15))
+
+
+def test_dry_run_and_validate_plan(local_server, tmp_path):
+    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-sft.yaml"), "--dry-run", "-o", "json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["examples"] == 80 and plan["steps"] == 60 and plan["train_tokens"] > 0
+    bad = loops(local_server, "train", "validate", str(EXAMPLES / "tiny-sft.yaml"), "--set", "base_model=nope/model")
+    assert bad.returncode == 1 and "Error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_broken_reward_stops_with_its_name_after_saving_state(local_server, tmp_path):
+    (tmp_path / "r.py").write_text("def boom(c, row):\n    raise ValueError('bad row')\n")
+    config = (EXAMPLES / "tiny-rl.yaml").read_text().replace("rewards.py:digit_fraction", f"{tmp_path}/r.py:boom")
+    config = config.replace("data/", f"{EXAMPLES}/data/")
+    (tmp_path / "rl.yaml").write_text(config)
+    run_dir = tmp_path / "run"
+    result = loops(local_server, "train", "run", str(tmp_path / "rl.yaml"), "--run-dir", str(run_dir),
+                   "--set", "max_steps=3")
+    assert result.returncode == 1
+    assert "reward" in result.stderr and "boom" in result.stderr and "ValueError: bad row" in result.stderr
+    assert "loops train resume" in result.stderr and "Traceback" not in result.stderr
+    assert json.loads((run_dir / "state.json").read_text())["status"] == "failed"
