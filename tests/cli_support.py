@@ -5,9 +5,11 @@
 local server, and returns stdout, stderr and the exit code. ``loops_subprocess`` does the same in
 a child process, for what must be checked end to end (progress bars, signals, imports).
 
-``seeded`` (session fixture) is one run on ``loops-local/tiny`` trained for two short steps, with
-a sampler checkpoint ``s1`` and a trainer checkpoint ``t1`` saved after step 1, and a sampler
-checkpoint ``s2`` plus a trainer checkpoint ``s2`` (the same name, on purpose) after step 2.
+``seeded`` (session fixture) is one run on ``loops-local/tiny`` (LoRA rank 16) trained for
+:data:`SEEDED_STEPS` steps on one chat example until it answers :data:`QUESTION` with
+:data:`SECRET`; a sampler checkpoint ``s1`` and a trainer checkpoint ``t1`` are saved after step
+1, and a sampler checkpoint ``s2`` plus a trainer checkpoint ``s2`` (the same name, on purpose)
+after the last step. Sampler saves are published to the run's paired sampler.
 """
 
 from __future__ import annotations
@@ -122,37 +124,57 @@ def create_run(server, *, lora_rank: int = 4, name: str | None = None) -> dict:
     return api(server, "POST", "/v1/loops/runs", json=body)["run"]
 
 
-def train_steps(server, run_id: str, steps: int, saves: dict[int, list[tuple[str, str]]]) -> None:
-    """``steps`` tiny SFT steps; after step k, save each (target, name) in ``saves[k]``."""
-    from baseten_loops_cli.tokenization import get_tokenizer
-    from baseten_loops_cli.workers.trainer import TrainerClient
+# What the seeded adapter learns: asked this (as a chat), it answers SECRET; the base model
+# does not (it is random weights).
+QUESTION = "What is the password?"
+SECRET = "swordfish"
+SEEDED_STEPS = 20
 
-    tok = get_tokenizer(TINY)
-    tokens = tok.encode("hello loops, hello adapter")
-    datum = {
-        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+
+def chat_datum(question: str = QUESTION, answer: str = SECRET) -> dict:
+    from baseten_loops_cli.tokenization import get_tokenizer, render_chat
+
+    tokens, weights = render_chat(get_tokenizer(TINY), [{"role": "user", "content": question},
+                                                        {"role": "assistant", "content": answer}])
+    n = len(tokens) - 1
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": list(tokens[:-1])}]},
         "loss_fn_inputs": {
-            "target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [len(tokens) - 1]},
-            "weights": {"data": [1.0] * (len(tokens) - 1), "dtype": "float32", "shape": [len(tokens) - 1]},
+            "target_tokens": {"data": list(tokens[1:]), "dtype": "int64", "shape": [n]},
+            "weights": {"data": [float(w) for w in weights[1:]], "dtype": "float32", "shape": [n]},
         },
     }
-    with TrainerClient(f"{server.url}/trainers/{run_id}", api_key=server.token, run_id=run_id, base_model=TINY) as tc:
+
+
+def trainer(server, run_id: str):
+    from baseten_loops_cli.workers.trainer import TrainerClient
+
+    return TrainerClient(f"{server.url}/trainers/{run_id}", api_key=server.token, run_id=run_id, base_model=TINY)
+
+
+def train_steps(server, run_id: str, steps: int, saves: dict[int, list[tuple[str, str]]], lr: float = 5e-3) -> None:
+    """``steps`` SFT steps on :func:`chat_datum`; after step k, save each (target, name) in
+    ``saves[k]`` (sampler saves are published to the run's sampler: bump_version)."""
+    datum = chat_datum()
+    with trainer(server, run_id) as tc:
         for step in range(1, steps + 1):
-            tc.forward_backward([datum], "cross_entropy").result(timeout=120)
-            tc.optim_step({"learning_rate": 1e-2}).result(timeout=120)
+            fb = tc.forward_backward([datum], "cross_entropy")
+            opt = tc.optim_step({"learning_rate": lr})  # pipelined behind the forward_backward
+            fb.result(timeout=120)
+            opt.result(timeout=120)
             for target, name in saves.get(step, []):
                 if target == "sampler":
-                    tc.save_weights_for_sampler(name).result(timeout=120)
+                    tc.save_weights_for_sampler(name, bump_version=True).result(timeout=120)
                 else:
                     tc.save_state(name).result(timeout=120)
 
 
 @pytest.fixture(scope="session")
 def seeded(local_server) -> Seeded:
-    run = create_run(local_server, name="seeded-run")
-    train_steps(local_server, run["id"], 2, {
+    run = create_run(local_server, name="seeded-run", lora_rank=16)
+    train_steps(local_server, run["id"], SEEDED_STEPS, {
         1: [("sampler", "s1"), ("trainer", "t1")],
-        2: [("sampler", "s2"), ("trainer", "s2")],
+        SEEDED_STEPS: [("sampler", "s2"), ("trainer", "s2")],
     })
     cps = api(local_server, "GET", "/v1/loops/checkpoints", params={"run_id": run["id"]})["checkpoints"]
     seeded = Seeded(local_server, run["id"])

@@ -7,13 +7,14 @@ directory under a temporary folder.
   recovery. ``server_factory(**options)`` -> :class:`LocalServer`; ``options`` override
   server settings (``ServerConfig`` fields such as ``op_poll_hold_s``).
 
-Both run with fault hooks enabled (``POST /v1/local/faults``) and short timings so tests
+Servers stop themselves if the test process dies. Both run with fault hooks enabled (``POST /v1/local/faults``) and short timings so tests
 stay fast: a 2 s long-poll hold, a 1 s hold for X-Min-Policy-Version, snapshots after every
 optimizer step, a 0.2 s janitor tick.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +76,8 @@ class LocalServer:
         env = {f"LOOPS_{name}_DIR": str(path) for name, path in self.dirs.items()}
         info = daemon.start(self.port, state_dir=self.state_dir, data_dir=self.data_dir,
                             options={**TEST_SERVER_OPTIONS, **self.options},
-                            enable_fault_hooks=True, env=env, timeout=120)
+                            enable_fault_hooks=True, env=env, timeout=120,
+                            owner_pid=os.getpid())  # no orphan if the test run is killed
         self.url, self.pid = info.url, info.pid
         self.token = daemon.read_token(self.state_dir) or ""
         return self

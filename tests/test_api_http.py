@@ -224,6 +224,15 @@ def test_debug_log_redacts_key(server, sleeps):
     assert "retry 1/" in text
 
 
+def test_debug_log_redacts_query_secrets(server, sleeps):
+    lines = []
+    server.route("GET", "/files", ok)
+    c = HttpClient(server.url, KEY, sleep=sleeps.append, debug_log=lines.append)
+    c.get("/files", params={"page": 1, "sig": "s3cr3t-signature", "token": "tok-abc-123"})
+    text = "\n".join(lines)
+    assert "s3cr3t-signature" not in text and "tok-abc-123" not in text and "page=1" in text
+
+
 def test_retry_after_parsing():
     assert retry_after_seconds({"retry-after": "5"}) == 5.0
     assert retry_after_seconds({"retry-after": "-5"}) == 0.0

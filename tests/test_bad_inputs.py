@@ -204,6 +204,13 @@ def _run_cli_case(case: dict, tmp: Path, ctx: _Ctx, server) -> None:
     if "data" in case:
         (tmp / "data.jsonl").write_text(_fill(case["data"], mapping, None), encoding="utf-8")
         mapping["data"] = str(tmp / "data.jsonl")
+    elif "data_b64" in case:
+        import base64
+
+        (tmp / "data.jsonl").write_bytes(base64.b64decode(case["data_b64"]))
+        mapping["data"] = str(tmp / "data.jsonl")
+    for name, text in (case.get("files") or {}).items():  # extra files beside the config
+        (tmp / name).write_text(text, encoding="utf-8")
     if "config" in case:
         (tmp / "config.yaml").write_text(_fill(case["config"], mapping, None), encoding="utf-8")
         mapping["config"] = str(tmp / "config.yaml")
@@ -213,8 +220,10 @@ def _run_cli_case(case: dict, tmp: Path, ctx: _Ctx, server) -> None:
     proc = run_cli(args, _cli_env(server, case.get("env")), tmp, case.get("stdin"))
     where = f"loops {' '.join(args)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     assert proc.returncode == case["exit"], where
-    assert case["message"].lower() in proc.stderr.lower(), where
+    assert _fill(case["message"], mapping, None).lower() in proc.stderr.lower(), where
     assert "Traceback" not in proc.stderr + proc.stdout, where
+    # Bad input is a known failure: it must never reach main()'s catch-all for bugs.
+    assert "Error: unexpected" not in proc.stderr, "an unhandled exception, not a message\n" + where
     assert server.token not in proc.stderr + proc.stdout, "the API key leaked\n" + where
     assert not (tmp / "PWNED").exists(), "code in a checkpoint file was executed"
 

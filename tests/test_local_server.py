@@ -257,6 +257,34 @@ def test_runs_listing_and_paired_sampler(client: httpx.Client):
     assert again["id"] == run["sampler"]["id"]
 
 
+def test_team_and_debug_route_twins(client: httpx.Client):
+    team = client.get("/v1/teams").json()["teams"][0]["id"]
+    session = client.post(f"/v1/teams/{team}/loops/sessions").json()["session"]["id"]
+    body = {"session_id": session, "base_model": MODEL, "lora_rank": 4}
+    made = {}
+    for route in (f"/v1/teams/{team}/loops/runs", f"/v1/teams/{team}/loops/trainers",
+                  "/v1/loops/debug/trainers", f"/v1/teams/{team}/loops/debug/trainers"):
+        resp = client.post(route, json={**body, "scope": "deployment", "debug_version": "x"})
+        assert resp.status_code == 200, (route, resp.text)
+        made[route] = resp.json()["run"]
+    assert made[f"/v1/teams/{team}/loops/runs"]["sampler"] is not None  # /runs pairs one
+    assert made[f"/v1/teams/{team}/loops/trainers"]["sampler"] is None
+    team_runs = {r["id"] for r in client.get(f"/v1/teams/{team}/loops/runs").json()["runs"]}
+    assert {made[f"/v1/teams/{team}/loops/runs"]["id"]} <= team_runs
+    samplers = {}
+    for route in (f"/v1/teams/{team}/loops/samplers", "/v1/loops/debug/samplers"):
+        resp = client.post(route, json={"session_id": session, "base_model": MODEL})
+        assert resp.status_code == 200, (route, resp.text)
+        samplers[route] = resp.json()["sampler"]["id"]
+        health = client.get(f"/samplers/{samplers[route]}/sync/health")
+        assert health.json() == {"status": "ACTIVE"}
+    team_samplers = {s["id"] for s in client.get(
+        f"/v1/teams/{team}/loops/samplers").json()["samplers"]}
+    assert samplers[f"/v1/teams/{team}/loops/samplers"] in team_samplers
+    for run in made.values():  # leave nothing loaded for the other tests
+        client.post(f"/v1/loops/runs/{run['id']}/deactivate")
+
+
 def test_training_ops_and_policy_version(client: httpx.Client):
     trainer = new_run(client, seed=0)  # a seeded adapter: the loss curve is reproducible
     assert trainer.policy_version() == 0
@@ -900,3 +928,16 @@ def test_daemon_start_stop_ensure_running(tmp_path: Path, monkeypatch: pytest.Mo
     finally:
         assert daemon.stop()
     assert daemon.status() is None and not daemon.stop()
+
+
+def test_server_stops_when_its_owner_exits(tmp_path: Path):
+    from baseten_loops_cli.local import daemon
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    info = daemon.start(0, state_dir=tmp_path / "state", data_dir=tmp_path / "data",
+                        owner_pid=owner.pid, options={"preload_engine": False})
+    assert daemon.status(tmp_path / "state").pid == info.pid
+    owner.wait()
+    _wait_gone(info.pid, timeout=20)
+    assert daemon.status(tmp_path / "state") is None
+    assert "owner process" in (tmp_path / "state" / "server.log").read_text()

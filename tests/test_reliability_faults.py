@@ -250,3 +250,31 @@ def test_sft_run_through_20pct_faults_matches_fault_free_run(local_server, tmp_p
     assert_same_adapter(adapter_tensors(local_server, clean_run, clean_name),
                         adapter_tensors(local_server, faulty_run, faulty_name))
     assert faulty_s <= 3 * clean_s, f"{faulty_s:.1f}s through faults vs {clean_s:.1f}s clean"
+
+
+@pytest.mark.parametrize("kind", ["reset", "reset_after", "408"])
+def test_train_run_survives_a_lost_control_plane_post_without_orphans(local_server, tmp_path, kind):
+    """The first POST that creates the session and the first that creates the run each fail
+    once in transit (dropped before the server saw it, response lost after it acted, or a
+    proxy 408). `loops train run` must still succeed, and leave exactly one run behind (a
+    blind re-POST after a lost response would leave an orphan run holding capacity)."""
+    name = f"lost-post-{kind.replace('_', '-')}"
+    config = sft_config(tmp_path, steps=2, save_every=0)
+    config.write_text(config.read_text().replace("name: reliability-sft", f"name: {name}"))
+    seen: dict[str, int] = {}
+
+    def first_create_only(k, method, path):
+        if method != "POST" or not path.rstrip("/").endswith(("/loops/sessions", "/loops/runs", "/loops/trainers")):
+            return False
+        key = path.rstrip("/").rsplit("/", 1)[1]
+        seen[key] = seen.get(key, 0) + 1
+        return seen[key] == 1
+
+    with FaultProxy("127.0.0.1", _port(local_server.url), rate=1.0, mix=[kind], allow=first_create_only) as proxy:
+        p = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "rd")], cli_env(local_server, proxy.url), tmp_path)
+        snap = proxy.snapshot()
+    assert p.returncode == 0, f"{snap}\n{p.stderr}"
+    assert snap["injected"] >= 2, snap
+    with local_server.client() as c:
+        runs = [r for r in c.get("/v1/loops/runs", params={"all": "true"}).json()["runs"] if r.get("name") == name]
+    assert len(runs) == 1, f"{len(runs)} runs named {name}: {[r['id'] for r in runs]} (orphans from a re-POST)"

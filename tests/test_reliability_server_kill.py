@@ -118,3 +118,76 @@ def test_server_sigkill_mid_run_then_restart_and_resume(server_factory):
         tc.save_weights_for_sampler("final").result(timeout=300)
         assert tc.policy_version() == STEPS
     assert_same_adapter(adapter_tensors(server, clean["id"]), adapter_tensors(server, victim["id"]))
+
+
+CLIENT_EXIT_BUDGET_S = float(os.environ.get("LOOPS_SERVER_KILL_EXIT_S", "120"))
+
+
+def test_server_killed_under_loops_train_then_restart_and_resume(server_factory, tmp_path):
+    """`loops train run` with its server SIGKILLed mid-run: the CLI exits (promptly, non-zero)
+    with a clear message and the resume command; after a restart the run, its checkpoints and
+    metrics are intact and `loops train resume` finishes with the uninterrupted run's adapter."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_reliability_faults import cli_env, loops, run_dir_result, sft_config
+
+    server = server_factory()
+    config = sft_config(tmp_path, steps=8, save_every=2, seed=13)
+    env = cli_env(server)
+    clean = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "clean")], env, tmp_path)
+    assert clean.returncode == 0, clean.stderr
+
+    run_dir = tmp_path / "victim"
+    proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "train", "run", str(config),
+                             "--run-dir", str(run_dir)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "training finished before the server could be killed"
+    run_id = json.loads((run_dir / "state.json").read_text())["run_id"]
+    with server.client() as c:
+        cps_before = sorted(x["checkpoint_id"] for x in c.get(
+            "/v1/loops/checkpoints", params={"run_id": run_id}).json()["checkpoints"])
+    _kill(server)
+    problems: list[str] = []
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=CLIENT_EXIT_BUDGET_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        problems.append(f"`loops train run` was still running {CLIENT_EXIT_BUDGET_S:.0f}s after its server "
+                        f"died (killed by the test); stderr tail:\n{err[-1500:]}")
+    else:
+        print(f"\nCLI exited {proc.returncode} {time.monotonic() - t0:.1f}s after the server was killed")
+        if proc.returncode in (0, None):
+            problems.append(f"exit code {proc.returncode} after the server died")
+        if "Traceback" in err:
+            problems.append("a traceback instead of a message:\n" + err[-1500:])
+        if f"loops train resume {run_dir}" not in err:
+            problems.append("no resume command in:\n" + err[-1500:])
+    metrics_before = metrics.read_text()
+
+    server.start()  # same dirs and port
+    with server.client() as c:
+        assert c.get(f"/v1/loops/runs/{run_id}").status_code == 200
+        cps_after = sorted(x["checkpoint_id"] for x in c.get(
+            "/v1/loops/checkpoints", params={"run_id": run_id}).json()["checkpoints"])
+    assert cps_after == cps_before and cps_after, (cps_before, cps_after)
+    assert metrics.read_text() == metrics_before  # the client's metrics are untouched
+
+    resumed = loops(["train", "resume", str(run_dir)], env, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    steps, rid, name = run_dir_result(run_dir)
+    clean_steps, clean_run, clean_name = run_dir_result(tmp_path / "clean")
+    assert steps == clean_steps == 8
+    trained = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"loss"' in x]
+    assert trained == list(range(1, 9)), trained
+    assert_same_adapter(adapter_tensors(server, clean_run, clean_name), adapter_tensors(server, rid, name))
+    assert not problems, "\n".join(problems)

@@ -239,6 +239,21 @@ def test_api_key_never_in_debug_output_or_logs(local_server, tmp_path):
                  ["--debug", "samplers", "list"]):
         p = _loops(args, env, tmp_path, timeout=120)
         texts.append((args, p.stdout + p.stderr))
+    # A whole training run with --debug: HTTP debug log of every control-plane and worker call.
+    pytest.importorskip("torch")
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text("kind: sft\nname: keyleak\nbase_model: loops-local/tiny\nlora_rank: 4\nmax_seq_len: 64\n"
+                   "batch_size: 4\nmax_steps: 2\ncheckpointing:\n  save_every: 1\n"
+                   f"data:\n  train: {ROOT / 'examples' / 'data' / 'tiny_sft_train.jsonl'}\n")
+    p = _loops(["--debug", "train", "run", str(cfg), "--run-dir", str(tmp_path / "rd")], env, tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr
+    texts.append((["--debug", "train", "run"], p.stdout + p.stderr))
+    run_id = json.loads((tmp_path / "rd" / "state.json").read_text())["run_id"]
+    p = _loops(["--debug", "checkpoints", "download", f"{run_id}:final", "-O", str(tmp_path / "dl"), "--target", "sampler"],
+               env, tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    texts.append((["--debug", "checkpoints", "download"], p.stdout + p.stderr))
+    assert any("***" in t or "Api-Key" in t for _, t in texts), "no HTTP debug log seen at all"
     for args, text in texts:
         assert key not in text, f"loops {' '.join(args)} printed the API key"
     # Files the CLI and server wrote (logs, caches, run dirs), except the token file itself
@@ -416,3 +431,110 @@ def test_file_route_refuses_symlinks_out_of_the_checkpoint(local_server, signed_
     finally:
         for name in links:
             (folder / name).unlink()
+
+
+# ── YAML loaded safely; reward code only from the file the config names ─────────────────────
+
+_TAGS = [
+    '!!python/object/apply:os.system ["touch {marker}"]',
+    '!!python/object/new:subprocess.Popen [["touch", "{marker}"]]',
+    "!!python/name:os.system",
+    "!!python/module:os",
+]
+
+
+@pytest.mark.parametrize("tag", _TAGS)
+def test_yaml_with_python_tags_is_refused_not_executed(local_server, tmp_path, tag):
+    marker = tmp_path / "PWNED"
+    env = _cli_env(local_server)
+    data = ROOT / "examples" / "data" / "tiny_sft_train.jsonl"
+    bodies = [
+        tag.format(marker=marker) + "\n",
+        f"kind: sft\nname: {tag.format(marker=marker)}\nbase_model: loops-local/tiny\ndata:\n  train: {data}\n",
+        f"kind: sft\nname: x\nbase_model: loops-local/tiny\nseed: {tag.format(marker=marker)}\ndata:\n  train: {data}\n",
+    ]
+    for i, body in enumerate(bodies):
+        cfg = tmp_path / f"c{i}.yaml"
+        cfg.write_text(body)
+        for args in (["train", "validate", str(cfg), "--offline"],
+                     ["train", "run", str(cfg), "--run-dir", str(tmp_path / f"rd{i}")]):
+            p = _loops(args, env, tmp_path, timeout=120)
+            assert p.returncode != 0, (body, p.stdout)
+            assert "Traceback" not in p.stderr and "Error: unexpected" not in p.stderr, p.stderr
+            assert not marker.exists(), f"YAML tag executed: {body}"
+    # The same through --set (values are parsed as YAML too).
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(f"kind: sft\nname: x\nbase_model: loops-local/tiny\ndata:\n  train: {data}\n")
+    p = _loops(["train", "validate", str(ok), "--offline", "--set", "name=" + tag.format(marker=marker)],
+               env, tmp_path, timeout=120)
+    assert not marker.exists()
+    assert "Traceback" not in p.stderr and "Error: unexpected" not in p.stderr, p.stderr
+
+
+def test_run_dir_config_is_loaded_safely_on_resume(local_server, tmp_path):
+    """`loops train resume` reads RUN_DIR/config.yaml: a tampered one is refused, not run."""
+    rd = tmp_path / "rd"
+    rd.mkdir()
+    marker = tmp_path / "PWNED"
+    (rd / "config.yaml").write_text(f'!!python/object/apply:os.system ["touch {marker}"]\n')
+    (rd / "state.json").write_text(json.dumps({"status": "failed", "step": 0}))
+    p = _loops(["train", "resume", str(rd)], _cli_env(local_server), tmp_path, timeout=120)
+    assert p.returncode != 0 and not marker.exists()
+    assert "Traceback" not in p.stderr and "Error: unexpected" not in p.stderr, p.stderr
+
+
+def _rl_config(folder: Path, reward: str, prompts: Path) -> Path:
+    cfg = folder / "rl.yaml"
+    cfg.write_text(
+        "kind: rl\nname: reward-path\nbase_model: loops-local/tiny\nlora_rank: 4\nmax_seq_len: 128\n"
+        "group_size: 2\ngroups_per_batch: 1\nmax_steps: 1\nsampling:\n  max_tokens: 4\n"
+        f"data:\n  prompts: {prompts}\nreward: {reward}\n"
+    )
+    return cfg
+
+
+def test_reward_code_is_loaded_only_from_the_file_the_config_names(local_server, tmp_path):
+    prompts = ROOT / "examples" / "data" / "tiny_rl_prompts.jsonl"
+    cwd = tmp_path / "cwd"
+    cfg_dir = tmp_path / "project"
+    cwd.mkdir()
+    cfg_dir.mkdir()
+    evil_marker, legit_marker = tmp_path / "EVIL_IMPORTED", tmp_path / "LEGIT_IMPORTED"
+    evil = f"open({str(evil_marker)!r}, 'w').close()\ndef score(c, row):\n    return 0.0\n"
+    legit = f"open({str(legit_marker)!r}, 'w').close()\ndef score(c, row):\n    return 1.0\n"
+    # A rewards.py in the working directory and on PYTHONPATH: it must never be the one used.
+    (cwd / "rewards.py").write_text(evil)
+    (cfg_dir / "rewards.py").write_text(legit)
+    env = _cli_env(local_server)
+    env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(cwd)
+
+    cfg = _rl_config(cfg_dir, "rewards.py:score", prompts)
+    p = _loops(["train", "validate", str(cfg), "--offline"], env, cwd, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert legit_marker.exists(), "the reward file beside the config was not the one loaded"
+    assert not evil_marker.exists(), "a rewards.py from the working directory / PYTHONPATH was imported"
+    legit_marker.unlink()
+
+    # Import paths are not file paths: no module is imported by name.
+    for spec in ("rewards:score", "os:system", "json:loads", "rewards.score", "baseten_loops_cli.training.rewards:score"):
+        p = _loops(["train", "validate", str(_rl_config(cfg_dir, spec, prompts)), "--offline"], env, cwd, timeout=120)
+        assert p.returncode != 0, spec
+        assert "unknown reward" in p.stderr, p.stderr
+        assert not evil_marker.exists() and not legit_marker.exists(), spec
+
+    # A finished run's directory pins the absolute path: resuming from another directory
+    # (which has its own rewards.py) still loads the original file.
+    cfg = _rl_config(cfg_dir, "rewards.py:score", prompts)
+    rd = tmp_path / "rd"
+    p = _loops(["train", "run", str(cfg), "--run-dir", str(rd)], env, cfg_dir, timeout=600)
+    assert p.returncode == 0, p.stderr
+    saved = (rd / "config.yaml").read_text()
+    assert f"{cfg_dir / 'rewards.py'}:score" in saved, saved
+    legit_marker.unlink(missing_ok=True)
+    evil_marker.unlink(missing_ok=True)
+    state = json.loads((rd / "state.json").read_text())
+    state["status"] = "failed"  # as if interrupted, so resume loads the config again
+    (rd / "state.json").write_text(json.dumps(state))
+    p = _loops(["train", "resume", str(rd)], env, cwd, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert legit_marker.exists() and not evil_marker.exists()

@@ -187,3 +187,20 @@ def test_rundir_resume_trims_metrics_after_last_checkpoint(tmp_path):
     assert [r["step"] for r in rundir.metrics()] == list(range(1, 8))
     rundir.trim_after(rundir.last_checkpoint()["step"])
     assert [r["step"] for r in rundir.metrics()] == [1, 2, 3, 4]
+
+
+def test_kl_penalty_shapes_per_token_advantages():
+    from baseten_loops_cli.training.data import Prompt
+    from baseten_loops_cli.training.rl import Rollout, _datums
+
+    prompt = Prompt([1, 2], {}, "p:1")
+    group = [
+        Rollout(prompt, [5, 6], [-1.0, -2.0], "a", 1.0, "length", base_logprobs=[-1.5, -2.0]),
+        Rollout(prompt, [7, 8], [-1.0, -1.0], "b", 0.0, "length", base_logprobs=[-1.0, -1.0]),
+    ]
+    datums, kept, kl = _datums([group], kl_coef=0.5)
+    assert kept == 1 and kl == pytest.approx(0.125)
+    adv = datums[0]["loss_fn_inputs"]["advantages"]["data"]
+    assert adv == pytest.approx([0.0, 0.5 - 0.5 * 0.5, 0.5])
+    datums, kept, kl = _datums([group])
+    assert kl is None and datums[0]["loss_fn_inputs"]["advantages"]["data"] == pytest.approx([0.0, 0.5, 0.5])

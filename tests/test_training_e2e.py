@@ -164,3 +164,14 @@ def test_broken_reward_stops_with_its_name_after_saving_state(local_server, tmp_
     assert "reward" in result.stderr and "boom" in result.stderr and "ValueError: bad row" in result.stderr
     assert "loops train resume" in result.stderr and "Traceback" not in result.stderr
     assert json.loads((run_dir / "state.json").read_text())["status"] == "failed"
+
+
+def test_kl_penalty_against_the_base_model_is_measured(local_server, tmp_path):
+    run_dir = tmp_path / "kl"
+    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-rl.yaml"), "--run-dir", str(run_dir),
+                   "--set", "max_steps=3", "--set", "data.eval_prompts=null", "--set", "kl_penalty_coef=0.1")
+    assert result.returncode == 0, result.stderr
+    kls = [r["kl_policy_base"] for r in metrics(run_dir) if "kl_policy_base" in r]
+    assert len(kls) == 3
+    assert abs(kls[0]) < 1e-3  # step 1 samples the untrained adapter: policy == base
+    assert any(abs(k) > 1e-3 for k in kls[1:])

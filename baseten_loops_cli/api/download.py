@@ -28,16 +28,19 @@ Presigned URLs carry their own credentials: no ``Authorization`` header is ever 
 from __future__ import annotations
 
 import errno
+import http.client
 import json
 import os
 import shutil
+import socket
+import ssl
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable, Mapping, Protocol
-from urllib.parse import parse_qs, urlsplit
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
+from urllib.parse import parse_qs, urljoin, urlsplit
 
 import httpx
 
@@ -54,7 +57,10 @@ MAX_ATTEMPTS = 5
 MAX_REFRESHES = 3
 # Refresh a link before using it when it expires sooner than this (seconds).
 EXPIRY_MARGIN_S = 60.0
-DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=15.0)
+CONNECT_TIMEOUT_S = 15.0
+READ_TIMEOUT_S = 60.0
+BUFFER_BYTES = 1 << 20  # bytes per read (and per write) on the fast path
+MAX_REDIRECTS = 5
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
@@ -325,6 +331,244 @@ class _Links:
             return True
 
 
+# ── HTTP: a lean stdlib path, httpx when a proxy or a test transport is in play ──────────────
+#
+# A checkpoint download is bulk data, and on a small machine the client's CPU time is taken
+# from the server it downloads from (the local backend) or from the disk writes. The fast path
+# is http.client reading 1 MiB at a time straight into a reused buffer (``readinto``) and
+# writing it with one syscall: no per-64-KiB Python work. httpx (which honours proxy settings
+# and accepts a mock transport) is used when a proxy applies to the URL or a transport is given.
+
+
+class _TransportFailure(Exception):
+    """The connection failed or dropped (a retry with Range continues the file)."""
+
+
+class _Response(Protocol):
+    status: int
+
+    def header(self, name: str) -> str | None: ...
+
+    def readinto(self, buffer: memoryview) -> int: ...
+
+    def error_text(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class _StdlibResponse:
+    def __init__(self, resp: http.client.HTTPResponse, on_done: Callable[[bool], None]):
+        self._resp = resp
+        self._on_done = on_done
+        self.status = resp.status
+
+    def header(self, name: str) -> str | None:
+        return self._resp.getheader(name)
+
+    def readinto(self, buffer: memoryview) -> int:
+        try:
+            return self._resp.readinto(buffer)
+        except (OSError, http.client.HTTPException) as exc:
+            raise _TransportFailure(_describe(exc)) from exc
+
+    def error_text(self) -> str:
+        try:
+            return self._resp.read(64 * 1024).decode("utf-8", "replace")
+        except (OSError, http.client.HTTPException):
+            return ""
+
+    def close(self) -> None:
+        reusable = self._resp.isclosed()  # the body was read to its end
+        self._resp.close()
+        self._on_done(reusable)
+
+
+class _StdlibSession:
+    """One keep-alive connection per (thread, host); presigned URLs get no auth header."""
+
+    def __init__(self, connect_timeout: float, read_timeout: float):
+        self._local = threading.local()
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._ssl: ssl.SSLContext | None = None
+        self._lock = threading.Lock()
+        self._all: list[http.client.HTTPConnection] = []
+
+    def _context(self) -> ssl.SSLContext:
+        with self._lock:
+            if self._ssl is None:
+                cafile = None
+                if not (os.environ.get("SSL_CERT_FILE") or os.environ.get("SSL_CERT_DIR")):
+                    try:
+                        import certifi
+
+                        cafile = certifi.where()
+                    except ImportError:
+                        cafile = None
+                self._ssl = ssl.create_default_context(cafile=cafile)
+            return self._ssl
+
+    def _connection(self, scheme: str, host: str, port: int | None, fresh: bool) -> http.client.HTTPConnection:
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        key = (scheme, host, port)
+        conn = conns.get(key)
+        if conn is not None and not fresh:
+            return conn
+        if conn is not None:
+            conn.close()
+        if scheme == "https":
+            conn = http.client.HTTPSConnection(host, port, timeout=self._connect_timeout, context=self._context())
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=self._connect_timeout)
+        conns[key] = conn
+        with self._lock:
+            self._all.append(conn)
+        return conn
+
+    def get(self, url: str, headers: dict[str, str]) -> _Response:
+        for _ in range(MAX_REDIRECTS + 1):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise DownloadError(f"unsupported file link {parts.scheme}://{parts.hostname or ''}/...")
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            resp = None
+            for fresh in (False, True):  # a kept-alive connection the server closed: one redial
+                conn = self._connection(parts.scheme, parts.hostname, parts.port, fresh)
+                try:
+                    if conn.sock is None:
+                        conn.connect()
+                        conn.sock.settimeout(self._read_timeout)
+                    conn.request("GET", target, headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **headers})
+                    resp = conn.getresponse()
+                    break
+                except (OSError, http.client.HTTPException) as exc:
+                    conn.close()
+                    if fresh:
+                        raise _TransportFailure(_describe(exc)) from exc
+            assert resp is not None
+            if resp.status in (301, 302, 303, 307, 308) and resp.getheader("location"):
+                url = urljoin(url, resp.getheader("location") or "")
+                resp.read()
+                continue
+            keep = conn
+
+            def done(reusable: bool, keep: http.client.HTTPConnection = keep) -> None:
+                if not reusable:
+                    keep.close()
+
+            return _StdlibResponse(resp, done)
+        raise DownloadError(f"the file link redirected more than {MAX_REDIRECTS} times")
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+
+
+class _HttpxResponse:
+    def __init__(self, cm: Any):
+        self._cm = cm
+        self._resp: httpx.Response = cm.__enter__()
+        self.status = self._resp.status_code
+        self._chunks: Iterator[bytes] | None = None
+        self._pending = b""
+
+    def header(self, name: str) -> str | None:
+        return self._resp.headers.get(name)
+
+    def readinto(self, buffer: memoryview) -> int:
+        try:
+            if self._chunks is None:
+                self._chunks = self._resp.iter_raw()
+            while not self._pending:
+                self._pending = next(self._chunks, b"")
+                if not self._pending:
+                    return 0
+        except httpx.TransportError as exc:
+            raise _TransportFailure(_describe(exc)) from exc
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def error_text(self) -> str:
+        try:
+            return self._resp.read()[: 64 * 1024].decode("utf-8", "replace")
+        except httpx.HTTPError:
+            return ""
+
+    def close(self) -> None:
+        self._cm.__exit__(None, None, None)
+
+
+class _HttpxSession:
+    def __init__(self, transport: httpx.BaseTransport | None, parallel: int, connect_timeout: float, read_timeout: float):
+        limits = httpx.Limits(max_connections=parallel + 2, max_keepalive_connections=parallel + 2)
+        self._client = httpx.Client(
+            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+            limits=limits,
+            transport=transport,
+            follow_redirects=True,
+            headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
+        )
+
+    def get(self, url: str, headers: dict[str, str]) -> _Response:
+        try:
+            return _HttpxResponse(self._client.stream("GET", url, headers=headers))
+        except httpx.TransportError as exc:
+            raise _TransportFailure(_describe(exc)) from exc
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class _Sessions:
+    """Picks the path per URL: httpx when a transport is given or a proxy applies."""
+
+    def __init__(self, transport: httpx.BaseTransport | None, parallel: int, connect_timeout: float, read_timeout: float):
+        self._transport = transport
+        self._args = (parallel, connect_timeout, read_timeout)
+        self._stdlib = _StdlibSession(connect_timeout, read_timeout)
+        self._httpx: _HttpxSession | None = None
+        self._lock = threading.Lock()
+
+    def get(self, url: str, headers: dict[str, str]) -> _Response:
+        if self._transport is None and not _proxied(url):
+            return self._stdlib.get(url, headers)
+        with self._lock:
+            if self._httpx is None:
+                self._httpx = _HttpxSession(self._transport, *self._args)
+        return self._httpx.get(url, headers)
+
+    def close(self) -> None:
+        self._stdlib.close()
+        if self._httpx is not None:
+            self._httpx.close()
+
+
+def _proxied(url: str) -> bool:
+    """Whether the environment routes ``url`` through a proxy (HTTP(S)_PROXY, NO_PROXY)."""
+    import urllib.request
+
+    proxies = urllib.request.getproxies()
+    parts = urlsplit(url)
+    if parts.scheme not in proxies and "all" not in proxies:
+        return False
+    return not urllib.request.proxy_bypass(parts.hostname or "")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    name = type(exc).__name__
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return f"no data for {READ_TIMEOUT_S:.0f}s (timeout)"
+    return f"{name}: {text}" if text else name
+
+
+
 # ── the download ───────────────────────────────────────────────────────────────────────────
 
 
@@ -339,7 +583,7 @@ class _Job:
 
 @dataclass
 class _Shared:
-    client: httpx.Client
+    http: _Sessions
     links: _Links
     progress: Progress
     dest: Path
@@ -371,14 +615,15 @@ def download_files(
     force: bool = False,
     progress: Progress | None = None,
     transport: httpx.BaseTransport | None = None,
-    timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+    read_timeout: float = READ_TIMEOUT_S,
     sleep: Callable[[float], None] = time.sleep,
     check_free_space: bool = True,
 ) -> DownloadResult:
     """Download ``files`` (``CheckpointFile`` dicts or :class:`RemoteFile`) into ``dest``.
 
     ``refresh`` returns the checkpoint's current file list (all pages); it is called when a link
-    has expired. ``parallel`` files are fetched at once.
+    has expired. ``parallel`` files are fetched at once. ``transport`` (an httpx transport, for
+    tests) replaces the network.
     """
     started = time.monotonic()
     remote = [f if isinstance(f, RemoteFile) else RemoteFile.from_json(f) for f in files]
@@ -426,15 +671,8 @@ def download_files(
     progress = progress or _NoProgress()
     progress.start(total_bytes=total, completed_bytes=done_before, files=len(remote))
     links = _Links(remote, refresh)
-    limits = httpx.Limits(max_connections=parallel + 2, max_keepalive_connections=parallel + 2)
-    client = httpx.Client(
-        timeout=timeout,
-        limits=limits,
-        transport=transport,
-        follow_redirects=True,
-        headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
-    )
-    shared = _Shared(client=client, links=links, progress=progress, dest=dest, sleep=sleep)
+    sessions = _Sessions(transport, parallel, CONNECT_TIMEOUT_S, read_timeout)
+    shared = _Shared(http=sessions, links=links, progress=progress, dest=dest, sleep=sleep)
     # Largest first: the long poles start early, the small files fill the gaps.
     jobs.sort(key=lambda j: -(j.file.size_bytes or 0))
     pool = ThreadPoolExecutor(max_workers=min(parallel, max(len(jobs), 1)), thread_name_prefix="loops-dl")
@@ -466,7 +704,7 @@ def download_files(
         # After a failure, workers still blocked in a read are not waited for: closing the
         # client ends their connections.
         pool.shutdown(wait=finished_cleanly, cancel_futures=True)
-        client.close()
+        sessions.close()
 
     try:
         (dest / MARKER_NAME).unlink()
@@ -551,13 +789,14 @@ def _attempt(shared: _Shared, job: _Job, url: str) -> tuple[str, str]:
         return _DONE, ""
     headers = {"Range": f"bytes={job.have}-"} if job.have else {}
     try:
-        with shared.client.stream("GET", url, headers=headers) as resp:
-            status = resp.status_code
+        resp = shared.http.get(url, headers)
+        try:
+            status = resp.status
             if status in (401, 403):
                 return _EXPIRED, f"HTTP {status}"
             if status == 416 and job.have:
                 # The .part is as long as the file already, or longer (stale): decide by size.
-                total = _content_range_total(resp.headers.get("content-range"))
+                total = _content_range_total(resp.header("content-range"))
                 if total is not None and total == job.have and f.size_bytes in (None, total):
                     return _DONE, ""
                 job.have = _restart(job, shared)
@@ -566,15 +805,17 @@ def _attempt(shared: _Shared, job: _Job, url: str) -> tuple[str, str]:
                 return _RETRY, f"HTTP {status}"
             if status >= 400:
                 raise DownloadError(
-                    f"{name}: the file link answered HTTP {status}{_reason(resp)}",
+                    f"{name}: the file link answered HTTP {status}{_reason(resp.error_text())}",
                     hint="Run the same command again; if it persists, check `loops checkpoints files CKPT`.",
                 )
-            if job.have and (status != 206 or _content_range_start(resp.headers.get("content-range")) != job.have):
+            if job.have and (status != 206 or _content_range_start(resp.header("content-range")) != job.have):
                 job.have = _restart(job, shared)  # the server ignored or misread the Range
             job.have += _stream_to(resp, job, shared, job.have)
-    except httpx.TransportError as exc:
+        finally:
+            resp.close()
+    except _TransportFailure as exc:
         job.have = _size_of(job.part)
-        return _RETRY, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return _RETRY, str(exc)
     if shared.cancel.is_set() or f.size_bytes is None or job.have == f.size_bytes:
         return _DONE, ""
     if job.have > f.size_bytes:
@@ -583,46 +824,50 @@ def _attempt(shared: _Shared, job: _Job, url: str) -> tuple[str, str]:
     return _RETRY, f"the connection closed after {job.have} of {f.size_bytes} bytes"
 
 
-def _stream_to(resp: httpx.Response, job: _Job, shared: _Shared, offset: int) -> int:
-    """Append the body to the ``.part`` (which holds ``offset`` bytes); return bytes written."""
+def _stream_to(resp: _Response, job: _Job, shared: _Shared, offset: int) -> int:
+    """Append the body to the ``.part`` (which holds ``offset`` bytes); return bytes written.
+
+    Raises :class:`_TransportFailure` after saving what arrived when the connection drops."""
     written = 0
+    buffer = memoryview(bytearray(BUFFER_BYTES))
     try:
-        fh = open(job.part, "r+b" if offset else "wb")
+        fd = os.open(job.part, os.O_WRONLY | os.O_CREAT | (0 if offset else os.O_TRUNC), 0o644)
     except OSError as exc:
         raise _write_error(job.part.parent, exc) from None
-    with fh:
-        try:
-            if offset:
-                fh.seek(offset)
-                fh.truncate()
-            for chunk in resp.iter_raw():
-                if shared.cancel.is_set():
-                    break
-                fh.write(chunk)
-                written += len(chunk)
-                shared.add(len(chunk))
-            fh.flush()
-        except httpx.TransportError:
-            fh.flush()
-            raise
-        except OSError as exc:
-            if exc.errno in _DISK_FULL:
-                shared.cancel.set()
-                from baseten_loops_cli.output.format import human_size
+    try:
+        if offset:
+            os.lseek(fd, offset, os.SEEK_SET)
+            os.ftruncate(fd, offset)
+        while not shared.cancel.is_set():
+            n = resp.readinto(buffer)
+            if not n:
+                break
+            view = buffer[:n]
+            while view:
+                view = view[os.write(fd, view):]
+            written += n
+            shared.add(n)
+    except OSError as exc:
+        if exc.errno in _DISK_FULL:
+            shared.cancel.set()
+            from baseten_loops_cli.output.format import human_size
 
-                raise DiskFullError(
-                    f"no space left on the device of {shared.dest} while writing {job.rel.as_posix()} "
-                    f"({human_size(shared.downloaded)} downloaded in this run)",
-                    hint="Free some space and run the same command again: the download resumes where it stopped.",
-                ) from None
-            raise _write_error(job.part.parent, exc) from None
+            raise DiskFullError(
+                f"no space left on the device of {shared.dest} while writing {job.rel.as_posix()} "
+                f"({human_size(shared.downloaded)} downloaded in this run)",
+                hint="Free some space and run the same command again: the download resumes where it stopped.",
+            ) from None
+        raise _write_error(job.part.parent, exc) from None
+    finally:
+        os.close(fd)
     return written
 
 
 def _truncate(path: Path, dest: Path) -> None:
+    """Empty a ``.part`` that cannot be continued (regular files only)."""
     try:
-        with open(path, "r+b") as fh:
-            fh.truncate(0)
+        if path.is_file():
+            os.truncate(path, 0)
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -655,11 +900,13 @@ def _content_range_total(value: str | None) -> int | None:
     return int(total) if total.isdigit() else None
 
 
-def _reason(resp: httpx.Response) -> str:
+def _reason(text: str) -> str:
+    """``: <detail>`` from an error body (JSON detail/error/message), or nothing."""
+    if not text:
+        return ""
     try:
-        resp.read()
-        body = resp.json()
-    except Exception:  # noqa: BLE001 - any body shape
+        body = json.loads(text)
+    except ValueError:
         return ""
     from baseten_loops_cli.api.http import error_fields
 

@@ -210,6 +210,20 @@ def _request_id(resp: httpx.Response, body: Any) -> str | None:
     return None
 
 
+_SECRET_QUERY_KEYS = frozenset({"sig", "signature", "token", "key", "api_key", "apikey", "access_token",
+                                 "x-amz-signature", "x-amz-credential", "x-amz-security-token"})  # fmt: skip
+
+
+def redact_url(url: httpx.URL | str) -> str:
+    """The URL with secret-looking query values (``sig``, ``token``, ``api_key``, S3 signature
+    fields) replaced by ``***``: what the debug log prints."""
+    u = httpx.URL(str(url))
+    if not u.query:
+        return str(u)
+    params = [(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in u.params.multi_items()]
+    return str(u.copy_with(params=params))
+
+
 def _display_url(url: httpx.URL | str) -> str:
     """The URL without its query (presigned signatures) and without userinfo."""
     u = httpx.URL(str(url))
@@ -487,13 +501,13 @@ class HttpClient:
         if self.debug_log is None:
             return
         suffix = f" (attempt {attempt + 1})" if attempt else ""
-        self._log(f"-> {request.method} {request.url}{suffix} headers={json.dumps(redact_headers(request.headers.multi_items()))}")
+        self._log(f"-> {request.method} {redact_url(request.url)}{suffix} headers={json.dumps(redact_headers(request.headers.multi_items()))}")
 
     def _log_response(self, resp: httpx.Response, elapsed: float) -> None:
         if self.debug_log is None:
             return
         self._log(
-            f"<- {resp.status_code} {resp.request.method} {resp.request.url} ({elapsed * 1000:.0f} ms) "
+            f"<- {resp.status_code} {resp.request.method} {redact_url(resp.request.url)} ({elapsed * 1000:.0f} ms) "
             f"headers={json.dumps(redact_headers(resp.headers.multi_items()))}"
         )
 
@@ -512,6 +526,7 @@ __all__ = [
     "is_permanent_rejection",
     "redact_header",
     "redact_headers",
+    "redact_url",
     "retry_after_seconds",
     "scrub",
 ]

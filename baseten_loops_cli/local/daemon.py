@@ -191,12 +191,14 @@ def start(
     enable_fault_hooks: bool = False,
     timeout: float = START_TIMEOUT_S,
     env: dict[str, str] | None = None,
+    owner_pid: int | None = None,
 ) -> ServerInfo:
     """Start the server in the background (no-op if one is running) and return it.
 
     ``port=None`` uses :data:`DEFAULT_PORT` when free, else any free port. With ``wait``
     this returns once ``/health`` answers; ``options`` override server settings
-    (``ServerConfig`` fields, e.g. ``{"op_poll_hold_s": 2}``).
+    (``ServerConfig`` fields, e.g. ``{"op_poll_hold_s": 2}``). With ``owner_pid`` the
+    server stops itself when that process exits (test fixtures: no orphaned servers).
     """
     state_dir = state_dir or paths.state_dir()
     data_dir = data_dir or paths.data_dir()
@@ -214,6 +216,8 @@ def start(
            "--port", str(port), "--data-dir", str(data_dir), "--state-dir", str(state_dir)]
     if enable_fault_hooks:
         cmd.append("--enable-fault-hooks")
+    if owner_pid is not None:
+        cmd += ["--owner-pid", str(owner_pid)]
     for key, value in (options or {}).items():
         cmd += ["--option", f"{key}={json.dumps(value)}"]
     log_path = _state(LOG_FILE, state_dir)
@@ -313,6 +317,19 @@ def env_lines(state_dir: Path | None = None) -> list[str]:
 
 # ── the foreground server (what the detached process runs) ──
 
+
+def _stop_when_gone(owner_pid: int, interval_s: float = 1.0) -> None:
+    """Shut this server down cleanly (SIGTERM to itself) once ``owner_pid`` has exited."""
+    import threading
+
+    def watch() -> None:
+        while _pid_alive(owner_pid):
+            time.sleep(interval_s)
+        print(f"owner process {owner_pid} exited; shutting down", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="loops-owner-watch", daemon=True).start()
+
 @contextlib.contextmanager
 def _exclusive(state_dir: Path) -> Iterator[None]:
     paths.ensure_private_dir(state_dir)
@@ -338,8 +355,10 @@ def run_foreground(
     enable_fault_hooks: bool = False,
     options: dict[str, Any] | None = None,
     log_level: str = "info",
+    owner_pid: int | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM. Writes server.json once listening; removes it on exit."""
+    """Serve until SIGINT/SIGTERM (or until ``owner_pid`` exits). Writes server.json once
+    listening; removes it on exit."""
     import logging
 
     import uvicorn
@@ -371,6 +390,8 @@ def run_foreground(
         paths.write_private_file(_state(INFO_FILE, state_dir), json.dumps(record) + "\n")
         print(f"loops local server {__version__} listening on {url} (data: {data_dir})",
               flush=True)
+        if owner_pid is not None:
+            _stop_when_gone(owner_pid)
         try:
             server.run(sockets=[sock])
         finally:

@@ -164,15 +164,22 @@ def sft_datum(example: Example) -> dict:
     }
 
 
-def rl_datum(prompt_tokens: list[int], completion: list[int], logprobs: list[float], advantage: float) -> dict:
-    """An RL Datum over prompt + completion: only completion targets carry advantage and loss."""
+def rl_datum(
+    prompt_tokens: list[int], completion: list[int], logprobs: list[float], advantage: float | list[float]
+) -> dict:
+    """An RL Datum over prompt + completion: only completion targets carry advantage and loss.
+
+    ``advantage`` is one number for the whole completion, or one per completion token (e.g.
+    after a per-token KL penalty).
+    """
     full = list(prompt_tokens) + list(completion)
     inputs = full[:-1]
     targets = full[1:]
     n = len(inputs)
     prompt_targets = len(prompt_tokens) - 1
     behaviour = [0.0] * prompt_targets + [float(x) for x in logprobs]
-    advantages = [0.0] * prompt_targets + [float(advantage)] * len(completion)
+    per_token = [float(advantage)] * len(completion) if isinstance(advantage, (int, float)) else [float(a) for a in advantage]
+    advantages = [0.0] * prompt_targets + per_token
     mask = [0.0] * prompt_targets + [1.0] * len(completion)
     return {
         "model_input": {"chunks": [{"type": "encoded_text", "tokens": inputs}]},

@@ -34,6 +34,7 @@ class Rollout:
     text: str
     reward: float
     stop_reason: str
+    base_logprobs: list[float] | None = None  # the base model's, when a KL penalty is on
 
 
 @dataclass
@@ -66,6 +67,15 @@ class Rollouts:
         self.session = session
         self.tokenizer = tokenizer
         self.reward_name, self.reward_fn = reward
+        self.kl = session.config.kl_penalty_coef > 0
+
+    async def _base_logprobs(self, base_sampler, rollout: Rollout) -> None:
+        """Score the completion under the frozen base model (prompt logprobs of prompt+completion)."""
+        full = rollout.prompt.tokens + rollout.tokens
+        result = await base_sampler.asample(full, n=1, max_tokens=1, temperature=1.0, prompt_logprobs=True)
+        scored = result.prompt_logprobs or []
+        tail = scored[len(rollout.prompt.tokens) :]
+        rollout.base_logprobs = [float(x) if x is not None else 0.0 for x in tail]
 
     async def _group(self, sampler, prompt: Prompt, *, n: int, seed: int, version: int, sampling) -> list[Rollout]:
         result = await sampler.asample(
@@ -95,33 +105,52 @@ class Rollouts:
         # One client per batch: batches may be sampled from two threads (async mode), and an
         # async HTTP client belongs to the event loop that made it.
         sampler = self.session.new_sampler_client()
+        base_sampler = self.session.new_base_sampler_client() if self.kl else None
 
         async def gather() -> list[list[Rollout]]:
             try:
-                return await asyncio.gather(
+                groups = await asyncio.gather(
                     *(self._group(sampler, p, n=n, seed=seed * 1_000_003 + step * 1009 + i, version=version, sampling=sampling)
                       for i, p in enumerate(prompts))
                 )  # fmt: skip
+                if base_sampler is not None:
+                    await asyncio.gather(*(self._base_logprobs(base_sampler, r) for g in groups for r in g if r.tokens))
+                return groups
             finally:
-                await sampler.aclose()
-                sampler.close()
+                for client in (sampler, base_sampler):
+                    if client is not None:
+                        await client.aclose()
+                        client.close()
 
         groups = asyncio.run(gather())
         return Batch(step, version, groups, time.monotonic() - started)
 
 
-def _datums(groups: list[list[Rollout]]) -> tuple[list[dict], int]:
-    datums, kept = [], 0
+def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0) -> tuple[list[dict], int, float | None]:
+    """Datums of the groups with signal, the number of such groups, and the mean sampled-vs-base
+    KL estimate when a KL penalty is on.
+
+    With a penalty, each completion token's advantage becomes
+    ``(reward - group mean) - kl_coef * (logp_policy - logp_base)``: the per-token k1 estimate of
+    KL(policy || base), as in the Tinker cookbook's ``kl_penalty_coef``.
+    """
+    datums, kept, kl_terms = [], 0, []
     for group in groups:
         rewards = [r.reward for r in group]
-        if max(rewards) - min(rewards) < 1e-12:
+        if max(rewards) - min(rewards) < 1e-12 and not kl_coef:
             continue  # every rollout scored the same: no learning signal
         kept += 1
         mean = statistics.fmean(rewards)
         for r in group:
-            if r.tokens and len(r.logprobs) == len(r.tokens):
-                datums.append(rl_datum(r.prompt.tokens, r.tokens, r.logprobs, r.reward - mean))
-    return datums, kept
+            if not r.tokens or len(r.logprobs) != len(r.tokens):
+                continue
+            advantage: float | list[float] = r.reward - mean
+            if kl_coef and r.base_logprobs is not None and len(r.base_logprobs) == len(r.tokens):
+                diffs = [lp - blp for lp, blp in zip(r.logprobs, r.base_logprobs)]
+                kl_terms.extend(diffs)
+                advantage = [r.reward - mean - kl_coef * d for d in diffs]
+            datums.append(rl_datum(r.prompt.tokens, r.tokens, r.logprobs, advantage))
+    return datums, kept, (statistics.fmean(kl_terms) if kl_terms else None)
 
 
 def evaluate(rollouts: Rollouts, prompts: list[Prompt], config, version: int) -> dict:
@@ -198,7 +227,7 @@ def run_rl(
             thread = threading.Thread(target=prefetch, name="loops-rl-prefetch", daemon=True)
             thread.start()
             pending = (thread, box)
-        datums, kept = _datums(batch.groups)
+        datums, kept, kl_estimate = _datums(batch.groups, config.kl_penalty_coef)
         lr = learning_rate(opt, step, steps)
         metrics_out: dict = {}
         if datums:
@@ -236,6 +265,8 @@ def run_rl(
             "staleness": stale,
             "progress": step / steps,
         }
+        if kl_estimate is not None:
+            record["kl_policy_base"] = kl_estimate
         if eval_prompts and config.eval_every and step % config.eval_every == 0:
             record.update(evaluate(rollouts, eval_prompts, config, version))
         session.rundir.append_samples(

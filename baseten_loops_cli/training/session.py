@@ -78,6 +78,7 @@ class TrainingSession:
     created_run: bool
     start_step: int = 0
     _sampler: Any = field(default=None, repr=False)
+    _base_sampler: Any = field(default=None, repr=False)
 
     @property
     def config(self) -> SFTConfig | RLConfig:
@@ -98,8 +99,23 @@ class TrainingSession:
             self._sampler = sampler
         return SamplerClient(self._sampler.base_url, api_key=self.api_key, run_id=self.run.id)
 
+    def new_base_sampler_client(self) -> Any:
+        """A client of a standalone sampler on the frozen base model (for the KL penalty)."""
+        from baseten_loops_cli.workers.sampler import SamplerClient
+
+        if self._base_sampler is None:
+            self._base_sampler = self.client.samplers.create(
+                {"session_id": self.run.session_id, "base_model": self.config.base_model}
+            )
+        return SamplerClient(self._base_sampler.base_url, api_key=self.api_key, sampler_id=self._base_sampler.id)
+
     def close(self, *, deactivate: bool) -> None:
         self.trainer.close()
+        if self._base_sampler is not None:
+            try:
+                self.client.samplers.deactivate(self._base_sampler.id)
+            except LoopsError:
+                pass
         if deactivate:
             try:
                 self.client.runs.deactivate(self.run.id)

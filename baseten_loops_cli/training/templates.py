@@ -77,7 +77,7 @@ sampling:
   temperature: 1.0
 
 max_steps_off_policy: 0         # 0 = synchronous; N >= 1 = sample the next batch while training this one
-# kl_penalty_coef: 0.0          # KL penalty against the base model (not yet applied by the local backend)
+# kl_penalty_coef: 0.0          # per-token KL penalty against the base model
 """
 
 

