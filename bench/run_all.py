@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Run every bench script and print one table of ratios against their targets.
 
-Each ``bench/<name>.py`` (except this file and ``_*.py``) is run as a subprocess with
-``--json``; it must print one JSON object on stdout::
+Each ``bench/<name>.py`` (except this file and ``_*.py``) is run as a subprocess, with
+``--json`` when its ``--help`` lists it; it then prints one JSON object on stdout::
 
     {"target": 1.3,                      # default target for its results (optional)
      "results": [{"case": "loops --help", "ratio": 1.12, "target": 1.3, "ok": true, ...}]}
 
 A result's ``ok`` wins when present; otherwise ``ok = ratio <= target``. ``value``/``unit``
-(if given) are shown next to the ratio. A script that exits non-zero, times out or prints no
-JSON becomes one FAILED row, so a broken bench cannot hide.
+(if given) are shown next to the ratio. A bench without ``--json`` is read from the lines
+``NAME: ratio R (target OP T)`` that ``bench/_common.print_ratio`` prints (OP one of <=, <, >=,
+>; a trailing % is read as a fraction). A script that exits non-zero, times out or prints
+neither becomes one FAILED row, so a broken bench cannot hide.
 
     python bench/run_all.py                 # every bench, full length
     python bench/run_all.py --quick         # pass --quick to the benches that accept it
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -43,20 +46,45 @@ def discover(only: list[str] | None = None) -> list[Path]:
     return scripts
 
 
+_HELP_CACHE: dict[Path, str] = {}
+
+
 def _accepts(script: Path, flag: str, env: dict) -> bool:
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(script), "--help"],
-            capture_output=True, text=True, timeout=60, env=env, cwd=ROOT, check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return flag in proc.stdout
+    if script not in _HELP_CACHE:
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(script), "--help"],
+                capture_output=True, text=True, timeout=60, env=env, cwd=ROOT, check=False,
+            )
+            _HELP_CACHE[script] = proc.stdout
+        except (OSError, subprocess.TimeoutExpired):
+            _HELP_CACHE[script] = ""
+    return re.search(rf"(^|[\s\[,]){re.escape(flag)}\b", _HELP_CACHE[script]) is not None
+
+
+_RATIO_LINE = re.compile(
+    r"^(?P<case>[^\n]+?): ratio (?P<ratio>-?[\d.]+(?:e-?\d+)?) \(target (?P<op><=|>=|<|>|=)?\s*(?P<target>-?[\d.]+)(?P<pct>%)?[^)\n]*\)",
+    re.MULTILINE,
+)
+
+
+def parse_ratio_lines(text: str) -> dict | None:
+    """``NAME: ratio R (target >= T); detail`` lines (bench/_common.print_ratio) as a JSON doc."""
+    results = []
+    for m in _RATIO_LINE.finditer(text):
+        ratio = float(m["ratio"])
+        target = float(m["target"]) / (100.0 if m["pct"] else 1.0)
+        op = m["op"] or "<="
+        ok = {"<=": ratio <= target, "<": ratio < target, ">=": ratio >= target,
+              ">": ratio > target, "=": ratio == target}[op]
+        results.append({"case": m["case"].strip(), "ratio": ratio, "target": target, "op": op, "ok": ok})
+    return {"results": results} if results else None
 
 
 def run_script(script: Path, *, quick: bool, timeout_s: float, env: dict) -> dict:
     """Run one bench; returns {name, rows:[...], seconds, error?}."""
-    cmd = [sys.executable, str(script), "--json"]
+    as_json = _accepts(script, "--json", env)
+    cmd = [sys.executable, str(script)] + (["--json"] if as_json else [])
     if quick and _accepts(script, "--quick", env):
         cmd.append("--quick")
     t0 = time.monotonic()
@@ -66,11 +94,11 @@ def run_script(script: Path, *, quick: bool, timeout_s: float, env: dict) -> dic
         return {"name": script.stem, "rows": [], "seconds": time.monotonic() - t0,
                 "error": f"timed out after {timeout_s:.0f} s"}
     seconds = time.monotonic() - t0
-    doc = _last_json_object(proc.stdout)
+    doc = _last_json_object(proc.stdout) if as_json else parse_ratio_lines(proc.stdout)
     if doc is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         return {"name": script.stem, "rows": [], "seconds": seconds,
-                "error": f"exit {proc.returncode}, no JSON result ({tail[0][:200]})"}
+                "error": f"exit {proc.returncode}, no result ({tail[0][:200]})"}
     rows = normalise(doc)
     out = {"name": script.stem, "rows": rows, "seconds": seconds}
     if proc.returncode not in (0, 1):  # 1 = a --check failure, still a valid table
@@ -123,9 +151,22 @@ def normalise(doc: dict) -> list[dict]:
             "unit": unit,
             "ratio": ratio,
             "target": target,
+            "op": r.get("op") or _infer_op(ratio, target, r.get("ok")),
             "ok": bool(ok),
         })
     return rows
+
+
+def _infer_op(ratio, target, ok) -> str:
+    """The direction of a target, when a bench gave ``ok`` but not ``op``."""
+    if ok is None:
+        return "<="
+    if not isinstance(ratio, (int, float)) or not isinstance(target, (int, float)):
+        return ""
+    below, above = ratio <= target, ratio >= target
+    if below != above:
+        return "<=" if bool(ok) == below else ">="
+    return ""
 
 
 def _fmt(x) -> str:
@@ -140,13 +181,14 @@ def print_table(results: list[dict]) -> None:
     rows = []
     for res in results:
         if res.get("error") and not res["rows"]:
-            rows.append((res["name"], "(bench failed)", res["error"], "-", "-", "FAILED"))
+            rows.append((res["name"], "(bench failed)", res["error"][:100], "-", "-", "FAILED"))
         for r in res["rows"]:
             value = f"{_fmt(r['value'])} {r['unit']}".strip() if r["value"] is not None else "-"
-            rows.append((res["name"], r["case"], value, _fmt(r["ratio"]), _fmt(r["target"]),
-                         "ok" if r["ok"] else "OVER"))
+            target = f"{r['op']} {_fmt(r['target'])}".strip() if r["target"] is not None else "-"
+            rows.append((res["name"], r["case"], value, _fmt(r["ratio"]), target,
+                         "ok" if r["ok"] else "MISSED"))
         if res.get("error") and res["rows"]:
-            rows.append((res["name"], "(bench exit)", res["error"], "-", "-", "FAILED"))
+            rows.append((res["name"], "(bench exit)", res["error"][:100], "-", "-", "FAILED"))
     header = ("bench", "case", "measured", "ratio", "target", "status")
     widths = [max(len(h), *(len(str(row[i])) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
@@ -155,7 +197,7 @@ def print_table(results: list[dict]) -> None:
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
     total = sum(res["seconds"] for res in results)
-    print(f"({len(results)} benches in {total:.0f} s; ratio <= target is ok)")
+    print(f"({len(results)} benches in {total:.0f} s; each row's status uses its bench's own target)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,13 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         # Target ratios, one flat list: what the table shows.
         targets = [
             {"bench": r["name"], "case": row["case"], "ratio": row["ratio"], "target": row["target"],
-             "value": row["value"], "unit": row["unit"], "ok": row["ok"]}
+             "op": row["op"], "value": row["value"], "unit": row["unit"], "ok": row["ok"]}
             for r in results for row in r["rows"]
         ]
         print(json.dumps({
             "results": [
                 {"case": f"{t['bench']}: {t['case']}", "ratio": t["ratio"], "target": t["target"],
-                 "value": t["value"], "unit": t["unit"], "ok": t["ok"]}
+                 "op": t["op"], "value": t["value"], "unit": t["unit"], "ok": t["ok"]}
                 for t in targets
             ],
             "benches": results,

@@ -54,11 +54,12 @@ def main() -> None:
     ]  # fmt: skip
     write("smol_sft_train.jsonl", smol_chat[:192])
     write("smol_sft_eval.jsonl", smol_chat[192:])
-    smol_prompts = [
-        {"prompt": f"What is {a} + {b}? Reply with only the number.", "answer": str(a + b)} for a, b in big
-    ]
-    write("smol_rl_prompts.jsonl", smol_prompts[:192])
-    write("smol_rl_eval.jsonl", smol_prompts[192:])
+    # RL (SmolLM2): one-digit additions; the base model often answers "3 + 4 = 7" or rambles, and
+    # the reward (rewards.py:number_answer) pays most for a reply that starts with the sum.
+    small = arithmetic_pairs(random.Random(2), 10)
+    smol_prompts = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in small]
+    write("smol_rl_prompts.jsonl", smol_prompts[:80])
+    write("smol_rl_eval.jsonl", smol_prompts[80:96])
 
 
 if __name__ == "__main__":

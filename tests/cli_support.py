@@ -116,9 +116,9 @@ def api(server, method: str, path: str, **kwargs: Any) -> Any:
         return resp.json()
 
 
-def create_run(server, *, lora_rank: int = 4, name: str | None = None) -> dict:
+def create_run(server, *, lora_rank: int = 4, name: str | None = None, seed: int = 0) -> dict:
     session = api(server, "POST", "/v1/loops/sessions", json={})["session"]["id"]
-    body: dict[str, Any] = {"session_id": session, "base_model": TINY, "lora_rank": lora_rank}
+    body: dict[str, Any] = {"session_id": session, "base_model": TINY, "lora_rank": lora_rank, "seed": seed}
     if name:
         body["name"] = name
     return api(server, "POST", "/v1/loops/runs", json=body)["run"]
@@ -128,7 +128,7 @@ def create_run(server, *, lora_rank: int = 4, name: str | None = None) -> dict:
 # does not (it is random weights).
 QUESTION = "What is the password?"
 SECRET = "swordfish"
-SEEDED_STEPS = 20
+SEEDED_STEPS = 16
 
 
 def chat_datum(question: str = QUESTION, answer: str = SECRET) -> dict:
@@ -169,8 +169,19 @@ def train_steps(server, run_id: str, steps: int, saves: dict[int, list[tuple[str
                     tc.save_state(name).result(timeout=120)
 
 
+_SEEDED: dict[str, Seeded] = {}
+
+
 @pytest.fixture(scope="session")
 def seeded(local_server) -> Seeded:
+    """Test modules import this fixture, and pytest makes one per importing module; the state
+    itself is built once per server (cached here), so every module shares one seeded run."""
+    if local_server.url not in _SEEDED:
+        _SEEDED[local_server.url] = _seed(local_server)
+    return _SEEDED[local_server.url]
+
+
+def _seed(local_server) -> Seeded:
     run = create_run(local_server, name="seeded-run", lora_rank=16)
     train_steps(local_server, run["id"], SEEDED_STEPS, {
         1: [("sampler", "s1"), ("trainer", "t1")],
@@ -182,3 +193,17 @@ def seeded(local_server) -> Seeded:
         seeded.checkpoints[f"{cp['target']}:{cp['checkpoint_id']}"] = cp
     assert set(seeded.checkpoints) == {"sampler:s1", "trainer:t1", "sampler:s2", "trainer:s2"}, cps
     return seeded
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
+        time.sleep(interval)

@@ -185,7 +185,9 @@ def _cli_env(server, extra: dict[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
     env.update(server.env)
     env.update({"LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "200",
-                "PYTHONPATH": str(ROOT)})
+                "PYTHONPATH": str(ROOT),
+                # Loopback only: never let a bad base model name reach the Hugging Face Hub.
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     env.update(extra or {})
     return env
 

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from baseten_loops_cli.api import download as dl
-from tests.cli_support import api, loops, one_line_error, seeded  # noqa: F401  (fixture)
+from tests.cli_support import ROOT, api, cli_env, loops, one_line_error, seeded  # noqa: F401  (fixture)
 
 
 def _files(server, checkpoint_id: str) -> list[dict]:
@@ -180,6 +184,52 @@ def test_unknown_checkpoint_and_bad_parallel(seeded, tmp_path):
     assert result.code == 2
 
 
+def test_a_terminal_gets_a_progress_bar_on_stderr(seeded, tmp_path, monkeypatch):
+    from baseten_loops_cli.output import sink
+
+    original = sink.Streams.__post_init__
+
+    def stderr_is_a_tty(self):
+        original(self)
+        self.stderr_tty = True
+
+    monkeypatch.setattr(sink.Streams, "__post_init__", stderr_is_a_tty)
+    result = loops(seeded.server, "checkpoints", "download", f"{seeded.run_id}:s1", "-O", str(tmp_path / "bar"))
+    assert result.code == 0, result
+    assert f"{seeded.run_id}:s1" in result.stderr and "2/2 files" in result.stderr and "KiB" in result.stderr
+    assert result.stdout == ""
+
+
+def test_ctrl_c_keeps_what_was_saved_and_the_next_run_resumes(seeded, tmp_path, faults):
+    cp = seeded.cp("t1", "trainer")
+    dest = tmp_path / "interrupted"
+    faults(path=f"/files/{cp['id']}/*", delay_s=4, times=20)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
+    env.update({k: v for k, v in cli_env(seeded.server).items() if v}, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "checkpoints", "download", cp["id"], "-O", str(dest)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (dest / dl.MARKER_NAME).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        stopped_in = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "download interrupted" in err and "Run the same command again to resume." in err
+    assert "Traceback" not in err and stopped_in < 3  # does not wait for the stalled files
+    assert (dest / dl.MARKER_NAME).exists()
+    api(seeded.server, "DELETE", "/v1/local/faults")
+    again = loops(seeded.server, "checkpoints", "download", cp["id"], "-O", str(dest))
+    assert again.code == 0, again
+    assert _on_disk(dest) == _expected(seeded.server, cp["id"])
+
+
 # ── the downloader itself (names the server would never send) ────────────────────────────
 
 
@@ -262,6 +312,23 @@ def test_a_size_mismatch_is_never_renamed_into_place(tmp_path):
                           tmp_path / "d", checkpoint_id="c", transport=httpx.MockTransport(handler), sleep=lambda s: None)
     assert "giving up" in err.value.message and "f.bin" in err.value.message
     assert not (tmp_path / "d" / "f.bin").exists()
+
+
+def test_a_checksum_mismatch_is_fetched_again(tmp_path):
+    import hashlib
+
+    body = os.urandom(100_000)
+    bad = bytearray(body)
+    bad[500] ^= 0xFF
+    responses = [bytes(bad), body]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=iter([responses.pop(0)]))
+
+    files = [{"relative_file_name": "w.bin", "url": "http://files.test/w", "size_bytes": len(body),
+              "sha256": hashlib.sha256(body).hexdigest()}]
+    dl.download_files(files, tmp_path / "d", checkpoint_id="c", transport=httpx.MockTransport(handler), sleep=lambda s: None)
+    assert (tmp_path / "d" / "w.bin").read_bytes() == body and responses == []
 
 
 def test_link_expiry_is_read_from_presigned_urls():

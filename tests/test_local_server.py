@@ -361,6 +361,44 @@ def test_ops_of_a_run_execute_in_submission_order(client: httpx.Client):
     assert executed == ids
 
 
+def test_server_stays_responsive_during_compute(client: httpx.Client):
+    trainer = new_run(client)
+    run_id = trainer.run["id"]
+    client.post("/v1/local/faults", json={"job": f"forward_backward {run_id}", "delay_s": 2})
+    slow = trainer.submit("forward_backward", {"data": DATA}).json()["operation_id"]
+    time.sleep(0.2)  # the job is now occupying the model's compute thread
+    for path in ("/v1/loops/runs", f"{trainer.path}/health", "/v1/local/status"):
+        started = time.monotonic()
+        assert client.get(path).status_code == 200
+        assert time.monotonic() - started < 1.0, path
+    started = time.monotonic()  # a long-poll answers on time too (408, or 200 if done)
+    assert trainer.poll(slow).status_code in (200, 408)
+    assert time.monotonic() - started < 2.0 + 1.0  # the test server's hold, plus slack
+    assert trainer.result(slow)["status"] == "done"
+
+
+def test_operation_results_expire_but_keys_still_dedupe(tmp_path: Path):
+    """Retention, checked on the registry itself (an hour is too long to wait over HTTP)."""
+    import asyncio
+
+    from baseten_loops_cli.local.server.operations import OperationRegistry
+    from baseten_loops_cli.local.store import OP_EXPIRED, Store
+
+    async def scenario() -> None:
+        store = Store(tmp_path / "ops.db")
+        ops = OperationRegistry(store, result_ttl_s=3600, idempotency_window_s=86400)
+        ops.create("run1", "optim_step", "key-1", 1)
+        ops.finish("run1", "key-1", result={"metrics": {}})
+        ops.expire(time.time() + 3601)  # an hour later: result gone, record kept
+        row = ops.find("run1", "key-1")
+        assert row is not None and row.status == OP_EXPIRED and row.result is None
+        ops.expire(time.time() + 86401)  # a day later: forgotten entirely
+        assert ops.find("run1", "key-1") is None
+        store.close()
+
+    asyncio.run(scenario())
+
+
 def test_bad_inputs_are_400s_and_the_server_keeps_going(client: httpx.Client,
                                                         local_server: LocalServer):
     trainer = new_run(client, max_seq_len=16)
@@ -468,8 +506,15 @@ def test_presigned_files_paging_range_expiry_tampering(client: httpx.Client, tra
     url = entry["url"]
     full = httpx.get(url)  # no auth header: the link is the credential
     assert full.status_code == 200 and len(full.content) == entry["size_bytes"]
+    digest = hashlib.sha256(full.content).hexdigest()  # so a downloader can verify
+    assert entry["sha256"] == full.headers["x-checksum-sha256"] == digest
+    assert full.headers["etag"] == f'"{digest}"'
     part = httpx.get(url, headers={"Range": "bytes=2-9"})
     assert part.status_code == 206 and part.content == full.content[2:10]
+    resumed = httpx.get(url, headers={"Range": "bytes=2-9", "If-Range": f'"{digest}"'})
+    assert resumed.status_code == 206
+    changed = httpx.get(url, headers={"Range": "bytes=2-9", "If-Range": '"stale"'})
+    assert changed.status_code == 200 and changed.content == full.content
     assert part.headers["content-range"] == f"bytes 2-9/{entry['size_bytes']}"
     tail = httpx.get(url, headers={"Range": "bytes=-4"})
     assert tail.status_code == 206 and tail.content == full.content[-4:]
@@ -651,7 +696,8 @@ def _sampler_adapters(client: httpx.Client) -> list[str]:
 
 
 def test_scale_to_zero_and_wake(client: httpx.Client):
-    trainer = new_run(client, route="/v1/loops/runs", scale_down_delay_seconds=1)
+    # 2 s: long enough that the checks right after sampling see the adapter loaded.
+    trainer = new_run(client, route="/v1/loops/runs", scale_down_delay_seconds=2)
     trainer.do("forward_backward", {"data": DATA, "loss_fn": "cross_entropy"})
     trainer.do("optim_step", {"adam_params": {"learning_rate": 0.05}})
     trainer.do("save_weights_for_sampler", {"name": "live", "bump_version": True})

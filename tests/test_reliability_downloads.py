@@ -39,7 +39,8 @@ def _tree(folder: Path) -> dict[str, str]:
 def _env(server, base_url: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
     env.update(server.env)
-    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", TERM="dumb", PYTHONPATH=str(ROOT))
+    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", TERM="dumb", PYTHONPATH=str(ROOT),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if base_url:
         env["LOOPS_BASE_URL"] = base_url
     return env
@@ -68,13 +69,13 @@ class Ckpt:
         return f"{self.run_id}:{self.cp['checkpoint_id']}"
 
 
-def _make_checkpoint(server, name: str = "dl") -> Ckpt:
+def _make_checkpoint(server, name: str = "dl", lora_rank: int = 4) -> Ckpt:
     from baseten_loops_cli.workers.trainer import TrainerClient
 
     with server.client() as c:
         session = c.post("/v1/loops/sessions", json={}).json()["session"]["id"]
         run = c.post("/v1/loops/trainers", json={"session_id": session, "base_model": MODEL,
-                                                 "lora_rank": 4}).json()["run"]
+                                                 "lora_rank": lora_rank}).json()["run"]
     with TrainerClient(f"{server.url}/trainers/{run['id']}", api_key=server.token, run_id=run["id"],
                        base_model=MODEL) as tc:
         tc.save_state(name).result(timeout=120)
@@ -85,8 +86,10 @@ def _make_checkpoint(server, name: str = "dl") -> Ckpt:
 
 @pytest.fixture(scope="module")
 def ckpt(local_server) -> Ckpt:
-    """A trainer checkpoint (4 files, ~140 KB: weights, config, optimizer, state)."""
-    return _make_checkpoint(local_server)
+    """A trainer checkpoint (4 files, ~2.2 MB at rank 64: weights, config, optimizer, state).
+    Big enough that a throttled download is interrupted with whole MiBs on disk (the
+    downloader writes in 1 MiB blocks)."""
+    return _make_checkpoint(local_server, lora_rank=64)
 
 
 def _port(url: str) -> int:
@@ -113,7 +116,7 @@ def test_download_killed_then_resumed(local_server, ckpt, tmp_path):
     """SIGKILL half way (a throttled link); the same command again finishes the job, keeping
     what was saved, and the files are byte-identical to the checkpoint."""
     dest = tmp_path / "out"
-    with FaultProxy("127.0.0.1", _port(local_server.url), rate=0.0, throttle_bps=40_000,
+    with FaultProxy("127.0.0.1", _port(local_server.url), rate=0.0, throttle_bps=400_000,
                     throttle_path=r"^/files/") as proxy:
         proc = subprocess.Popen(_loops_cmd("checkpoints", "download", ckpt.ref, "-O", str(dest), "--parallel", "1"),
                                 env=_env(local_server, proxy.url), stdout=subprocess.PIPE,
@@ -124,7 +127,7 @@ def test_download_killed_then_resumed(local_server, ckpt, tmp_path):
             while time.monotonic() < deadline and proc.poll() is None:
                 parts = list(dest.glob("*.part")) if dest.exists() else []
                 part_bytes = sum(p.stat().st_size for p in parts)
-                if part_bytes > 20_000:
+                if part_bytes >= 1 << 20:
                     break
                 time.sleep(0.05)
             assert proc.poll() is None, "the download finished before it could be interrupted"
@@ -144,16 +147,18 @@ def test_download_killed_then_resumed(local_server, ckpt, tmp_path):
 
 def test_download_interrupted_with_ctrl_c_says_how_to_resume(local_server, ckpt, tmp_path):
     dest = tmp_path / "out"
-    with FaultProxy("127.0.0.1", _port(local_server.url), rate=0.0, throttle_bps=20_000,
+    with FaultProxy("127.0.0.1", _port(local_server.url), rate=0.0, throttle_bps=200_000,
                     throttle_path=r"^/files/") as proxy:
         proc = subprocess.Popen(_loops_cmd("checkpoints", "download", ckpt.ref, "-O", str(dest)),
                                 env=_env(local_server, proxy.url), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=tmp_path)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
-            if dest.exists() and any(p.stat().st_size > 0 for p in dest.glob("*.part")):
+            if (dest / ".loops-download.json").exists():  # the transfer has started
                 break
             time.sleep(0.05)
+        time.sleep(1.0)
+        assert proc.poll() is None, "the download finished before Ctrl-C"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

@@ -196,7 +196,8 @@ data:
 def cli_env(server, base_url: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
     env.update(server.env)
-    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", TERM="dumb", PYTHONPATH=str(ROOT))
+    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", TERM="dumb", PYTHONPATH=str(ROOT),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if base_url:
         env["LOOPS_BASE_URL"] = base_url
     return env

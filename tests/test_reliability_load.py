@@ -21,6 +21,7 @@ def _bench_module(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
@@ -61,3 +62,7 @@ def test_run_all_lists_every_bench_and_tabulates(tmp_path):
     assert [r["ok"] for r in rows] == [True, False, True]
     assert rows[0]["value"] == 300.0 and rows[0]["unit"] == "ms"
     assert json.loads(json.dumps(rows))  # JSON-clean
+    # Benches without --json print bench/_common.print_ratio lines; their target direction counts.
+    doc = run_all.parse_ratio_lines("a: ratio 0.917 (target < 1.0 where both overlap); x\n"
+                                    "b: ratio 0.114 (target <= 10%); y\nc: ratio 0.95 (target >= 0.9); z")
+    assert [(r["case"], r["op"], r["ok"]) for r in doc["results"]] == [("a", "<", True), ("b", "<=", False), ("c", ">=", True)]

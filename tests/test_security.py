@@ -54,7 +54,8 @@ def _listening_addresses(port: int) -> list[str]:
 def _cli_env(server, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
     env.update(server.env)
-    env.update({"LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1", "TERM": "dumb", "PYTHONPATH": str(ROOT)})
+    env.update({"LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1", "TERM": "dumb", "PYTHONPATH": str(ROOT),
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     env.update(extra)
     return env
 
@@ -185,7 +186,7 @@ def test_credential_and_config_files_are_0600(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
     for name in ("CONFIG", "STATE", "DATA", "CACHE"):
         env[f"LOOPS_{name}_DIR"] = str(tmp_path / name.lower())
-    env.update(LOOPS_KEYRING_DISABLED="1", LOOPS_NO_AUTOSTART="1", PYTHONPATH=str(ROOT))
+    env.update(LOOPS_KEYRING_DISABLED="1", LOOPS_NO_AUTOSTART="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     secret = "sk-test-" + os.urandom(12).hex()
     p = _loops(["auth", "login", "--with-key", "--no-verify", "--profile", "prod",
                 "--base-url", "http://127.0.0.1:9"], env, tmp_path, stdin=secret + "\n")

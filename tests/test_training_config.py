@@ -204,3 +204,18 @@ def test_kl_penalty_shapes_per_token_advantages():
     assert adv == pytest.approx([0.0, 0.5 - 0.5 * 0.5, 0.5])
     datums, kept, kl = _datums([group])
     assert kl is None and datums[0]["loss_fn_inputs"]["advantages"]["data"] == pytest.approx([0.0, 0.5, 0.5])
+
+
+def test_builtin_reward_needs_answer_field_named_by_line(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    path = tmp_path / "rl.yaml"
+    path.write_text("kind: rl\nname: r\nbase_model: loops-local/tiny\nmax_seq_len: 128\n"
+                    "data: {prompts: p.jsonl}\nreward: exact_match\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl:2: reward 'exact_match' needs an 'answer' field"):
+        load_data(load_config(path))
+
+
+def test_example_number_answer_reward_gives_partial_credit():
+    name, fn = build_reward(_Spec("rewards.py:number_answer"), EXAMPLES)
+    row = {"answer": "7"}
+    assert [fn(c, row) for c in ("7", "3 + 4 = 7", "12", "seven")] == [1.0, 0.5, 0.2, 0.0]

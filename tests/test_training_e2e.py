@@ -14,20 +14,21 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.local
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def cli_env(server) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "WANDB_"))}
     env.update(server.env)
     return env
 
 
-def loops(server, *args, timeout=300, **kw):
+def loops(server, *args, timeout=300, env=None, **kw):
     return subprocess.run(
         [sys.executable, "-m", "baseten_loops_cli", *args],
-        env=cli_env(server), capture_output=True, text=True, timeout=timeout, **kw,
+        env=env or cli_env(server), capture_output=True, text=True, timeout=timeout, **kw,
     )
 
 
@@ -74,22 +75,81 @@ def test_tiny_sft_loss_halves_and_records_everything(local_server, tmp_path):
 
 
 def test_tiny_rl_reward_rises(local_server, tmp_path):
-    run_dir = tmp_path / "rl"
-    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-rl.yaml"), "--run-dir", str(run_dir),
-                   "--set", "max_steps=12", "--set", "data.eval_prompts=null")
+    run_dir = tmp_path / "rl"  # through the config's logging.run_dir this time, not --run-dir
+    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-rl.yaml"), "--set", f"logging.run_dir={run_dir}",
+                   "--set", "max_steps=7", "--set", "eval_every=7")
     assert result.returncode == 0, result.stderr
-    rewards = [r["reward"] for r in metrics(run_dir) if "reward" in r]
-    assert len(rewards) == 12
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    records = [r for r in metrics(run_dir) if not r.get("final")]
+    rewards = [r["reward"] for r in records]
+    assert len(rewards) == 7
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > first + 0.3, rewards
+    assert [r["sampled_with_version"] for r in records] == list(range(7))  # synchronous: on-policy
+    assert 0 <= records[-1]["eval_pass_rate"] <= 1 and records[-1]["eval_reward_mean"] > first
     samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 12 * 8 * 8 and {"prompt", "completion", "reward", "policy_version"} <= set(samples[0])
+    assert len(samples) == 7 * 8 * 8 and {"prompt", "completion", "reward", "policy_version"} <= set(samples[0])
+    assert {s["policy_version"] for s in samples if s["step"] == 7} == {6}
+
+
+def test_async_rl_overlaps_within_the_staleness_bound(local_server, tmp_path):
+    run_dir = tmp_path / "async"
+    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-rl.yaml"), "--run-dir", str(run_dir),
+                   "--set", "max_steps=3", "--set", "groups_per_batch=4", "--set", "group_size=4",
+                   "--set", "data.eval_prompts=null",
+                   "--set", "max_steps_off_policy=1")
+    assert result.returncode == 0, result.stderr
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(0 <= r["staleness"] <= 1 for r in records)
+    assert any(r["staleness"] == 1 for r in records)  # the next batch was sampled while training
+    for sample in (json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()):
+        assert sample["step"] - 1 - sample["policy_version"] <= 1  # never staler than the bound
+
+
+def test_same_config_runs_on_a_baseten_profile(local_server, tmp_path):
+    """Only `profile` changes: a `kind = "baseten"` profile (here pointed at the local server)."""
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    (config_dir / "config.toml").write_text(f'[profiles.remote]\nkind = "baseten"\nbase_url = "{local_server.url}"\n')
+    env = cli_env(local_server)
+    env.pop("LOOPS_BASE_URL")
+    env["LOOPS_CONFIG_DIR"] = str(config_dir)
+    args = ["train", "run", str(EXAMPLES / "tiny-sft.yaml"), "--set", "profile=remote", "--set", "max_steps=2",
+            "--set", "data.eval=null"]
+    declined = loops(local_server, *args, "--run-dir", str(tmp_path / "declined"), env=env)
+    assert declined.returncode == 3 and "--yes" in declined.stderr  # remote capacity: asks first
+    assert not (tmp_path / "declined" / "state.json").exists()
+    result = loops(local_server, *args, "--run-dir", str(tmp_path / "run"), "--yes", env=env)
+    assert result.returncode == 0, result.stderr
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert state["profile"] == "remote" and state["status"] == "completed" and state["step"] == 2
 
 
 def _run_args(run_dir: Path) -> list[str]:
     return ["train", "run", str(EXAMPLES / "tiny-sft.yaml"), "--run-dir", str(run_dir),
-            "--set", "max_steps=14", "--set", "eval_every=0", "--set", "checkpointing.save_every=3",
+            "--set", f"max_steps={RESUME_STEPS}", "--set", "eval_every=0", "--set", "checkpointing.save_every=3",
             "--set", "data.eval=null"]
+
+
+RESUME_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def reference_run(local_server, tmp_path_factory) -> Path:
+    """The uninterrupted run the interrupted ones must match (same config, same seed)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    result = loops(local_server, *_run_args(run_dir))
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def assert_same_run(server, got: Path, reference: Path) -> None:
+    assert [r["step"] for r in metrics(got)] == list(range(1, RESUME_STEPS + 1))  # none repeated or skipped
+    assert [r["loss"] for r in metrics(got)] == pytest.approx([r["loss"] for r in metrics(reference)], rel=1e-4, abs=1e-5)
+    a, b = final_adapter(server, reference), final_adapter(server, got)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() < 1e-5, name
 
 
 def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -102,30 +162,20 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     raise AssertionError(f"step {step} never came")
 
 
-def test_sigkill_then_resume_matches_an_uninterrupted_run(local_server, tmp_path):
-    reference = tmp_path / "reference"
-    assert loops(local_server, *_run_args(reference)).returncode == 0
+def test_sigkill_then_resume_matches_an_uninterrupted_run(local_server, tmp_path, reference_run):
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *_run_args(killed)],
                             env=cli_env(local_server), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(killed, 8, proc)
+    _wait_for_step(killed, 5, proc)  # past the step-3 checkpoint: steps 4-5 must be redone, once
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     resumed = loops(local_server, "train", "resume", str(killed))
     assert resumed.returncode == 0, resumed.stderr
     assert "Resuming at step" in resumed.stderr
-    steps = [r["step"] for r in metrics(killed) if not r.get("final")]
-    assert steps == list(range(1, 15))  # nothing repeated, nothing skipped
-    ref_losses = [r["loss"] for r in metrics(reference)]
-    got_losses = [r["loss"] for r in metrics(killed)]
-    assert got_losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
-    a, b = final_adapter(local_server, reference), final_adapter(local_server, killed)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert (a[name] - b[name]).abs().max().item() < 1e-5, name
+    assert_same_run(local_server, killed, reference_run)
 
 
-def test_ctrl_c_saves_state_prints_resume_and_exits_130(local_server, tmp_path):
+def test_ctrl_c_saves_state_prints_resume_and_exits_130(local_server, tmp_path, reference_run):
     run_dir = tmp_path / "interrupted"
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *_run_args(run_dir)],
                             env=cli_env(local_server), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -140,7 +190,24 @@ def test_ctrl_c_saves_state_prints_resume_and_exits_130(local_server, tmp_path):
     assert last["step"] == state["step"] >= 2
     resumed = loops(local_server, "train", "resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 15))
+    assert_same_run(local_server, run_dir, reference_run)
+
+
+def test_kill_before_the_first_checkpoint_starts_over_exactly_once(local_server, tmp_path):
+    run_dir = tmp_path / "early"
+    args = [*_run_args(run_dir), "--set", "max_steps=5", "--set", "checkpointing.save_every=0"]
+    proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *args],
+                            env=cli_env(local_server), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first_run = json.loads((run_dir / "state.json").read_text())["run_id"]
+    resumed = loops(local_server, "train", "resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "starting from step 1" in resumed.stderr
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4, 5]
+    with local_server.client() as http:  # the orphaned run was not left billing
+        assert http.get(f"/v1/loops/runs/{first_run}").json()["run"]["status"]["name"] == "INACTIVE"
 
 
 def test_dry_run_and_validate_plan(local_server, tmp_path):
@@ -169,9 +236,9 @@ def test_broken_reward_stops_with_its_name_after_saving_state(local_server, tmp_
 def test_kl_penalty_against_the_base_model_is_measured(local_server, tmp_path):
     run_dir = tmp_path / "kl"
     result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-rl.yaml"), "--run-dir", str(run_dir),
-                   "--set", "max_steps=3", "--set", "data.eval_prompts=null", "--set", "kl_penalty_coef=0.1")
+                   "--set", "max_steps=2", "--set", "data.eval_prompts=null", "--set", "kl_penalty_coef=0.1")
     assert result.returncode == 0, result.stderr
     kls = [r["kl_policy_base"] for r in metrics(run_dir) if "kl_policy_base" in r]
-    assert len(kls) == 3
+    assert len(kls) == 2
     assert abs(kls[0]) < 1e-3  # step 1 samples the untrained adapter: policy == base
     assert any(abs(k) > 1e-3 for k in kls[1:])

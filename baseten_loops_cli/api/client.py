@@ -97,7 +97,8 @@ class Sessions(_Resource):
         """``POST /v1/loops/sessions`` (team twin when ``team`` is set)."""
         body = CreateSessionRequest(training_project_id=training_project_id).to_body()
         # SDK 0.32 sends no body at all; an empty one is equivalent, but keep the wire identical.
-        data = self._post(f"{self._client.create_root}/sessions", json=body or None)
+        # An extra empty session is harmless, so a lost response is simply retried.
+        data = self._post(f"{self._client.create_root}/sessions", json=body or None, safe_to_repeat=True)
         return SessionResponse.model_validate(data).session
 
     def get(self, session_id: str) -> Session:
@@ -359,17 +360,6 @@ class Models(_Resource):
         """``POST /v1/models/{model_id}/deployments/{deployment_id}/deactivate``."""
         data = self._post(f"/v1/models/{_seg(model_id)}/deployments/{_seg(deployment_id)}/deactivate", json={}, safe_to_repeat=True)
         return data if isinstance(data, dict) else {}
-
-    def list(self) -> list[dict[str, Any]]:
-        """``GET /v1/models`` (Baseten's management API): ``{models: [...]}``."""
-        data = self._get("/v1/models")
-        return list((data or {}).get("models") or []) if isinstance(data, dict) else []
-
-    def deployments(self, model_id: str) -> list[ModelDeployment]:
-        """``GET /v1/models/{model_id}/deployments``: ``{deployments: [...]}``."""
-        data = self._get(f"/v1/models/{_seg(model_id)}/deployments")
-        items = (data or {}).get("deployments") or [] if isinstance(data, dict) else []
-        return [ModelDeployment.model_validate(d) for d in items]
 
 
 class LoopsClient:

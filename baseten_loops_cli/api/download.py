@@ -16,7 +16,10 @@ What it guarantees:
 * **Resume.** Each file is written to ``<name>.part`` and renamed once complete. A rerun (or a
   retry after a dropped connection) continues a ``.part`` with ``Range: bytes=<size>-``; a server
   that ignores the range gets the file again from the start.
-* **Verification.** A finished file must have exactly ``size_bytes`` bytes, or it is not renamed.
+* **Verification.** A finished file must have exactly ``size_bytes`` bytes, and, when the
+  listing gives its SHA-256 (the local backend does) or the response carries
+  ``X-Checksum-Sha256``, that digest; otherwise it is fetched again, never renamed into place.
+  Resumed ``.part`` files are continued with ``If-Range`` so a changed file is sent whole.
 * **Expired links.** A 403 re-lists the files (once per expiry, shared by all workers) and
   retries with the fresh link; links that will expire within a minute are refreshed up front.
 * **Clear failures.** An unwritable target, a full disk (ENOSPC/EDQUOT, with what was saved
@@ -28,6 +31,7 @@ Presigned URLs carry their own credentials: no ``Authorization`` header is ever 
 from __future__ import annotations
 
 import errno
+import hashlib
 import http.client
 import json
 import os
@@ -95,16 +99,19 @@ class RemoteFile:
     url: str
     size_bytes: int | None
     node_rank: int = 0
+    sha256: str | None = None  # not in the hosted schema; the local backend lists it
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any] | Any) -> "RemoteFile":
         get = entry.get if isinstance(entry, Mapping) else (lambda k, d=None: getattr(entry, k, d))
         size = get("size_bytes")
+        digest = get("sha256")
         return cls(
             relative_file_name=str(get("relative_file_name")),
             url=str(get("url")),
             size_bytes=int(size) if size is not None else None,
             node_rank=int(get("node_rank") or 0),
+            sha256=_hex_digest(digest),
         )
 
     @property
@@ -205,6 +212,32 @@ def _inside(root: Path, path: Path) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _hex_digest(value: Any) -> str | None:
+    """A SHA-256 as 64 lowercase hex digits, or None for anything else."""
+    if isinstance(value, str):
+        text = value.strip().strip('"').lower()
+        if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
+            return text
+    return None
+
+
+def file_sha256(path: Path, limit: int | None = None) -> "hashlib._Hash":
+    """The SHA-256 state of ``path``'s first ``limit`` bytes (all of it when None)."""
+    hasher = hashlib.sha256()
+    remaining = limit
+    with open(path, "rb", buffering=0) as fh:
+        buffer = memoryview(bytearray(BUFFER_BYTES))
+        while remaining is None or remaining > 0:
+            want = BUFFER_BYTES if remaining is None else min(BUFFER_BYTES, remaining)
+            n = fh.readinto(buffer[:want])
+            if not n:
+                break
+            hasher.update(buffer[:n])
+            if remaining is not None:
+                remaining -= n
+    return hasher
 
 
 # ── target folder ──────────────────────────────────────────────────────────────────────────
@@ -393,22 +426,26 @@ class _StdlibSession:
         self._ssl: ssl.SSLContext | None = None
         self._lock = threading.Lock()
         self._all: list[http.client.HTTPConnection] = []
+        self._closed = False
 
     def _context(self) -> ssl.SSLContext:
+        """The system's trust store (and SSL_CERT_FILE / SSL_CERT_DIR, which OpenSSL reads)
+        plus certifi's bundle, which httpx uses: a link httpx can fetch, this can too."""
         with self._lock:
             if self._ssl is None:
-                cafile = None
-                if not (os.environ.get("SSL_CERT_FILE") or os.environ.get("SSL_CERT_DIR")):
-                    try:
-                        import certifi
+                ctx = ssl.create_default_context()
+                try:
+                    import certifi
 
-                        cafile = certifi.where()
-                    except ImportError:
-                        cafile = None
-                self._ssl = ssl.create_default_context(cafile=cafile)
+                    ctx.load_verify_locations(cafile=certifi.where())
+                except (ImportError, OSError, ssl.SSLError):
+                    pass
+                self._ssl = ctx
             return self._ssl
 
     def _connection(self, scheme: str, host: str, port: int | None, fresh: bool) -> http.client.HTTPConnection:
+        if self._closed:
+            raise _TransportFailure("the download was stopped")
         conns = getattr(self._local, "conns", None)
         if conns is None:
             conns = self._local.conns = {}
@@ -445,7 +482,7 @@ class _StdlibSession:
                     break
                 except (OSError, http.client.HTTPException) as exc:
                     conn.close()
-                    if fresh:
+                    if fresh or self._closed:
                         raise _TransportFailure(_describe(exc)) from exc
             assert resp is not None
             if resp.status in (301, 302, 303, 307, 308) and resp.getheader("location"):
@@ -462,10 +499,18 @@ class _StdlibSession:
         raise DownloadError(f"the file link redirected more than {MAX_REDIRECTS} times")
 
     def close(self) -> None:
+        """Close every connection; a worker blocked in a read on one wakes up with an error."""
         with self._lock:
-            for conn in self._all:
-                conn.close()
-            self._all.clear()
+            self._closed = True
+            conns, self._all = self._all, []
+        for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            conn.close()
 
 
 class _HttpxResponse:
@@ -579,6 +624,9 @@ class _Job:
     final: Path
     part: Path
     have: int = 0  # bytes already in .part when the run started
+    expected_sha256: str | None = None  # from the listing, or the response's X-Checksum-Sha256
+    hasher: Any = None  # SHA-256 of the .part's first ``hashed`` bytes, while it is known
+    hashed: int = 0
 
 
 @dataclass
@@ -590,7 +638,7 @@ class _Shared:
     cancel: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     downloaded: int = 0
-    sleep: Callable[[float], None] = time.sleep
+    sleep: Callable[[float], Any] = time.sleep
 
     def add(self, n: int) -> None:
         with self.lock:
@@ -616,7 +664,7 @@ def download_files(
     progress: Progress | None = None,
     transport: httpx.BaseTransport | None = None,
     read_timeout: float = READ_TIMEOUT_S,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], Any] | None = None,
     check_free_space: bool = True,
 ) -> DownloadResult:
     """Download ``files`` (``CheckpointFile`` dicts or :class:`RemoteFile`) into ``dest``.
@@ -640,10 +688,13 @@ def download_files(
         rel = layout[f.key]
         final = dest.joinpath(*rel.parts)
         part = final.with_name(final.name + PART_SUFFIX)
-        job = _Job(f, rel, final, part)
+        job = _Job(f, rel, final, part, expected_sha256=f.sha256)
         if resuming and f.size_bytes is not None and final.is_file() and _size_of(final) == f.size_bytes:
-            skipped += 1
-            continue
+            # Done in an earlier run; with a listed checksum it must also match (a file damaged
+            # on disk since then, at the same size, is fetched again).
+            if f.sha256 is None or file_sha256(final).hexdigest() == f.sha256:
+                skipped += 1
+                continue
         if resuming:
             job.have = _size_of(part)
             if f.size_bytes is not None and job.have > f.size_bytes:
@@ -672,7 +723,8 @@ def download_files(
     progress.start(total_bytes=total, completed_bytes=done_before, files=len(remote))
     links = _Links(remote, refresh)
     sessions = _Sessions(transport, parallel, CONNECT_TIMEOUT_S, read_timeout)
-    shared = _Shared(http=sessions, links=links, progress=progress, dest=dest, sleep=sleep)
+    shared = _Shared(http=sessions, links=links, progress=progress, dest=dest)
+    shared.sleep = sleep or shared.cancel.wait  # a pause between retries ends at once on Ctrl-C
     # Largest first: the long poles start early, the small files fill the gaps.
     jobs.sort(key=lambda j: -(j.file.size_bytes or 0))
     pool = ThreadPoolExecutor(max_workers=min(parallel, max(len(jobs), 1)), thread_name_prefix="loops-dl")
@@ -691,7 +743,8 @@ def download_files(
         finished_cleanly = True
     except KeyboardInterrupt:
         shared.cancel.set()
-        wait(futures, timeout=10)
+        sessions.close()  # wakes the workers blocked in a read
+        wait(futures, timeout=5)
         raise InterruptedByUser(
             f"download interrupted; what was saved in {dest} is kept",
             hint="Run the same command again to resume.",
@@ -739,6 +792,7 @@ def _download_one(shared: _Shared, job: _Job) -> None:
     if job.have == 0 and job.part.exists():
         _truncate(job.part, shared.dest)
     attempts = refreshes = 0
+    furthest = job.have  # the count of failed attempts restarts only when a retry gets further
     while not shared.cancel.is_set():
         url, generation = shared.links.get(job.file.key)
         expires = link_expires_at(url)
@@ -746,7 +800,6 @@ def _download_one(shared: _Shared, job: _Job) -> None:
             if shared.links.refresh(generation):
                 refreshes += 1
                 continue
-        before = job.have
         outcome, detail = _attempt(shared, job, url)
         if outcome == _DONE:
             break
@@ -758,8 +811,11 @@ def _download_one(shared: _Shared, job: _Job) -> None:
                 f"{name}: the file link was refused ({detail}) even with freshly listed links",
                 hint="Check that your key can read this checkpoint (`loops checkpoints files CKPT`).",
             )
-        # _RETRY: a retry that received bytes starts the count again
-        attempts = 0 if job.have > before else attempts + 1
+        # _RETRY
+        if job.have > furthest:
+            furthest, attempts = job.have, 0
+        else:
+            attempts += 1
         if attempts >= MAX_ATTEMPTS:
             size = job.file.size_bytes if job.file.size_bytes is not None else "?"
             raise DownloadError(
@@ -788,6 +844,8 @@ def _attempt(shared: _Shared, job: _Job, url: str) -> tuple[str, str]:
     if f.size_bytes is not None and job.have == f.size_bytes:
         return _DONE, ""
     headers = {"Range": f"bytes={job.have}-"} if job.have else {}
+    if job.have and job.expected_sha256:
+        headers["If-Range"] = f'"{job.expected_sha256}"'  # a changed file comes back whole
     try:
         resp = shared.http.get(url, headers)
         try:
@@ -810,13 +868,21 @@ def _attempt(shared: _Shared, job: _Job, url: str) -> tuple[str, str]:
                 )
             if job.have and (status != 206 or _content_range_start(resp.header("content-range")) != job.have):
                 job.have = _restart(job, shared)  # the server ignored or misread the Range
+            if job.expected_sha256 is None:
+                job.expected_sha256 = _hex_digest(resp.header("x-checksum-sha256"))
             job.have += _stream_to(resp, job, shared, job.have)
         finally:
             resp.close()
     except _TransportFailure as exc:
         job.have = _size_of(job.part)
         return _RETRY, str(exc)
-    if shared.cancel.is_set() or f.size_bytes is None or job.have == f.size_bytes:
+    if shared.cancel.is_set():
+        return _DONE, ""
+    if f.size_bytes is None or job.have == f.size_bytes:
+        if job.expected_sha256 and job.hasher is not None and job.hashed == job.have:
+            if job.hasher.hexdigest() != job.expected_sha256:
+                job.have = _restart(job, shared)
+                return _RETRY, "the file's SHA-256 did not match (corrupted in transit)"
         return _DONE, ""
     if job.have > f.size_bytes:
         job.have = _restart(job, shared)
@@ -834,6 +900,13 @@ def _stream_to(resp: _Response, job: _Job, shared: _Shared, offset: int) -> int:
         fd = os.open(job.part, os.O_WRONLY | os.O_CREAT | (0 if offset else os.O_TRUNC), 0o644)
     except OSError as exc:
         raise _write_error(job.part.parent, exc) from None
+    hasher = None
+    if job.expected_sha256:
+        if offset == 0:
+            job.hasher, job.hashed = hashlib.sha256(), 0
+        elif job.hasher is None or job.hashed != offset:  # resuming a .part: hash what it holds
+            job.hasher, job.hashed = file_sha256(job.part, offset), offset
+        hasher = job.hasher
     try:
         if offset:
             os.lseek(fd, offset, os.SEEK_SET)
@@ -843,9 +916,13 @@ def _stream_to(resp: _Response, job: _Job, shared: _Shared, offset: int) -> int:
             if not n:
                 break
             view = buffer[:n]
+            if hasher is not None:
+                hasher.update(view)
             while view:
                 view = view[os.write(fd, view):]
             written += n
+            if hasher is not None:
+                job.hashed += n
             shared.add(n)
     except OSError as exc:
         if exc.errno in _DISK_FULL:
@@ -877,6 +954,7 @@ def _truncate(path: Path, dest: Path) -> None:
 def _restart(job: _Job, shared: _Shared) -> int:
     """Throw away a ``.part`` that cannot be continued; returns the new offset (0)."""
     _truncate(job.part, shared.dest)
+    job.hasher, job.hashed = None, 0
     if job.have:
         shared.add(-job.have)
     return 0

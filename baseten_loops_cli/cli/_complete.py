@@ -122,15 +122,13 @@ def _backend_key(profile_flag: str | None) -> str | None:
 
 
 def _get_json(profile_flag: str | None, path: str, params: dict[str, str] | None = None) -> Any:
-    import httpx
-
-    from baseten_loops_cli.api.http import auth_headers
+    """One GET through the API layer's HTTP client (no retries, a short timeout, no pydantic)."""
+    from baseten_loops_cli.api.http import HttpClient
     from baseten_loops_cli.settings.backend import resolve_connection
 
     _, base_url, key, _ = resolve_connection(profile_flag, announce=lambda _m: None, autostart=False)
-    resp = httpx.get(f"{base_url}{path}", params=params, headers=auth_headers(key), timeout=NETWORK_TIMEOUT_S)
-    resp.raise_for_status()
-    return resp.json()
+    with HttpClient(base_url, key, timeout=NETWORK_TIMEOUT_S, max_retries=0) as http:
+        return http.request_json("GET", path, params=params)
 
 
 def _fetch_runs(profile_flag: str | None, _arg: str) -> list[Item]:

@@ -72,7 +72,8 @@ def suggest(name: str, candidates: Iterable[str], *, n: int = 3) -> list[str]:
     """Close matches for ``name``: ids that start with it first, then difflib's."""
     pool = sorted({c for c in candidates if c})
     prefixed = [c for c in pool if c.startswith(name) or name.startswith(c)]
-    close = difflib.get_close_matches(name, pool, n=n, cutoff=0.6)
+    # One differing character in a short name ("t2" vs "t1") scores 0.5.
+    close = difflib.get_close_matches(name, pool, n=n, cutoff=0.5 if len(name) <= 4 else 0.6)
     out: list[str] = []
     for c in prefixed + close:
         if c not in out and c != name:
@@ -302,14 +303,14 @@ def _not_found_in_run(client: "LoopsClient", ref: CheckpointRef, cps: list[dict]
     in_target = [c for c in cps if ref.target is None or c.get("target") == ref.target]
     names = [c.get("checkpoint_id") for c in in_target]
     scope = f" {ref.target}" if ref.target else ""
-    hint = did_you_mean(suggest(ref.name or "", names))
+    other = [c for c in cps if c.get("checkpoint_id") == ref.name and c not in in_target]
     suffixed = _suffixed_saves(ref.name or "", in_target)
-    if suffixed:
-        hint += f"Serverless saves get a unique suffix; newest under that name: {', '.join(suffixed)}. "
-    elif not in_target:
-        other = [c for c in cps if c.get("checkpoint_id") == ref.name]
-        if other:
-            hint += f"There is a {other[0].get('target')} checkpoint of that name. "
+    if other:
+        hint = f"There is a {other[0].get('target')} checkpoint of that name (--target {other[0].get('target')}). "
+    elif suffixed:
+        hint = f"Serverless saves get a unique suffix; newest under that name: {', '.join(suffixed)}. "
+    else:
+        hint = did_you_mean(suggest(ref.name or "", names))
     raise NotFound(
         f"no{scope} checkpoint named {ref.name!r} in run {ref.run_id}",
         hint=f"{hint}List them with `loops checkpoints list --run-id {ref.run_id}`.",

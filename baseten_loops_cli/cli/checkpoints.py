@@ -416,20 +416,19 @@ def download(
       loops checkpoints download bt://loops:abc1234/sampler_weights/final -O ./adapter --parallel 16
     """
     from baseten_loops_cli.api.download import download_files
-    from baseten_loops_cli.cli._resolve import checkpoint_id_of, resolve_checkpoint, parse_checkpoint_ref, display_name
+    from baseten_loops_cli.cli._resolve import display_name, parse_checkpoint_ref, resolve_checkpoint
     from baseten_loops_cli.output.format import human_duration, human_size
 
     state = get_state(ctx)
     out = state.output
     client = state.backend().client
     ref = parse_checkpoint_ref(checkpoint, target)
+    cp: dict | None = None
     if ref.kind == "id" and output_dir is not None:
-        checkpoint_id, cp = ref.id or "", None
-    elif ref.kind == "id":
+        checkpoint_id = ref.id or ""  # the files route knows it (or says it does not)
+    else:  # a name to resolve, or the default folder needs the run and name
         cp = resolve_checkpoint(client, checkpoint, target)
         checkpoint_id = cp["id"]
-    else:
-        checkpoint_id, cp = checkpoint_id_of(client, checkpoint, target)
     dest = (output_dir or default_download_dir(cp, checkpoint_id)).expanduser()
     label = display_name(cp) if cp else checkpoint_id
     entries = _files(client, checkpoint_id)

@@ -4,9 +4,10 @@
 ``create`` when the word after ``deploy`` is not one of :data:`SUBCOMMANDS`. Requests pick a
 deployed checkpoint by its name in the ``model`` field (as on Baseten).
 
-Listing: Baseten's management API lists models (``GET /v1/models``); a backend without that
-route (the local one) is answered from the deployments this machine created with
-``loops deploy`` (kept in the state dir), each with its live status from the backend.
+Listing: no Loops route lists checkpoint deployments (and Baseten's model list holds every model
+of the workspace), so ``deploy list`` shows the deployments this machine created with
+``loops deploy`` (recorded in the state dir), each with its live status from the backend;
+``describe`` and ``stop`` also take any ``MODEL_ID/DEPLOYMENT_ID``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -134,7 +135,7 @@ def create(
         ),
     ],
     model_name: Annotated[
-        Optional[str], typer.Option("--model-name", "-n", help="Name of the deployed model (default: loops-RUN-NAME).")
+        Optional[str], typer.Option("--model-name", help="Name of the deployed model (default: loops-RUN-NAME).")
     ] = None,
     instance_type: Annotated[
         Optional[str], typer.Option("--instance-type", help="Instance type id to serve on (required on Baseten).")
@@ -180,18 +181,22 @@ def create(
                 hint="Deploy sampler weights instead (saved with save_weights_for_sampler): "
                 f"loops checkpoints list --run-id {cp.get('run_id')} --target sampler",
             )
-        cps.append(cp)
+        if all(c["id"] != cp["id"] for c in cps):  # the same checkpoint named twice is one
+            cps.append(cp)
     models = sorted({str(c.get("base_model")) for c in cps})
     if len(models) > 1:
         raise UsageError(f"the checkpoints were trained on different base models ({', '.join(models)})", hint="A deployment serves one base model; deploy them separately.")
     names = [c.get("checkpoint_id") for c in cps]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise UsageError(f"two checkpoints are named {dupes[0]!r}; requests pick one by name", hint="Deploy them separately.")
+        raise UsageError(
+            f"two of the checkpoints are named {dupes[0]!r} (from different runs); requests pick one by name",
+            hint="Deploy them separately.",
+        )
     if backend.kind == "local":
         instance = instance_type or LOCAL_INSTANCE_TYPE
     elif not instance_type and not dry_run:
-        raise UsageError("--instance-type is required on Baseten", hint="Pass the id of the instance type to serve on, e.g. --instance-type H100.")
+        raise UsageError("--instance-type is required on a Baseten profile", hint="Pass the id of the instance type to serve on, e.g. --instance-type H100.")
     else:
         instance = instance_type or ""
     name = model_name or _default_name(cps[0])
@@ -216,16 +221,6 @@ def create(
     out.info(f"Deploying {listed} as model {name!r}...")
     resp = client.checkpoints.deploy(request["checkpoint_ids"], model_name=name, instance_type_id=instance, hf_secret_name=hf_secret)
     model_id, deployment_id = resp.model_id, resp.deployment_id
-    status_body: dict = {}
-    try:
-        status_body = _status_body(client, model_id, deployment_id)
-    except Exception:  # noqa: BLE001 - the deployment exists; its status is a nicety
-        status_body = {}
-    status = _status_of(status_body)
-    if wait:
-        status_body = _wait_active(out, client, model_id, deployment_id)
-        status = _status_of(status_body)
-    url = endpoint_url(backend, model_id, deployment_id, status_body)
     record = {
         "backend": _backend_key(backend),
         "model_id": model_id,
@@ -235,7 +230,22 @@ def create(
         "checkpoints": [{"id": c["id"], "name": c.get("checkpoint_id"), "run_id": c.get("run_id"), "uri": uri_of(c)} for c in cps],
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    _save_record(record)
+    _save_record(record)  # first: `deploy list` knows it even if the wait below is interrupted
+    status_body: dict = {}
+    try:
+        status_body = _status_body(client, model_id, deployment_id)
+    except Exception:  # noqa: BLE001 - the deployment exists; its status is a nicety
+        status_body = {}
+    status = _status_of(status_body)
+    if wait:
+        try:
+            status_body = _wait_active(out, client, model_id, deployment_id)
+        except KeyboardInterrupt:
+            out.info(f"Stopped waiting. Deployment {deployment_id} keeps coming up; check it with "
+                     f"`loops deploy describe {deployment_id}`.")
+            raise typer.Exit(130) from None
+        status = _status_of(status_body)
+    url = endpoint_url(backend, model_id, deployment_id, status_body)
     doc = {**{k: v for k, v in record.items() if k != "backend"}, "status": status, "url": url,
            "curl": curl_line(backend, url, str(cps[0].get("checkpoint_id")))}
     out.success(f"Deployed {listed} as model {name!r}: model {model_id}, deployment {deployment_id}" + (f" ({status})." if status else "."))
@@ -275,42 +285,19 @@ def _wait_active(out, client, model_id: str, deployment_id: str, interval: float
 # ── list / describe / stop ────────────────────────────────────────────────────────────────
 
 
-def _listed(state) -> tuple[list[dict], str]:
-    """Deployments of checkpoints: from the backend when it can list them, else from this
-    machine's records (with live statuses). Returns (rows, source)."""
-    from baseten_loops_cli.api.errors import ApiError, BadRequestError, NotFoundError
-    from baseten_loops_cli.cli._resolve import as_dict
+def _listed(state) -> list[dict]:
+    """Checkpoint deployments made from this machine with ``loops deploy`` (no Loops route lists
+    them; Baseten's model list holds every model of the workspace), each with its live status
+    from the backend."""
+    from baseten_loops_cli.api.errors import NotFoundError
 
     backend = state.backend()
-    client = backend.client
     rows: list[dict] = []
-    try:
-        models = client.models.list()
-    except (NotFoundError, BadRequestError):
-        models = None
-    if models is not None:
-        for m in models:
-            try:
-                deps = as_dict(client.models.deployments(m["id"])) or []
-            except ApiError:
-                deps = []
-            for d in deps:
-                rows.append({
-                    "deployment_id": d.get("id"),
-                    "model_id": m.get("id"),
-                    "model_name": m.get("name"),
-                    "status": _status_of(d),
-                    "base_model": d.get("base_model"),
-                    "checkpoints": d.get("checkpoints"),
-                    "created_at": d.get("created_at"),
-                    "url": endpoint_url(backend, m["id"], d["id"], d),
-                })
-        return rows, "backend"
     for rec in _load_records():
         if rec.get("backend") != _backend_key(backend):
             continue
         try:
-            body = _status_body(client, rec["model_id"], rec["deployment_id"])
+            body = _status_body(backend.client, rec["model_id"], rec["deployment_id"])
             status = _status_of(body)
         except NotFoundError:
             body, status = {}, "DELETED"
@@ -318,7 +305,7 @@ def _listed(state) -> tuple[list[dict], str]:
         row.update(status=status, url=endpoint_url(backend, rec["model_id"], rec["deployment_id"], body))
         rows.append(row)
     rows.sort(key=lambda r: r.get("created_at") or "", reverse=True)
-    return rows, "records"
+    return rows
 
 
 def _checkpoint_names(row: dict) -> str | None:
@@ -342,7 +329,7 @@ def list_deployments(
     """
     state = get_state(ctx)
     out = state.output
-    rows, source = _listed(state)
+    rows = _listed(state)
     hidden = 0
     if not all_:
         shown = [r for r in rows if r.get("status") not in ("INACTIVE", "DELETED")]
@@ -365,8 +352,8 @@ def list_deployments(
     )
     if out.human and rows and hidden:
         out.hint(f"{hidden} stopped deployment{'s' if hidden != 1 else ''} hidden; pass --all to show {'them' if hidden != 1 else 'it'}.")
-    if out.human and source == "records":
-        out.hint("This backend has no deployment listing; these are the deployments made from this machine.")
+    if out.human and rows:
+        out.hint("These are the checkpoint deployments made from this machine with `loops deploy`.")
 
 
 def _find(state, ref: str) -> tuple[str, str, dict | None]:
@@ -377,7 +364,7 @@ def _find(state, ref: str) -> tuple[str, str, dict | None]:
     if "/" in ref:
         model_id, _, deployment_id = ref.partition("/")
         return model_id, deployment_id, None
-    rows, _ = _listed(state)
+    rows = _listed(state)
     for row in rows:
         if row.get("deployment_id") == ref or row.get("model_id") == ref:
             return row["model_id"], row["deployment_id"], row
@@ -464,4 +451,5 @@ def stop(
         client.models.deactivate(model_id, deployment_id)
         results.append({"model_id": model_id, "deployment_id": deployment_id, "stopped": True})
         out.success(f"Stopped deployment {deployment_id}.")
-    out.emit(results, rows=results, columns=[("DEPLOYMENT", "deployment_id"), ("MODEL", "model_id")], id_key="deployment_id")
+    if not out.human:
+        out.emit(results, rows=results, columns=[("DEPLOYMENT", "deployment_id"), ("MODEL", "model_id")], id_key="deployment_id")

@@ -48,7 +48,7 @@ Examples:
 
   loops runs list -o json
 
-  loops checkpoints download RUN:final -O ./adapter
+  loops checkpoints download RUN:final --target sampler -O ./adapter
 """
 
 app = typer.Typer(

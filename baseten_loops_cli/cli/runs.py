@@ -86,8 +86,11 @@ def _deployment(client, deployment_id: str | None) -> dict | None:
         return None
 
 
-def _run_usage(client, run_id: str) -> dict | None:
+def _run_usage(backend, run_id: str) -> dict | None:
     """Tokens and compute the backend reports for a run (the local backend does), or None."""
+    if backend.kind != "local":
+        return None
+    client = backend.client
     try:
         rows = client.local_usage(run_id=run_id)
     except Exception:  # noqa: BLE001 - a backend without the route reports nothing
@@ -216,6 +219,15 @@ def create(
                 hint=f"Pass --base-model {cp['base_model']}.",
             )
         path = uri_of(cp)
+        rank = (cp.get("lora_adapter_config") or {}).get("r")
+        if isinstance(rank, int):
+            if lora_rank is None:
+                lora_rank = rank  # the run must match the checkpoint's adapter
+            elif lora_rank != rank:
+                raise UsageError(
+                    f"{from_checkpoint} has LoRA rank {rank}, not {lora_rank}",
+                    hint=f"Drop --lora-rank (it defaults to the checkpoint's) or pass --lora-rank {rank}.",
+                )
     if reuse_from:
         prior = get_run(client, reuse_from)
         if prior.get("base_model") != base_model:
@@ -241,7 +253,11 @@ def create(
     _complete.invalidate("runs")
     if wait:
         out.info(f"Created Loops run {run['id']} for {base_model}. Waiting for its trainer...")
-        run = wait_for_trainer(out, client, run)
+        try:
+            run = wait_for_trainer(out, client, run)
+        except KeyboardInterrupt:
+            out.info(f"Stopped waiting. Run {run['id']} keeps coming up; follow it with `loops runs watch {run['id']}`.")
+            raise typer.Exit(130) from None
         out.success(f"Run {run['id']} is ready.")
     else:
         out.success(
@@ -249,7 +265,11 @@ def create(
             "The trainer and sampler finish coming up in the background."
         )
         out.hint(f"Follow it with `loops runs watch {run['id']}`.")
-    out.emit(run, fields=_describe_fields(run, None, [], None, None))
+    if out.human:
+        dep = _deployment(client, run.get("deployment_id"))
+        out.emit(run, fields=_describe_fields(run, dep, [], None, None))
+    else:
+        out.emit(run)
 
 
 # ── list ──────────────────────────────────────────────────────────────────────────────────
@@ -407,7 +427,7 @@ def describe(
     dep = _deployment(client, run.get("deployment_id"))
     cps = sorted(list_checkpoints(client, run_id=run["id"]), key=lambda c: c.get("created_at") or "", reverse=True)
     latest = cps[:checkpoints] if checkpoints else []
-    usage = _run_usage(client, run["id"])
+    usage = _run_usage(state.backend(), run["id"])
     version = _policy_version(state, run)
     doc = {**run, "deployment": dep, "policy_version": version, "latest_checkpoints": latest,
            "checkpoint_count": len(cps), "usage": usage}
@@ -712,7 +732,8 @@ def deactivate(
         else:
             todo.append(run)
     if not todo:
-        out.emit([], rows=[], columns=[("ID", "id")])
+        if not out.human:
+            out.emit([], rows=[], columns=[("ID", "id")])
         return
     if len(todo) == 1:
         run = todo[0]
@@ -727,7 +748,8 @@ def deactivate(
         results.append(as_dict(client.runs.deactivate(run["id"])) or {"id": run["id"]})
         out.success(f"Deactivated Loops run {run['id']}. Saved checkpoints remain accessible.")
     _complete.invalidate("runs")
-    out.emit(results, rows=results, columns=[("ID", "id"), ("BASE MODEL", "base_model")])
+    if not out.human:
+        out.emit(results, rows=results, columns=[("ID", "id"), ("BASE MODEL", "base_model")])
 
 
 # ── watch ─────────────────────────────────────────────────────────────────────────────────
@@ -757,12 +779,12 @@ def _watch_line(s: dict) -> str:
     parts = [f"run {s['run_status']}"]
     if s["trainer_status"]:
         parts.append(f"trainer {s['trainer_status']}")
-    if s["sampler_status"]:
-        parts.append(f"sampler {s['sampler_status']}")
     if s["step"] is not None:
         parts.append(f"step {s['step']}")
+    if s["sampler_status"]:
+        parts.append(f"sampler {s['sampler_status']}")
     if s["sampler_policy_version"] is not None:
-        parts.append(f"sampler at policy v{s['sampler_policy_version']}")
+        parts.append(f"v{s['sampler_policy_version']}")
     return " · ".join(parts)
 
 

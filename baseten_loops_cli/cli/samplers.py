@@ -212,7 +212,8 @@ def deactivate(
         else:
             todo.append(s)
     if not todo:
-        out.emit([], rows=[], columns=[("ID", "id")])
+        if not out.human:
+            out.emit([], rows=[], columns=[("ID", "id")])
         return
     paired = [s for s in todo if s.get("run_id")]
     names = ", ".join(f"{s['id']} ({_serves(s)})" for s in todo)
@@ -225,4 +226,5 @@ def deactivate(
         results.append(as_dict(client.samplers.deactivate(s["id"])) or {"id": s["id"]})
         out.success(f"Deactivated sampler {s['id']}.")
     _complete.invalidate("samplers")
-    out.emit(results, rows=results, columns=[("ID", "id"), ("BASE MODEL", "base_model")])
+    if not out.human:
+        out.emit(results, rows=results, columns=[("ID", "id"), ("BASE MODEL", "base_model")])

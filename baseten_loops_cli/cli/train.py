@@ -44,12 +44,16 @@ def _absolute_raw(loaded) -> dict:
     return raw
 
 
-def _load(config: Path, overrides: list[str] | None):
+def _load_config(config: Path, overrides: list[str] | None):
     from baseten_loops_cli.training.config import load_config
+
+    return load_config(config, overrides or [])
+
+
+def _load_data(loaded):
     from baseten_loops_cli.training.plan import load_data
 
-    loaded = load_config(config, overrides or [])
-    return loaded, load_data(loaded)
+    return load_data(loaded)
 
 
 def _profile_for(state, loaded) -> str | None:
@@ -127,7 +131,7 @@ def validate(
 
     state = get_state(ctx)
     out = state.output
-    loaded, data = _load(config, overrides)
+    loaded = _load_config(config, overrides)
     kind, backend_desc, notes = "local", "local backend", []
     if not offline:
         from baseten_loops_cli.settings.backend import open_backend_if_reachable
@@ -146,6 +150,7 @@ def validate(
                 notes.append(f"base model not checked: {backend.base_url} is not reachable")
             finally:
                 backend.close()
+    data = _load_data(loaded)
     plan = make_plan(loaded, data, kind)
     plan.notes += notes
     if out.human:
@@ -165,65 +170,75 @@ def _reporter(state):
 
 
 def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bool) -> None:
-    """Connect, train, and leave the run directory and the backend in a clean state."""
+    """Connect, train, and leave the run directory and the backend in a clean state.
+
+    Whatever ends the loop (done, Ctrl-C, a broken reward, a backend error, a bug), state.json
+    says so and a run this command created is deactivated unless --keep-run: no idle capacity
+    is left billing.
+    """
     from baseten_loops_cli.errors import InterruptedByUser, LoopsError
     from baseten_loops_cli.training.config import RLConfig
+    from baseten_loops_cli.training.metrics import MetricsSink, open_wandb
     from baseten_loops_cli.training.rewards import RewardError
     from baseten_loops_cli.training.session import StopRequested, open_session, save_checkpoint
 
     out = state.output
     resume_cmd = f"loops train resume {rundir.path}"
-    session = open_session(loaded, rundir, backend, resume=resume, announce=out.info)
-    reporter = _reporter(state)
+    session = None
+    sink = None
+
+    def finish(status: str, **fields) -> None:
+        rundir.update_state(status=status, **fields)
+        if sink is not None:
+            sink.close()
+        if session is not None:
+            session.close(deactivate=session.created_run and not keep_run)
+
     status = "failed"
     try:
         with StopRequested() as stop:
+            # Inside StopRequested: a Ctrl-C while the run is being created still ends cleanly
+            # (the loop sees the request before its first step, saves and stops).
+            session = open_session(loaded, rundir, backend, resume=resume, announce=out.info)
+            wandb, note = open_wandb(loaded.config, rundir, run_id=session.run_id, raw_config=loaded.raw)
+            if note:
+                out.info(note)
+            sink = MetricsSink(rundir, _reporter(state), wandb=wandb)
             try:
                 if isinstance(loaded.config, RLConfig):
                     from baseten_loops_cli.training.rl import run_rl
 
-                    status = run_rl(session, data.train, data.eval, data.tokenizer, data.reward, reporter, stop)
+                    status = run_rl(session, data.train, data.eval, data.tokenizer, data.reward, sink, stop)
                 else:
                     from baseten_loops_cli.training.sft import run_sft
 
-                    status = run_sft(session, data.train, data.eval, reporter, stop)
+                    status = run_sft(session, data.train, data.eval, sink, stop)
             except RewardError:
-                # The run stops on a broken reward, but keeps what it learned so far.
-                step = rundir.read_state().get("step", 0)
-                last = rundir.metrics()
-                step = max([step] + [int(r.get("step", 0)) for r in last if "loss" in r or "reward" in r])
+                # The run stops on a broken reward, but keeps what it learned so far: the
+                # trainer is at the last step recorded in metrics.jsonl.
+                done = [int(r.get("step", 0)) for r in rundir.metrics() if not r.get("final")]
+                step = max([int(rundir.read_state().get("step", 0))] + done)
                 try:
                     save_checkpoint(session, step)
                 except LoopsError:
                     pass
                 raise
     except KeyboardInterrupt:
-        status = "interrupted"
-        rundir.update_state(status=status)
-        reporter.close()
-        session.close(deactivate=session.created_run and not keep_run)
+        finish("interrupted")
         raise InterruptedByUser("interrupted before the step finished", hint=f"Resume with `{resume_cmd}`.") from None
     except LoopsError as exc:
-        rundir.update_state(status="failed", error=exc.message)
-        reporter.close()
-        session.close(deactivate=session.created_run and not keep_run)
+        finish("failed", error=exc.message)
         exc.hint = (exc.hint + " " if exc.hint else "") + f"Resume with `{resume_cmd}`."
         raise
-    except BaseException:
-        rundir.update_state(status="failed")
-        reporter.close()
-        session.close(deactivate=session.created_run and not keep_run)
+    except BaseException as exc:
+        finish("failed", error=f"{type(exc).__name__}: {exc}")
         raise
-    reporter.close()
     deactivate = session.created_run and not keep_run
-    rundir.update_state(status=status)
-    session.close(deactivate=deactivate)
+    finish(status)
     if status == "interrupted":
         raise InterruptedByUser("stopped after the step in flight; state saved", hint=f"Resume with `{resume_cmd}`.")
     summary = _summary(rundir, session.run_id, loaded.config.kind)
-    if out.format == "json":
-        out.emit(summary, id_key="run_id")
-    elif out.quiet:
+    if out.format == "json" or out.quiet:
         out.emit(summary, id_key="run_id")
     else:
         out.success(
@@ -231,7 +246,7 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
             + ("" if not deactivate else " (run deactivated; checkpoints kept)")
         )
         if summary.get("final_checkpoint"):
-            out.hint(f"Try it: loops sample {summary['final_checkpoint']} --prompt 'Hello'")
+            out.hint(f"Try it: loops sample {summary['final_checkpoint']} --chat --prompt 'Hello'")
 
 
 def _summary(rundir, run_id: str, kind: str) -> dict:
@@ -264,7 +279,7 @@ def run(
     overrides: SetOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check and show the plan; provision nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before provisioning remote capacity.")] = False,
-    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Where to write metrics and state (default: runs/NAME-TIME).")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Where to write metrics and state (default: the config's logging.run_dir, else runs/NAME-TIME).")] = None,
     keep_run: Annotated[bool, typer.Option("--keep-run", help="Leave the run active when training ends.")] = False,
 ) -> None:
     """Validate, show the plan, confirm (remote backends), then train.
@@ -286,7 +301,9 @@ def run(
 
     state = get_state(ctx)
     out = state.output
-    loaded, data = _load(config, overrides)
+    loaded = _load_config(config, overrides)
+    if run_dir is None and loaded.config.logging.run_dir:
+        run_dir = loaded.resolve_path(loaded.config.logging.run_dir)
     rundir = RunDir(run_dir or _default_run_dir(loaded.config.name))
     if rundir.exists():
         raise UsageError(
@@ -295,6 +312,7 @@ def run(
         )
     backend = state.backend(_profile_for(state, loaded))
     check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
+    data = _load_data(loaded)
     plan = make_plan(loaded, data, backend.kind)
     desc = f"profile {backend.profile_name!r} ({backend.base_url})"
     if dry_run:
@@ -341,8 +359,8 @@ def resume(
         out.info(f"{run_dir}: already completed ({previous.get('step')} steps); nothing to resume.")
         return
     loaded = load_config(rundir.config_file)
-    data = load_data(loaded)
     backend = state.backend(_profile_for(state, loaded))
+    data = load_data(loaded)
     if backend.kind != "local":
         out.confirm(f"Resume on {backend.base_url} (may provision a new run)?", yes=yes)
     _execute(state, backend, loaded, data, rundir, resume=True, keep_run=keep_run)

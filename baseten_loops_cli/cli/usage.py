@@ -112,12 +112,15 @@ def _in_use(row: dict) -> bool:
     return row.get("trainer_status") in TRAINER_LIVE or row.get("sampler_status") in SAMPLER_LIVE
 
 
-def _fetch_usage(client) -> dict[str, dict] | None:
-    """Per-owner counters keyed by run / sampler id, or None when the backend reports none."""
+def _fetch_usage(backend) -> dict[str, dict] | None:
+    """Per-owner counters keyed by run / sampler id, or None when the backend reports none
+    (only the local backend does)."""
     from baseten_loops_cli.errors import LoopsError
 
+    if backend.kind != "local":
+        return None
     try:
-        rows = client.local_usage()
+        rows = backend.client.local_usage()
     except LoopsError:
         return None
     return {str(r.get("owner_id")): r for r in rows}
@@ -182,7 +185,7 @@ def usage(
     if user:
         org = True
     scope = "org" if org else None
-    counters = _fetch_usage(client)
+    counters = _fetch_usage(backend)
     if by_run:
         _by_run(out, client, scope, counters, all_, user, org)
         return

@@ -363,6 +363,7 @@ def run_foreground(
 
     import uvicorn
 
+    from baseten_loops_cli.local.server import access_log
     from baseten_loops_cli.local.server.app import create_app
 
     logging.basicConfig(level=log_level.upper(),
@@ -382,6 +383,7 @@ def run_foreground(
                          **(options or {}))
         config = uvicorn.Config(app, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=3, timeout_keep_alive=75)
+        access_log.install()  # after uvicorn.Config, which (re)configures its loggers
         server = uvicorn.Server(config)
         started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         record = {"url": url, "port": bound_port, "pid": os.getpid(), "version": __version__,

@@ -25,7 +25,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator, TypeVar
+from typing import Any, Iterable, TypeVar
 
 SCHEMA_VERSION = 1
 
@@ -175,6 +175,8 @@ class CheckpointRow:
     storage_dir: str  # relative to the data dir
     created_at: float
     expires_at: float | None
+    # {relative file path: sha256 hex} computed when saved, so downloads can be verified.
+    manifest: dict[str, str]
 
     @property
     def bt_path(self) -> str:
@@ -296,6 +298,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     storage_dir TEXT NOT NULL,
     created_at REAL NOT NULL,
     expires_at REAL,
+    manifest TEXT NOT NULL DEFAULT '{}',
     UNIQUE (run_id, target, name)
 );
 CREATE TABLE IF NOT EXISTS operations (
@@ -342,10 +345,13 @@ CREATE TABLE IF NOT EXISTS user_config (
 RowT = TypeVar("RowT")
 
 
+_JSON_COLUMNS = {"manifest"}
+
+
 def _row(cls: type[RowT], row: sqlite3.Row | None) -> RowT | None:
     if row is None:
         return None
-    return cls(**{k: row[k] for k in row.keys()})
+    return cls(**{k: json.loads(row[k]) if k in _JSON_COLUMNS else row[k] for k in row.keys()})
 
 
 class Store:
@@ -360,6 +366,7 @@ class Store:
         # executescript() manages its own transaction (it COMMITs first).
         conn = self._conn()
         conn.executescript(_SCHEMA)
+        self._add_missing_columns(conn)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # ── connection plumbing ──
@@ -411,6 +418,22 @@ class Store:
                 if "UNIQUE" not in str(exc) and "PRIMARY" not in str(exc):
                     raise
         raise RuntimeError("could not allocate a unique id")  # pragma: no cover
+
+    # Columns added after a table first shipped: a data dir made by an earlier build gets
+    # them on open instead of failing on the first query.
+    _ADDED_COLUMNS = (
+        ("runs", "published_checkpoint_pk", "TEXT"),
+        ("runs", "published_version", "INTEGER NOT NULL DEFAULT 0"),
+        ("runs", "pending_grad_ops", "INTEGER NOT NULL DEFAULT 0"),
+        ("runs", "gradients_lost", "INTEGER NOT NULL DEFAULT 0"),
+        ("checkpoints", "manifest", "TEXT NOT NULL DEFAULT '{}'"),
+    )
+
+    def _add_missing_columns(self, conn: sqlite3.Connection) -> None:
+        for table, column, ddl in self._ADDED_COLUMNS:
+            existing = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+            if column not in existing:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
 
     def close(self) -> None:
         with self._connections_lock:
@@ -619,6 +642,7 @@ class Store:
         size_bytes: int,
         storage_dir: str,
         expires_at: float | None,
+        manifest: dict[str, str] | None = None,
     ) -> CheckpointRow:
         """Record a save. Saving a name again replaces that checkpoint (same pk, new
         files, new time): a dedicated sampler re-reads one directory per name, and the
@@ -634,15 +658,16 @@ class Store:
                 "lora_rank": lora_rank, "policy_version": policy_version,
                 "size_bytes": size_bytes, "storage_dir": storage_dir,
                 "created_at": now, "expires_at": expires_at,
+                "manifest": json.dumps(manifest or {}),
             })
             return self.get_checkpoint(existing.pk)  # type: ignore[return-value]
         pk = self._insert_with_fresh_id(
             new_checkpoint_pk,
             "INSERT INTO checkpoints (pk, run_id, name, target, base_model, lora_rank,"
-            " policy_version, size_bytes, storage_dir, created_at, expires_at)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            " policy_version, size_bytes, storage_dir, created_at, expires_at, manifest)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             lambda i: (i, run_id, name, target, base_model, lora_rank, policy_version,
-                       size_bytes, storage_dir, now, expires_at),
+                       size_bytes, storage_dir, now, expires_at, json.dumps(manifest or {})),
         )
         return self.get_checkpoint(pk)  # type: ignore[return-value]
 
@@ -877,9 +902,3 @@ class Store:
         with self._tx() as db:
             db.execute(f"UPDATE {table} SET {cols} WHERE {key} = ?", (*fields.values(), key_value))
 
-
-def iter_files(root: Path) -> Iterator[Path]:
-    """Every regular file under ``root``, sorted, as paths relative to ``root``."""
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and not path.is_symlink():
-            yield path.relative_to(root)

@@ -38,7 +38,10 @@ class CheckpointConfig(_Strict):
 
 
 class LoggingConfig(_Strict):
-    run_dir: str | None = Field(None, description="Default: runs/<name>-<timestamp> beside the config.")
+    run_dir: str | None = Field(
+        None,
+        description="Relative to the config file; --run-dir wins. Default: runs/<name>-<timestamp> in the current directory.",
+    )
     wandb_project: str | None = None
     wandb_name: str | None = None
 
@@ -118,6 +121,16 @@ class _Common(_Strict):
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        """A section whose keys are all commented out (``logging:`` alone) means the defaults."""
+        if isinstance(data, dict):
+            empty = [k for k in ("optimizer", "checkpointing", "logging", "pricing", "loss", "sampling") if k in data and data[k] is None]
+            if empty:
+                data = {**data, **{k: {} for k in empty}}
+        return data
 
 
 class SFTConfig(_Common):

@@ -42,11 +42,20 @@ class Prompt:
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     """Yield (line number, row) for each non-blank line; a bad line is an error naming it."""
     try:
-        handle = path.open(encoding="utf-8")
+        handle = path.open("rb")
     except FileNotFoundError:
         raise ConfigError(f"{path}: data file not found", hint="Check the path in the config (relative to the config file).") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     with handle:
-        for lineno, line in enumerate(handle, start=1):
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {exc.start + 1})",
+                    hint="Save the file as UTF-8 JSON Lines.",
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -13,10 +13,21 @@ from typing import Any
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.config import LoadedConfig, RLConfig
 
-# Rough throughputs for the time estimate (tokens/s through forward+backward). The local CPU
-# backend is measured on 2 cores with loops-local/tiny; remote GPUs are far faster.
-_TRAIN_TOKENS_PER_S = {"local": 4000.0, "baseten": 50000.0}
-_SAMPLE_TOKENS_PER_S = {"local": 400.0, "baseten": 5000.0}
+ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
+
+# Rough rates for the time estimate: (tokens/s through forward+backward, sampled tokens/s,
+# seconds of fixed cost per step). Local rates are measured on 2 CPU cores; remote GPUs are far
+# faster, and the estimate there leaves out provisioning (minutes for a cold trainer).
+_LOCAL_RATES = {"loops-local/tiny": (1500.0, 150.0, 0.3)}
+_LOCAL_DEFAULT = (250.0, 25.0, 1.0)  # a ~100M-parameter model such as SmolLM2-135M
+_REMOTE_RATES = (50000.0, 5000.0, 1.0)
+_STARTUP_S = {"local": 5.0}
+
+
+def _rates(backend_kind: str, base_model: str) -> tuple[float, float, float]:
+    if backend_kind == "local":
+        return _LOCAL_RATES.get(base_model, _LOCAL_DEFAULT)
+    return _REMOTE_RATES
 
 
 @dataclass
@@ -77,6 +88,13 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
             else None
         )
         reward = build_reward(config.reward, loaded.base_dir)
+        if config.reward.fn in ANSWER_REWARDS:
+            # Catch a missing answer now, not after capacity is provisioned.
+            for prompt in train + (evals or []):
+                if "answer" not in prompt.row:
+                    raise ConfigError(
+                        f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row"
+                    )
         return LoadedData(tokenizer, train, evals, reward)
     kwargs = {"train_on": config.data.train_on, "max_seq_len": config.max_seq_len}
     train = data_mod.load_sft_examples(loaded.resolve_path(config.data.train), tokenizer, **kwargs)
@@ -132,7 +150,8 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
         avg = sum(len(e.tokens) for e in data.train) / len(data.train)
         train_tokens = int(steps * config.batch_size * avg)
         sample_tokens = 0
-    est = train_tokens / _TRAIN_TOKENS_PER_S.get(backend_kind, 50000.0) + sample_tokens / _SAMPLE_TOKENS_PER_S.get(backend_kind, 5000.0)
+    train_rate, sample_rate, per_step = _rates(backend_kind, config.base_model)
+    est = _STARTUP_S.get(backend_kind, 0.0) + steps * per_step + train_tokens / train_rate + sample_tokens / sample_rate
     cost = None
     if any(v is not None for v in (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour)):
         cost = (
@@ -141,6 +160,10 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
             + est / 3600 * (pricing.usd_per_hour or 0.0)
         )
     notes = []
+    if backend_kind != "local":
+        notes.append("the time estimate leaves out provisioning (a cold trainer can take minutes)")
+        if cost is None:
+            notes.append("no cost estimate: set pricing.* in the config to get one")
     if config.max_steps and steps < config.max_steps:
         notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
     return Plan(

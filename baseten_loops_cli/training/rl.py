@@ -39,12 +39,18 @@ class Rollout:
 
 @dataclass
 class Batch:
-    """The sampled groups of one step and the policy version that sampled them."""
+    """The sampled groups of one step, each tagged with the policy version that sampled it
+    (the sampler's ``x-trainers-policy-version``, or the floor asked for when it does not say)."""
 
     step: int
-    version: int
     groups: list[list[Rollout]]
+    versions: list[int]
     sample_time_s: float
+
+    @property
+    def version(self) -> int:
+        """The oldest policy among the groups: what staleness is measured by."""
+        return min(self.versions) if self.versions else 0
 
 
 def total_steps(n_prompts: int, config) -> int:
@@ -77,7 +83,9 @@ class Rollouts:
         tail = scored[len(rollout.prompt.tokens) :]
         rollout.base_logprobs = [float(x) if x is not None else 0.0 for x in tail]
 
-    async def _group(self, sampler, prompt: Prompt, *, n: int, seed: int, version: int, sampling) -> list[Rollout]:
+    async def _group(
+        self, sampler, prompt: Prompt, *, n: int, seed: int, version: int, sampling
+    ) -> tuple[list[Rollout], int]:
         result = await sampler.asample(
             prompt.tokens,
             n=n,
@@ -97,7 +105,8 @@ class Rollouts:
                     text = text[: text.index(stop_text)]
             value = score(self.reward_name, self.reward_fn, text, prompt.row, prompt.source)
             rollouts.append(Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, value, seq.stop_reason))
-        return rollouts
+        served = result.policy_version if result.policy_version is not None else version
+        return rollouts, int(served)
 
     def sample(self, prompts: list[Prompt], *, step: int, version: int, n: int, sampling, seed: int) -> Batch:
         started = time.monotonic()
@@ -107,23 +116,25 @@ class Rollouts:
         sampler = self.session.new_sampler_client()
         base_sampler = self.session.new_base_sampler_client() if self.kl else None
 
-        async def gather() -> list[list[Rollout]]:
+        async def gather() -> list[tuple[list[Rollout], int]]:
             try:
-                groups = await asyncio.gather(
+                tagged = await asyncio.gather(
                     *(self._group(sampler, p, n=n, seed=seed * 1_000_003 + step * 1009 + i, version=version, sampling=sampling)
                       for i, p in enumerate(prompts))
                 )  # fmt: skip
                 if base_sampler is not None:
-                    await asyncio.gather(*(self._base_logprobs(base_sampler, r) for g in groups for r in g if r.tokens))
-                return groups
+                    await asyncio.gather(
+                        *(self._base_logprobs(base_sampler, r) for g, _ in tagged for r in g if r.tokens)
+                    )
+                return tagged
             finally:
                 for client in (sampler, base_sampler):
                     if client is not None:
                         await client.aclose()
                         client.close()
 
-        groups = asyncio.run(gather())
-        return Batch(step, version, groups, time.monotonic() - started)
+        tagged = asyncio.run(gather())
+        return Batch(step, [g for g, _ in tagged], [v for _, v in tagged], time.monotonic() - started)
 
 
 def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0) -> tuple[list[dict], int, float | None]:
@@ -168,9 +179,10 @@ def run_rl(
     eval_prompts: list[Prompt] | None,
     tokenizer: Any,
     reward: tuple[str, Any],
-    reporter,
+    sink,
     stop: StopRequested,
 ) -> str:
+    """Train to the end ("completed") or until Ctrl-C ("interrupted"); records go to ``sink``."""
     from baseten_loops_cli.workers.types import AdamParams
 
     config = session.config
@@ -178,7 +190,7 @@ def run_rl(
     opt = config.optimizer
     bound = config.max_steps_off_policy
     rollouts = Rollouts(session, tokenizer, reward)
-    reporter.start(steps, session.start_step, "reward")
+    sink.start(steps, session.start_step, "reward")
     started = time.monotonic()
 
     def publish(step: int) -> int:
@@ -243,7 +255,8 @@ def run_rl(
             # No group had signal: still take the (empty) step so step == policy version.
             session.trainer.optim_step(AdamParams(learning_rate=0.0)).result()
         step += 1
-        version = publish(step) if (bound == 0 or step < steps) else version
+        if step < steps or eval_prompts:
+            version = publish(step)
         rewards = [r.reward for g in batch.groups for r in g]
         sampled_tokens = sum(len(r.tokens) for g in batch.groups for r in g)
         elapsed = time.monotonic() - step_started
@@ -267,25 +280,28 @@ def run_rl(
         }
         if kl_estimate is not None:
             record["kl_policy_base"] = kl_estimate
-        if eval_prompts and config.eval_every and step % config.eval_every == 0:
-            record.update(evaluate(rollouts, eval_prompts, config, version))
-        session.rundir.append_samples(
+        sink.samples(
             [
                 {"step": step, "prompt": r.prompt.text, "completion": r.text, "reward": r.reward,
-                 "policy_version": batch.version, "stop_reason": r.stop_reason}
-                for g in batch.groups for r in g
+                 "policy_version": v, "stop_reason": r.stop_reason}
+                for g, v in zip(batch.groups, batch.versions) for r in g
             ]
         )  # fmt: skip
-        session.rundir.append_metrics(record)
-        reporter.step(record)
+        try:
+            if eval_prompts and config.eval_every and step % config.eval_every == 0:
+                record.update(evaluate(rollouts, eval_prompts, config, version))
+        finally:
+            # The step is trained whatever the eval did: record it, so a checkpoint taken on a
+            # failing eval reward matches metrics.jsonl (resume neither repeats nor skips it).
+            sink.step(record)
         if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
             save_checkpoint(session, step)
     if pending is not None:
         pending[0].join()
     if eval_prompts:
         final = evaluate(rollouts, eval_prompts, config, version)
-        reporter.message(f"Final eval: mean reward {final['eval_reward_mean']:.3f}, pass rate {final['eval_pass_rate']:.0%}")
-        session.rundir.append_metrics({"step": steps, "final": True, **final})
+        sink.message(f"Final eval: mean reward {final['eval_reward_mean']:.3f}, pass rate {final['eval_pass_rate']:.0%}")
+        sink.final({"step": steps, **final})
     record = save_checkpoint(session, steps, final=True)
-    reporter.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
+    sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
     return "completed"

@@ -124,17 +124,35 @@ class TrainingSession:
 
 
 def _create_run(client: Any, config: SFTConfig | RLConfig) -> Any:
+    """Create the run. Creating is not idempotent, so when a response is lost the session (new
+    and ours alone) is searched for the run before asking again: no duplicate, no orphan."""
+    from baseten_loops_cli.api.errors import ApiError, ConnectionFailedError
+
     session = client.sessions.create()
-    return client.runs.create(
-        {
-            "session_id": session.id,
-            "base_model": config.base_model,
-            "name": config.name,
-            "lora_rank": config.lora_rank,
-            "max_seq_len": config.max_seq_len,
-            "seed": config.seed,
-        }
-    )
+    request = {
+        "session_id": session.id,
+        "base_model": config.base_model,
+        "name": config.name,
+        "lora_rank": config.lora_rank,
+        "max_seq_len": config.max_seq_len,
+        "seed": config.seed,
+    }
+    attempts = 4
+    for attempt in range(attempts):
+        try:
+            return client.runs.create(request)
+        except (ConnectionFailedError, ApiError) as exc:
+            transient = isinstance(exc, ConnectionFailedError) or (getattr(exc, "status", 0) or 0) in (408, 429, 502, 503, 504)
+            if not transient or attempt == attempts - 1:
+                raise
+            time.sleep(min(8.0, 0.5 * 2**attempt))
+            try:
+                mine = [r for r in client.runs.list(base_model=config.base_model) if r.session_id == session.id]
+            except LoopsError:
+                mine = []
+            if mine:
+                return mine[0]
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def open_session(
@@ -154,14 +172,23 @@ def open_session(
     checkpoint = rundir.last_checkpoint() if resume else None
     run = None
     created = False
-    if resume and state.get("run_id") and checkpoint is not None:
+    if resume and state.get("run_id"):
         try:
             existing = client.runs.get(state["run_id"])
-            if existing.is_active:
+        except LoopsError:
+            existing = None
+        if existing is not None and existing.is_active:
+            if checkpoint is not None:
                 run = existing
                 created = bool(state.get("created_run"))
-        except LoopsError:
-            run = None
+            elif state.get("created_run"):
+                # No resume point: its trainer took steps nothing recorded can reproduce. Start
+                # afresh on a new run, and don't leave this one billing.
+                try:
+                    client.runs.deactivate(existing.id)
+                    announce(f"Deactivated run {existing.id}: no checkpoint to resume it from; starting over.")
+                except LoopsError:
+                    pass
     if run is None:
         run = _create_run(client, config)
         created = True
@@ -177,6 +204,9 @@ def open_session(
         start_step = int(checkpoint["step"])
         rundir.trim_after(start_step)
         announce(f"Resuming at step {start_step + 1} from {checkpoint['path']}.")
+    elif resume:
+        rundir.trim_after(0)  # nothing was saved: every recorded step will be redone
+        announce("No checkpoint yet: starting from step 1.")
     rundir.update_state(
         run_id=run.id,
         created_run=created,

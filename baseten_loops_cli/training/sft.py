@@ -34,16 +34,19 @@ def run_sft(
     session: TrainingSession,
     train: list[Example],
     eval_examples: list[Example] | None,
-    reporter,
+    sink,
     stop: StopRequested,
 ) -> str:
-    """Train to the end (returns "completed") or until Ctrl-C (returns "interrupted")."""
+    """Train to the end (returns "completed") or until Ctrl-C (returns "interrupted").
+
+    ``sink`` is a :class:`~baseten_loops_cli.training.metrics.MetricsSink`: every record goes
+    through it (metrics.jsonl, the display, W&B)."""
     from baseten_loops_cli.workers.types import AdamParams
 
     config = session.config
     steps = total_steps(len(train), config)
     opt = config.optimizer
-    reporter.start(steps, session.start_step, "loss")
+    sink.start(steps, session.start_step, "loss")
     started = time.monotonic()
     tokens_total = 0
     step = session.start_step
@@ -85,14 +88,13 @@ def run_sft(
             record["grad_norm"] = grad_norm
         if eval_examples and config.eval_every and step % config.eval_every == 0:
             record["eval_loss"] = evaluate(session, eval_examples, config.batch_size)
-        session.rundir.append_metrics(record)
-        reporter.step(record)
+        sink.step(record)
         if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
             save_checkpoint(session, step)
     if eval_examples and (not config.eval_every or steps % config.eval_every):
         final_eval = evaluate(session, eval_examples, config.batch_size)
-        reporter.message(f"Final eval loss: {final_eval:.4f}")
-        session.rundir.append_metrics({"step": steps, "eval_loss": final_eval, "final": True})
+        sink.message(f"Final eval loss: {final_eval:.4f}")
+        sink.final({"step": steps, "eval_loss": final_eval})
     record = save_checkpoint(session, steps, final=True)
-    reporter.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
+    sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
     return "completed"

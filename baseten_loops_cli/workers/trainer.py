@@ -69,6 +69,7 @@ ACCEPTANCE_SCHEMA_VERSION = 1
 # Total budget for retrying a submit (cold start, 502s) and for polling one op; the SDK's
 # ``ready_timeout`` defaults (600 s for a directly-built client, 3600 s for polls).
 DEFAULT_SUBMIT_TIMEOUT = 600.0
+DEFAULT_UNREACHABLE_TIMEOUT = 45.0  # seconds of consecutive transport errors
 DEFAULT_RESULT_TIMEOUT = 3600.0
 # Pause before re-polling after a 502/504 or a lost poll response (SDK: 2 s).
 POLL_BACKOFF = 2.0
@@ -181,6 +182,7 @@ class OpFuture(Generic[T]):
         c = self._client
         deadline = time.monotonic() + budget
         unavailable = 0  # consecutive 503s without Retry-After
+        down_since: float | None = None  # start of the current run of transport errors
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -197,10 +199,14 @@ class OpFuture(Generic[T]):
                     continue  # our own budget cut the hold short; the loop head raises
                 c._sleep(min(c.poll_backoff, max(deadline - time.monotonic(), 0)))
                 continue
-            except _RETRYABLE_TRANSPORT:
+            except _RETRYABLE_TRANSPORT as exc:
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > c.unreachable_timeout:
+                    raise connection_error(exc, url, api_key=c._api_key) from exc
                 c._sleep(min(c.poll_backoff, max(deadline - time.monotonic(), 0)))
                 continue
 
+            down_since = None
             status = resp.status_code
             unavailable = unavailable + 1 if status == 503 else 0
             if status == 408:
@@ -275,6 +281,7 @@ class TrainerClient:
         result_timeout: float = DEFAULT_RESULT_TIMEOUT,
         poll_backoff: float = POLL_BACKOFF,
         max_unavailable_retries: int = 6,
+        unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT,
         get_retries: int = 8,
         user_agent: str = USER_AGENT,
         sleep: Callable[[float], None] = time.sleep,
@@ -289,6 +296,9 @@ class TrainerClient:
         self.poll_backoff = poll_backoff
         # Consecutive 503s without Retry-After tolerated (with backoff) before ServerShutdownError.
         self.max_unavailable_retries = max_unavailable_retries
+        # How long the trainer may be unreachable (connection refused, resets) before an op
+        # fails: a dead server should end a run with a clear message, not an hour of retries.
+        self.unreachable_timeout = unreachable_timeout
         # Retries of the plain GETs (health, policy_version) on transport errors / 5xx / 408.
         self.get_retries = get_retries
         self._api_key = api_key
@@ -430,11 +440,13 @@ class TrainerClient:
         deadline = time.monotonic() + self.submit_timeout
         attempt = 0
         unavailable = 0  # consecutive 503s without Retry-After
+        down_since: float | None = None  # start of the current run of transport errors
         while True:
             try:
                 resp = self._http.post(url, json=sub.body, headers=headers)
             except _RETRYABLE_TRANSPORT as exc:
-                if time.monotonic() >= deadline:
+                down_since = down_since or time.monotonic()
+                if time.monotonic() >= deadline or time.monotonic() - down_since > self.unreachable_timeout:
                     raise connection_error(exc, url, api_key=self._api_key) from exc
                 self._backoff(attempt, deadline)
                 attempt += 1
@@ -442,6 +454,7 @@ class TrainerClient:
             except httpx.TransportError as exc:
                 raise connection_error(exc, url, api_key=self._api_key) from exc
 
+            down_since = None
             status = resp.status_code
             if 200 <= status < 300:
                 self._warm = True

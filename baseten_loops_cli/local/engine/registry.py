@@ -38,6 +38,10 @@ class BaseModel:
         self.lock = threading.RLock()
         self._peft: Any = None  # peft.PeftModel, created with the first adapter
         self._adapter_names: dict[str, str] = {}  # caller's name -> PEFT-safe name
+        # The PEFT name last passed to set_adapter (None: unknown). set_adapter walks every
+        # module (~40 ms a call on SmolLM2), so activate() skips it when nothing changed;
+        # adding or deleting an adapter resets this (PEFT re-marks the layers then).
+        self._active: str | None = None
 
     @property
     def max_seq_len(self) -> int:
@@ -69,6 +73,7 @@ class BaseModel:
         with self.lock, warnings.catch_warnings():
             # PEFT calls a transformers API deprecated in 5.x; nothing for us to act on.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            self._active = None
             if self._peft is None:
                 self._peft = get_peft_model(self.module, config, adapter_name=safe)
             else:
@@ -95,6 +100,7 @@ class BaseModel:
         with self.lock, warnings.catch_warnings():
             # PEFT warns when the active adapter goes; activate() sets one before each use.
             warnings.filterwarnings("ignore", message=".*was active which is now deleted.*")
+            self._active = None
             self._peft.delete_adapter(safe)
 
     def adapter_parameters(self, name: str) -> list[tuple[str, torch.nn.Parameter]]:
@@ -145,7 +151,10 @@ class BaseModel:
                 finally:
                     lora.enable_adapter_layers()
                 return
-            lora.set_adapter(self._adapter_names[name])
+            safe = self._adapter_names[name]
+            if self._active != safe:
+                lora.set_adapter(safe)
+                self._active = safe
             yield self.module
 
 

@@ -210,6 +210,9 @@ class LoraTrainer:
         if saved_base and saved_base != self.base.name:
             raise EngineInputError(f"The checkpoint was trained on {saved_base}, not "
                                    f"{self.base.name}.", "BaseModelMismatch")
+        if (directory / TRAINER_STATE).exists() and state is None:
+            raise EngineInputError(f"{directory}/{TRAINER_STATE} is corrupt (not a JSON object); "
+                                   "the checkpoint cannot be loaded.", "InvalidCheckpoint")
         if with_optimizer and (state is None or not (directory / OPTIMIZER_FILE).is_file()):
             raise EngineInputError(f"{directory} has no optimizer state (it holds sampler "
                                    "weights only); load it without the optimizer.",

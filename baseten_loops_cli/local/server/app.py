@@ -107,7 +107,8 @@ async def presigned_file(request: Request) -> Response:
     if cp is None:
         raise ApiError(404, f"Checkpoint {pk} no longer exists (deleted or expired).",
                        "CheckpointNotFound")
-    return file_response(request, ctx.files.absolute(cp.storage_dir), relative)
+    return file_response(request, ctx.files.absolute(cp.storage_dir), relative,
+                         sha256=cp.manifest.get(relative.as_posix()))
 
 
 # ── background work ──

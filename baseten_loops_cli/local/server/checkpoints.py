@@ -13,6 +13,7 @@ sees a half-written checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from dataclasses import dataclass
@@ -85,20 +86,44 @@ class CheckpointFiles:
     def live_state_dir(self, run_id: str) -> Path:
         return self.data_dir / "runs" / run_id / "live"
 
-    def publish(self, ref: CheckpointRef, save: Callable[[Path], object]) -> tuple[str, int]:
+    def publish(self, ref: CheckpointRef, save: Callable[[Path], object]
+                ) -> tuple[str, int, dict[str, str]]:
         """Run the engine's (atomic) ``save`` into the checkpoint's folder.
 
-        Returns (storage dir relative to the data dir, total size in bytes). Runs on a
-        compute thread.
+        Returns (storage dir relative to the data dir, total size in bytes, manifest of
+        sha256 per file). Runs on a compute thread, while the files are still in the
+        page cache, so hashing them costs little.
         """
         relative = self.relative_dir(ref)
         target = self.absolute(relative)
         target.parent.mkdir(parents=True, exist_ok=True)
         save(target)
-        return relative, dir_size(target)
+        return relative, dir_size(target), manifest(target)
 
     def remove(self, storage_dir: str) -> None:
         shutil.rmtree(self.absolute(storage_dir), ignore_errors=True)
+
+
+def list_files(root: Path) -> list[Path]:
+    """Every regular file under ``root``, sorted, relative to ``root``. Symlinks are left
+    out: a checkpoint folder only ever holds what the engine wrote."""
+    if not root.is_dir():
+        return []
+    return [p.relative_to(root) for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink()]
+
+
+def manifest(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root``, by relative path."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            digest = hashlib.sha256()
+            with open(path, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+            out[path.relative_to(root).as_posix()] = digest.hexdigest()
+    return out
 
 
 def dir_size(root: Path) -> int:

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from baseten_loops_cli.local import store as st
-from baseten_loops_cli.local.server.checkpoints import require_bt_path
+from baseten_loops_cli.local.server.checkpoints import list_files, require_bt_path
 from baseten_loops_cli.local.server.context import ServerContext, get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, choices, not_found
 from baseten_loops_cli.local.server.schemas import (
@@ -37,7 +37,6 @@ from baseten_loops_cli.local.server.schemas import (
     run_view,
     sampler_view,
 )
-from baseten_loops_cli.local.store import iter_files
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -197,7 +196,7 @@ async def checkpoint_files(request: Request) -> Response:
     page_size = query_int(request, "page_size", 1000, minimum=1)
     offset = query_int(request, "page_token", 0, minimum=0)
     root = ctx.files.absolute(cp.storage_dir)
-    names = list(iter_files(root)) if root.is_dir() else []
+    names = list_files(root)
     page = names[offset:offset + page_size]
     base = base_url_of(request)
     now = time.time()
@@ -210,6 +209,9 @@ async def checkpoint_files(request: Request) -> Response:
             "node_rank": 0,
             "size_bytes": stat.st_size,
             "last_modified": st.iso(stat.st_mtime),
+            # Not in the hosted schema (clients ignore unknown fields): lets a downloader
+            # verify what it received, which a byte flipped in transit would fail.
+            "sha256": cp.manifest.get(rel.as_posix()),
         })
     next_token = offset + page_size if offset + page_size < len(names) else None
     return JSONResponse({"presigned_urls": entries, "next_page_token": next_token,

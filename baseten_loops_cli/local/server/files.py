@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import time
@@ -75,7 +76,9 @@ class Presigner:
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
     def url(self, base_url: str, pk: str, relative_path: str, now: float | None = None) -> str:
-        expires = int((now or time.time()) + self.ttl_s)
+        # Rounded up: a link is good for at least ttl_s (int() would shave up to a second,
+        # which matters with the short TTLs tests use).
+        expires = math.ceil((now or time.time()) + self.ttl_s)
         query = urlencode({"expires": expires, "sig": self._sign(pk, relative_path, expires)})
         return f"{base_url}/files/{quote(pk, safe='')}/{quote(relative_path)}?{query}"
 
@@ -147,8 +150,11 @@ async def _stream(path: Path, start: int, length: int) -> AsyncIterator[bytes]:
             yield chunk
 
 
-def file_response(request: Request, root: Path, relative: PurePosixPath) -> Response:
-    """Serve ``root/relative`` (already validated) with Range support."""
+def file_response(request: Request, root: Path, relative: PurePosixPath,
+                  sha256: str | None = None) -> Response:
+    """Serve ``root/relative`` (already validated) with Range support. ``sha256`` (the
+    whole file's, from the checkpoint manifest) is sent as the ETag and as
+    ``X-Checksum-Sha256`` so a client can verify, and resume safely with If-Range."""
     root = root.resolve()
     path = (root / relative).resolve()
     if root not in path.parents or not path.is_file():
@@ -163,8 +169,16 @@ def file_response(request: Request, root: Path, relative: PurePosixPath) -> Resp
         "Last-Modified": time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(stat.st_mtime)),
         "Content-Disposition": f"attachment; filename*=UTF-8''{quote(relative.name)}",
     }
-    byte_range = parse_range(request.headers.get("range", ""), size) if size else None
-    if request.headers.get("range") and byte_range is not None:
+    if sha256:
+        headers["ETag"] = f'"{sha256}"'
+        headers["X-Checksum-Sha256"] = sha256
+    if_range = request.headers.get("if-range")
+    if if_range and sha256 and if_range.strip() != f'"{sha256}"':
+        request_range = ""  # the file changed since the client's partial copy: send it all
+    else:
+        request_range = request.headers.get("range", "")
+    byte_range = parse_range(request_range, size) if size and request_range else None
+    if byte_range is not None:
         start, end = byte_range
         headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         headers["Content-Length"] = str(end - start + 1)

@@ -21,6 +21,7 @@ does the same for every loaded run, so after a restart each run wakes where it l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -126,7 +127,8 @@ class RunExecutor:
         self._put(_Item("hibernate"))
 
     async def stop(self, *, hibernate: bool) -> None:
-        """Drain nothing further: free the trainer (saving it first if ``hibernate``)."""
+        """Free the trainer (saving it first if ``hibernate``) once everything queued before
+        has run, and end the executor. Callers fail pending ops first, so those are skipped."""
         done = asyncio.get_running_loop().create_future()
         self._put(_Item("stop", params={"hibernate": hibernate}, done=done))
         await done
@@ -136,7 +138,8 @@ class RunExecutor:
             item = await self._queue.get()
             try:
                 if item.kind == "deploy":
-                    await self._ensure_loaded()
+                    with contextlib.suppress(OpFailed):  # recorded as FAILED, with the reason
+                        await self._ensure_loaded()
                 elif item.kind == "op":
                     await self._run_op(item)
                 elif item.kind == "hibernate":
@@ -360,7 +363,7 @@ class RunExecutor:
                 run_id=run.id, name=saved.ref.name, target=saved.ref.target,
                 base_model=run.base_model, lora_rank=outcome.lora_rank,
                 policy_version=saved.policy_version, size_bytes=saved.size_bytes,
-                storage_dir=saved.storage_dir,
+                storage_dir=saved.storage_dir, manifest=saved.manifest,
                 expires_at=time.time() + ttl if ttl else None)
             if item.op == "save_weights_for_sampler" and item.params.get("bump_version"):
                 self.ctx.samplers.publish(run.id, cp)

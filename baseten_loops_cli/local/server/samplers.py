@@ -81,7 +81,13 @@ class SampleOutput:
 
 
 class SampleBatcher:
-    """Collects concurrent requests for one base model into engine batches."""
+    """Collects concurrent requests for one base model into engine batches.
+
+    A batch leaves when the first request in it has waited ``window_s``, or at
+    ``max_batch`` requests. Only one batch per model is with the engine at a time: requests
+    arriving meanwhile wait and go together in the next batch, so under load batches grow
+    instead of queueing one by one behind each other on the model's thread.
+    """
 
     def __init__(self, worker: ModelWorker, window_s: float, max_batch: int) -> None:
         self.worker = worker
@@ -89,6 +95,7 @@ class SampleBatcher:
         self.max_batch = max_batch
         self._pending: list[tuple[SampleJob, asyncio.Future]] = []
         self._flush_handle: asyncio.TimerHandle | None = None
+        self._in_flight: asyncio.Task | None = None
         self.batches = 0
         self.largest_batch = 0
 
@@ -105,28 +112,27 @@ class SampleBatcher:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        batch, self._pending = self._pending, []
-        if not batch:
-            return
+        if self._in_flight is not None or not self._pending:
+            return  # sent when the batch in flight comes back
+        batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(batch))
         jobs = [job for job, _ in batch]
         worker = self.worker
         done = worker.submit(f"sample x{len(jobs)}",
                              lambda: worker.engine.sample(worker.sampler(), jobs))
-        asyncio.get_running_loop().create_task(self._deliver(done, batch))
+        self._in_flight = asyncio.get_running_loop().create_task(self._deliver(done, batch))
 
-    @staticmethod
-    async def _deliver(done, batch: list[tuple[SampleJob, asyncio.Future]]) -> None:
+    async def _deliver(self, done, batch: list[tuple[SampleJob, asyncio.Future]]) -> None:
         try:
             outputs = await asyncio.wrap_future(done)
         except Exception as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-            return
+            outputs = [exc] * len(batch)
+        finally:
+            self._in_flight = None
+            self._flush()  # whatever arrived meanwhile goes now
         for (_, future), output in zip(batch, outputs):
-            if future.done():
+            if future.done():  # the client went away
                 continue
             if isinstance(output, BaseException):
                 future.set_exception(output)

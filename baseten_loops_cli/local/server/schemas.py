@@ -34,6 +34,10 @@ LOCAL_INSTANCE_TYPE = {
     "gpu_memory_limit_mib": None,
 }
 
+# What the local engine's adapters cover (q/k/v/o and the MLP projections), in the
+# hosted API's vocabulary.
+LORA_TARGETS = ("attn", "mlp")
+
 DEFAULT_LORA_RANK = 64  # the API default; the SDK always sends its own (32)
 DEFAULT_SCALE_DOWN_DELAY_S = 900
 
@@ -228,10 +232,6 @@ def deployment_view(
     }
 
 
-def lora_target_modules() -> list[str]:
-    return ["attn", "mlp"]
-
-
 def checkpoint_view(cp: st.CheckpointRow) -> dict[str, Any]:
     return {
         "id": cp.pk,
@@ -241,7 +241,7 @@ def checkpoint_view(cp: st.CheckpointRow) -> dict[str, Any]:
         "checkpoint_type": "lora",
         "base_model": cp.base_model,
         "lora_adapter_config": {"r": cp.lora_rank},
-        "lora_config": {"config_version": 1, "targets": lora_target_modules(),
+        "lora_config": {"config_version": 1, "targets": list(LORA_TARGETS),
                         "expert_layout": None},
         "size_bytes": cp.size_bytes,
         "sync_status": "COMPLETE",

@@ -45,6 +45,7 @@ class SavedCheckpoint:
     storage_dir: str
     size_bytes: int
     policy_version: int
+    manifest: dict[str, str]
 
 
 @dataclass
@@ -118,9 +119,9 @@ def execute(worker: ModelWorker, job: TrainerJob, files: CheckpointFiles) -> OpO
     if op in ("save_state", "save_weights_for_sampler"):
         assert job.checkpoint is not None
         save = trainer.save_state if op == "save_state" else trainer.save_sampler_weights
-        storage_dir, size = files.publish(job.checkpoint, lambda d: save(str(d)))
+        storage_dir, size, manifest = files.publish(job.checkpoint, lambda d: save(str(d)))
         step = int(trainer.step)
-        saved = SavedCheckpoint(job.checkpoint, storage_dir, size, step)
+        saved = SavedCheckpoint(job.checkpoint, storage_dir, size, step, manifest)
         if op == "save_state":
             result = {"mode": "trainer", "path": job.checkpoint.uri}
         else:

@@ -1,0 +1,140 @@
+"""Where a training loop's records go: the run directory (always), the display, and W&B.
+
+The loops call a :class:`MetricsSink` and never know which of these are on:
+
+- ``step(record)``: one record per optimizer step -> metrics.jsonl (appended, fsynced), the
+  reporter (live view / plain lines / JSON Lines), and W&B when ``logging.wandb_project`` is set
+  and ``wandb`` is installed;
+- ``final(record)``: the end-of-run eval record (``"final": true`` in metrics.jsonl);
+- ``samples(records)``: RL rollouts -> samples.jsonl;
+- ``message(text)``: a human line on stderr (or the live view).
+
+W&B is optional: when the config asks for it and the package is missing, the run says so once
+and carries on with metrics.jsonl. The W&B run id is kept in state.json, so ``loops train
+resume`` continues the same W&B run instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from baseten_loops_cli.training.rundir import RunDir
+
+
+class _NullReporter:
+    def start(self, total_steps: int, start_step: int, main_metric: str) -> None:
+        pass
+
+    def step(self, record: dict) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _wandb_safe(record: dict) -> dict:
+    """Numbers only, NaN/None dropped: what W&B charts."""
+    return {
+        k: v
+        for k, v in record.items()
+        if k not in ("step", "final") and isinstance(v, (int, float)) and not isinstance(v, bool)
+        and not (isinstance(v, float) and math.isnan(v))
+    }
+
+
+class WandbLogger:
+    """A thin wrapper over a ``wandb`` run (or anything with ``.log`` and ``.finish``)."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def log(self, record: dict) -> None:
+        try:
+            self.run.log(_wandb_safe(record), step=int(record.get("step", 0)))
+        except Exception:  # noqa: BLE001 - W&B trouble must never stop a paid training run
+            pass
+
+    def finish(self) -> None:
+        try:
+            self.run.finish()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def open_wandb(config: Any, rundir: RunDir, *, run_id: str, raw_config: dict | None = None) -> tuple[WandbLogger | None, str | None]:
+    """Start (or, on resume, continue) the W&B run a config asks for.
+
+    Returns (logger or None, a note for the user or None).
+    """
+    project = config.logging.wandb_project
+    if not project:
+        return None, None
+    try:
+        import wandb  # type: ignore[import-not-found]
+    except ImportError:
+        return None, (
+            f"logging.wandb_project is {project!r} but wandb is not installed; "
+            "metrics go to metrics.jsonl only (pip install wandb to enable)"
+        )
+    state = rundir.read_state()
+    wandb_id = state.get("wandb_id")
+    if not wandb_id:
+        try:
+            wandb_id = str(wandb.util.generate_id())
+        except Exception:  # noqa: BLE001 - an old or stub wandb
+            wandb_id = f"loops-{run_id}"
+        rundir.update_state(wandb_id=wandb_id)
+    try:
+        run = wandb.init(
+            project=project,
+            name=config.logging.wandb_name or config.name,
+            id=wandb_id,
+            resume="allow",
+            config=raw_config or {},
+            dir=str(rundir.path),
+        )
+    except Exception as exc:  # noqa: BLE001 - a W&B outage is not a reason to not train
+        return None, f"W&B init failed ({type(exc).__name__}: {exc}); metrics go to metrics.jsonl only"
+    return WandbLogger(run), f"W&B run {wandb_id} in project {project!r}"
+
+
+class MetricsSink:
+    """Fan-out of a loop's records; see the module docstring."""
+
+    def __init__(self, rundir: RunDir, reporter: Any = None, *, wandb: WandbLogger | None = None) -> None:
+        self.rundir = rundir
+        self.reporter = reporter or _NullReporter()
+        self.wandb = wandb
+        self.records: list[dict] = []
+
+    def start(self, total_steps: int, start_step: int, main_metric: str) -> None:
+        self.reporter.start(total_steps, start_step, main_metric)
+
+    def step(self, record: dict) -> None:
+        self.rundir.append_metrics(record)  # durable first: the display is only a view of it
+        self.records.append(record)
+        self.reporter.step(record)
+        if self.wandb is not None:
+            self.wandb.log(record)
+
+    def final(self, record: dict) -> None:
+        record = {**record, "final": True}
+        self.rundir.append_metrics(record)
+        if self.wandb is not None:
+            self.wandb.log(record)
+
+    def samples(self, records: list[dict]) -> None:
+        self.rundir.append_samples(records)
+
+    def message(self, text: str) -> None:
+        self.reporter.message(text)
+
+    def close(self) -> None:
+        self.reporter.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None

@@ -1,0 +1,109 @@
+"""Server memory with several runs on one base model vs with one.
+
+    python bench/memory.py [--model loops-local/tiny] [--runs 3] [--steps 3] [--quick] [--json]
+
+Two fresh private servers, one after the other: one gets a single run, the other ``--runs``
+runs on the same base model; every run does ``--steps`` SFT steps (forward_backward +
+optim_step, so each has its adapter, gradients and AdamW state in memory). The resident set
+size of each server process (``VmRSS`` in ``/proc/<pid>/status``) is read once the steps are
+done and again after a short settle; the ratio is RSS(N runs) / RSS(1 run), target <= 1.3
+(runs share the base weights; each adds only its LoRA adapter and optimizer state).
+
+Servers are measured alternately (1-run, N-run, 1-run, N-run for ``--repeats 2``) and the
+median of each is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from _common import ROOT
+from train_throughput import (
+    SMOLLM2,
+    TINY,
+    HttpTrainer,
+    bench_env,
+    bench_server,
+    emit,
+    make_batch,
+    wire_data,
+)
+
+TARGET = 1.3
+
+
+def vm_kib(pid: int, field: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} for pid {pid}")
+
+
+def measure(model: str, runs: int, steps: int, batch: int, seq_len: int, rank: int) -> dict:
+    """A fresh server with ``runs`` runs that each trained ``steps`` steps; its RSS in KiB."""
+    from baseten_loops_cli.local.engine.model_zoo import model_info
+
+    data = wire_data(make_batch(int(model_info(model).vocab_size), batch, seq_len))
+    with bench_server() as server:
+        idle = vm_kib(server.pid)
+        trainers = []
+        try:
+            for _ in range(runs):
+                trainer = HttpTrainer(server, model, rank, [])
+                trainer.data = data
+                trainers.append(trainer)
+            for trainer in trainers:
+                trainer.steps(steps)
+            after = vm_kib(server.pid)
+            time.sleep(1.0)  # let freed activations go back
+            settled = vm_kib(server.pid)
+            peak = vm_kib(server.pid, "VmHWM")
+        finally:
+            for trainer in trainers:
+                trainer.close()
+    return {"idle": idle, "rss": max(after, settled), "peak": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=TINY, choices=[TINY, SMOLLM2])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per run")
+    parser.add_argument("--repeats", type=int, help="servers per configuration (median)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="one server per configuration")
+    parser.add_argument("--json", action="store_true", help="one JSON object for run_all.py")
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 2)
+    bench_env(1)
+
+    one, many = [], []
+    for _ in range(repeats):
+        one.append(measure(args.model, 1, args.steps, args.batch, args.seq_len, args.rank))
+        many.append(measure(args.model, args.runs, args.steps, args.batch, args.seq_len,
+                            args.rank))
+    rss_one = statistics.median(m["rss"] for m in one)
+    rss_many = statistics.median(m["rss"] for m in many)
+    ratio = rss_many / rss_one
+    mib = 1024
+    per_run = (rss_many - rss_one) / (args.runs - 1) / mib if args.runs > 1 else 0.0
+    detail = (f"RSS {rss_many / mib:.0f} MiB with {args.runs} runs vs {rss_one / mib:.0f} MiB "
+              f"with 1 ({args.model}, rank {args.rank}, {args.steps} steps of "
+              f"{args.batch}x{args.seq_len} each; {per_run:+.1f} MiB per extra run; server "
+              f"before any run {statistics.median(m['idle'] for m in one) / mib:.0f} MiB; peak "
+              f"{statistics.median(m['peak'] for m in many) / mib:.0f} vs "
+              f"{statistics.median(m['peak'] for m in one) / mib:.0f} MiB; median of {repeats} "
+              f"fresh servers each)")
+    emit(f"memory[{args.model.split('/')[-1]}]", ratio, TARGET, detail, args.json,
+         {"value": round(rss_many / mib, 1), "unit": "MiB"}, higher_is_better=False)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

@@ -1,0 +1,118 @@
+"""`loops usage` against the real local backend (CPU allocations, tokens and compute per run),
+plus the GPU accounting of Baseten-shaped payloads (pure functions, no server)."""
+
+from __future__ import annotations
+
+import re
+
+from baseten_loops_cli.cli import usage as usage_cmd
+from tests.cli_support import api, create_run, loops, one_line_error, seeded, wait_for  # noqa: F401  (fixture)
+
+# `baseten loops usage -o json` (loops-protocol §4.2)
+GO_SUMMARY_KEYS = {"trainer_in_use", "trainer_scaled_to_zero", "sampler_in_use", "sampler_scaled_to_zero"}
+GO_ROW_KEYS = {"run_id", "owner", "base_model", "created_at", "trainer_status", "trainer_instance_type",
+               "trainer_node_count", "trainer_gpus", "sampler_status", "sampler_instance_type",
+               "sampler_node_count", "sampler_gpus"}
+
+
+def test_usage_table_and_json_keys_match_the_go_cli(seeded):
+    table = loops(seeded.server, "usage")
+    assert table.code == 0, table
+    assert re.search(r"Trainers: \d+ in use, \d+ scaled to zero\. Samplers: \d+ in use, \d+ scaled to zero\.", table.stderr)
+    assert "local backend: CPU workers" in table.stderr
+    header = table.lines[0]
+    for column in ("RUN", "BASE MODEL", "TRAINER GPU", "TRAINER STATUS", "SAMPLER GPU", "SAMPLER STATUS",
+                   "TOKENS TRAINED", "TOKENS SAMPLED", "COMPUTE", "CREATED"):
+        assert column in header
+    row = next(line for line in table.lines if line.startswith(seeded.run_id))
+    assert "Local CPU" in row
+
+    doc = loops(seeded.server, "usage", "--all", "-o", "json").json()
+    assert set(doc) == {"summary", "rows"}
+    assert GO_SUMMARY_KEYS <= set(doc["summary"]) and doc["summary"]["unit"] == "allocations"
+    mine = next(r for r in doc["rows"] if r["run_id"] == seeded.run_id)
+    assert GO_ROW_KEYS <= set(mine)
+    assert mine["trainer_instance_type"] == "Local CPU" and mine["trainer_gpus"] == 0
+    assert mine["tokens_trained"] > 0 and mine["compute_seconds"] > 0
+    assert loops(seeded.server, "usage", "-q").lines.count(seeded.run_id) == 1
+
+
+def test_idle_allocations_are_hidden_with_a_hint(seeded):
+    run = create_run(seeded.server)
+
+    def trainer_status() -> str:
+        return api(seeded.server, "GET", f"/v1/loops/deployments/{run['deployment_id']}")["deployment"]["status"]["name"]
+
+    wait_for(lambda: trainer_status() == "RUNNING")
+    api(seeded.server, "POST", f"/v1/loops/runs/{run['id']}/deactivate", json={})
+    assert trainer_status() == "STOPPED"
+    shown = loops(seeded.server, "usage")
+    assert run["id"] not in shown.stdout
+    assert re.search(r"\d+ allocations? holding no live GPUs hidden; pass --all to show", shown.stderr), shown
+    everything = loops(seeded.server, "usage", "--all", "-o", "json").json()["rows"]
+    row = next(r for r in everything if r["run_id"] == run["id"])
+    assert row["trainer_status"] == "STOPPED"
+
+
+def test_by_run_reports_tokens_and_compute(seeded):
+    table = loops(seeded.server, "usage", "--by-run")
+    assert table.code == 0, table
+    assert table.lines[0].split()[:3] == ["RUN", "BASE", "MODEL"]
+    assert re.search(r"Total: [\d,]+ tokens trained, [\d,]+ sampled, .* of compute\.", table.stderr)
+    doc = loops(seeded.server, "usage", "--by-run", "--all", "-o", "json").json()
+    assert set(doc) == {"runs", "totals"}
+    mine = next(r for r in doc["runs"] if r["run_id"] == seeded.run_id)
+    assert mine["tokens_trained"] > 0 and mine["operations"] > 0
+    assert doc["totals"]["tokens_trained"] >= mine["tokens_trained"]
+
+
+def test_usage_empty_results(seeded):
+    nobody = loops(seeded.server, "usage", "--user", "nobody@example.com")
+    assert nobody.code == 0 and nobody.stdout == ""
+    assert "No Loops trainers or samplers found." in nobody.stderr
+    doc = loops(seeded.server, "usage", "--user", "nobody@example.com", "-o", "json").json()
+    assert doc["rows"] == [] and all(doc["summary"][k] == 0 for k in GO_SUMMARY_KEYS)
+    assert "OWNER" in loops(seeded.server, "usage", "--org").lines[0]
+    by_run = loops(seeded.server, "usage", "--by-run", "--user", "nobody@example.com", "-o", "json").json()
+    assert by_run["runs"] == []
+
+
+def test_usage_bad_flags(seeded):
+    assert loops(seeded.server, "usage", "--by").code == 2
+    one_line_error(loops(seeded.server, "usage", "-o", "xml"), 2, "unknown output format")
+
+
+# ── GPU accounting of hosted (Baseten) payloads ──────────────────────────────────────────
+
+
+def _instance(name: str, gpus: int) -> dict:
+    return {"id": name.lower(), "name": name, "gpu_count": gpus, "gpu_type": "H100"}
+
+
+def test_rows_and_summary_from_baseten_shaped_payloads():
+    deployments = [
+        {"id": "d1", "active_run_id": "run1", "latest_run_id": "run1", "base_model": "Qwen/Qwen3-8B",
+         "status": {"name": "RUNNING"}, "user": {"email": "a@x.com"}, "created_at": "2026-01-02T00:00:00Z",
+         "instance_type": _instance("H100:8", 8), "node_count": 2,
+         "sampler": {"id": "s1", "status": {"name": "SCALED_TO_ZERO"}, "instance_type": _instance("H100:1", 1), "node_count": 1}},
+        {"id": "d2", "active_run_id": None, "latest_run_id": "run0", "base_model": "Qwen/Qwen3-8B",
+         "status": {"name": "STOPPED"}, "user": {"email": "b@x.com"}, "created_at": "2026-01-01T00:00:00Z",
+         "instance_type": _instance("H100:8", 8), "node_count": 1, "sampler": None},
+    ]
+    samplers = [
+        {"id": "s1", "status": {"name": "SCALED_TO_ZERO"}},  # bound to d1: not a row of its own
+        {"id": "s9", "base_model": "Qwen/Qwen3-8B", "status": {"name": "ACTIVE"}, "user": {"email": "a@x.com"},
+         "created_at": "2026-01-03T00:00:00Z", "instance_type": _instance("H100:2", 2), "node_count": 1},
+    ]
+    rows = usage_cmd.build_rows(deployments, samplers, {"run1": {"tokens_trained": 5, "tokens_sampled": 7, "compute_seconds": 1.5}})
+    assert [r["run_id"] for r in rows] == [None, "run1", "run0"]
+    standalone, live, stopped = rows
+    assert standalone["sampler_id"] == "s9" and standalone["sampler_gpus"] == 2 and standalone["trainer_status"] is None
+    assert live["trainer_gpus"] == 16 and live["sampler_gpus"] == 1 and live["tokens_trained"] == 5
+    assert stopped["tokens_trained"] is None
+    summary = usage_cmd.summarize(rows, "gpus")
+    assert summary == {"trainer_in_use": 16, "trainer_scaled_to_zero": 0, "sampler_in_use": 2,
+                       "sampler_scaled_to_zero": 1, "unit": "gpus"}
+    assert usage_cmd._gpu_cell("H100:8", 16, 2) == "H100:8 (16 GPUs across 2 nodes)"
+    assert usage_cmd._gpu_cell("H100:1", 1, 1) == "H100:1 (1 GPU)"
+    assert usage_cmd._gpu_cell(None, None, None) is None
