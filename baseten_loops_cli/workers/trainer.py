@@ -73,7 +73,7 @@ DEFAULT_UNREACHABLE_TIMEOUT = 45.0  # seconds of consecutive transport errors
 DEFAULT_RESULT_TIMEOUT = 3600.0
 # Pause before re-polling after a 502/504 or a lost poll response (SDK: 2 s).
 POLL_BACKOFF = 2.0
-SUBMIT_INITIAL_BACKOFF = 0.5
+SUBMIT_INITIAL_BACKOFF = 0.25
 SUBMIT_MAX_BACKOFF = 10.0
 
 # Transport errors after which a request is simply sent again (keys make submits safe).
@@ -183,6 +183,7 @@ class OpFuture(Generic[T]):
         deadline = time.monotonic() + budget
         unavailable = 0  # consecutive 503s without Retry-After
         down_since: float | None = None  # start of the current run of transport errors
+        failures = 0  # consecutive failed polls (transport errors, 502/504)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -197,18 +198,22 @@ class OpFuture(Generic[T]):
             except httpx.ReadTimeout:
                 if read_timeout < c.poll_hold_timeout:
                     continue  # our own budget cut the hold short; the loop head raises
-                c._sleep(min(c.poll_backoff, max(deadline - time.monotonic(), 0)))
+                failures += 1
+                c._sleep(min(c._poll_retry_delay(failures), max(deadline - time.monotonic(), 0)))
                 continue
             except _RETRYABLE_TRANSPORT as exc:
                 down_since = down_since or time.monotonic()
                 if time.monotonic() - down_since > c.unreachable_timeout:
                     raise connection_error(exc, url, api_key=c._api_key) from exc
-                c._sleep(min(c.poll_backoff, max(deadline - time.monotonic(), 0)))
+                failures += 1
+                c._sleep(min(c._poll_retry_delay(failures), max(deadline - time.monotonic(), 0)))
                 continue
 
             down_since = None
             status = resp.status_code
             unavailable = unavailable + 1 if status == 503 else 0
+            if status not in (502, 504):
+                failures = 0
             if status == 408:
                 continue  # the normal "still pending": re-poll at once, no backoff
             if status == 200:
@@ -252,7 +257,8 @@ class OpFuture(Generic[T]):
                 c._sleep(min(delay, max(deadline - time.monotonic(), 0)))
                 continue
             if status in (502, 504):
-                c._sleep(min(c.poll_backoff, max(deadline - time.monotonic(), 0)))
+                failures += 1
+                c._sleep(min(c._poll_retry_delay(failures), max(deadline - time.monotonic(), 0)))
                 continue
             raise error_from_response(resp, api_key=c._api_key)
 
@@ -491,6 +497,11 @@ class TrainerClient:
                 hint="the trainer speaks a different protocol version than this client",
             )
         return op_id
+
+    def _poll_retry_delay(self, failures: int) -> float:
+        """A failed poll is retried quickly at first (a blip costs ~0.25 s, not the SDK's flat
+        2 s), backing off to ``poll_backoff`` while the failures continue."""
+        return backoff_delay(failures - 1, initial=0.25, maximum=self.poll_backoff, rng=self._rng)
 
     def _backoff_delay(self, attempt: int) -> float:
         return backoff_delay(attempt, initial=SUBMIT_INITIAL_BACKOFF, maximum=SUBMIT_MAX_BACKOFF, rng=self._rng)
