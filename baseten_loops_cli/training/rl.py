@@ -23,7 +23,7 @@ from typing import Any
 
 from baseten_loops_cli.training.data import Prompt, rl_datum
 from baseten_loops_cli.training.rewards import score
-from baseten_loops_cli.training.session import StopRequested, TrainingSession, learning_rate, save_checkpoint
+from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint
 
 
 @dataclass
@@ -243,10 +243,7 @@ def run_rl(
         lr = learning_rate(opt, step, steps)
         metrics_out: dict = {}
         if datums:
-            adam = AdamParams(
-                learning_rate=lr, beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps,
-                weight_decay=opt.weight_decay, grad_clip_norm=opt.grad_clip_norm,
-            )  # fmt: skip
+            adam = adam_params(opt, lr)
             fb = session.trainer.forward_backward(datums, config.loss.name, config.loss.config or None)
             optim = session.trainer.optim_step(adam)
             metrics_out = fb.result().get("metrics") or {}

@@ -41,6 +41,16 @@ def learning_rate(opt: Any, step: int, total_steps: int) -> float:
     return floor + (base - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def adam_params(opt: Any, lr: float) -> Any:
+    """The AdamParams of one optimizer step: the config's AdamW settings at this step's LR."""
+    from baseten_loops_cli.workers.types import AdamParams
+
+    return AdamParams(
+        learning_rate=lr, beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps,
+        weight_decay=opt.weight_decay, grad_clip_norm=opt.grad_clip_norm,
+    )  # fmt: skip
+
+
 class StopRequested:
     """Ctrl-C handling: the first SIGINT asks the loop to stop after the step in flight; a second
     one interrupts at once."""

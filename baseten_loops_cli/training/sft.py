@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from baseten_loops_cli.training.data import Example, batches_for_step, sft_datum, weighted_nll
-from baseten_loops_cli.training.session import StopRequested, TrainingSession, learning_rate, save_checkpoint
+from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint
 
 
 def total_steps(n_examples: int, config) -> int:
@@ -41,7 +41,6 @@ def run_sft(
 
     ``sink`` is a :class:`~baseten_loops_cli.training.metrics.MetricsSink`: every record goes
     through it (metrics.jsonl, the display, W&B)."""
-    from baseten_loops_cli.workers.types import AdamParams
 
     config = session.config
     steps = total_steps(len(train), config)
@@ -58,10 +57,7 @@ def run_sft(
         batch = [train[i] for i in batches_for_step(len(train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)]
         datums = [sft_datum(e) for e in batch]
         lr = learning_rate(opt, step, steps)
-        adam = AdamParams(
-            learning_rate=lr, beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps,
-            weight_decay=opt.weight_decay, grad_clip_norm=opt.grad_clip_norm,
-        )  # fmt: skip
+        adam = adam_params(opt, lr)
         fb = session.trainer.forward_backward(datums, "cross_entropy")
         optim = session.trainer.optim_step(adam)
         fb_result = fb.result()
