@@ -319,6 +319,26 @@ class SamplerClient:
 
     # -- sample ----------------------------------------------------------------------------
 
+    def _prepare(
+        self,
+        prompt_tokens: Sequence[int] | ModelInput,
+        *,
+        min_policy_version: int | None,
+        checkpoint_path: str | None,
+        affinity_key: str | None,
+        **body_kwargs: Any,
+    ) -> tuple[dict, dict[str, str]]:
+        """The body and headers of one ``/sample`` call (sync and async alike); the
+        Idempotency-Key is fresh per call and reused by that call's retries."""
+        body = build_sample_body(prompt_tokens, **body_kwargs)
+        headers = self.request_headers(
+            min_policy_version=min_policy_version,
+            checkpoint_path=checkpoint_path,
+            affinity_key=affinity_key,
+            idempotency_key=uuid.uuid4().hex,
+        )
+        return body, headers
+
     def sample(
         self,
         prompt_tokens: Sequence[int] | ModelInput,
@@ -336,17 +356,12 @@ class SamplerClient:
         topk_prompt_logprobs: int = 0,
         affinity_key: str | None = None,
     ) -> SampleResult:
-        body = build_sample_body(
+        body, headers = self._prepare(
             prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, prompt_logprobs=prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs,
+            top_k=top_k, seed=seed, stop=stop, min_policy_version=min_policy_version,
+            checkpoint_path=checkpoint_path, prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs, affinity_key=affinity_key,
         )  # fmt: skip
-        headers = self.request_headers(
-            min_policy_version=min_policy_version,
-            checkpoint_path=checkpoint_path,
-            affinity_key=affinity_key,
-            idempotency_key=uuid.uuid4().hex,
-        )
         url = f"{self.base_url}/sample"
         deadline = time.monotonic() + self.ready_timeout
         attempt = 0
@@ -394,17 +409,12 @@ class SamplerClient:
         affinity_key: str | None = None,
     ) -> SampleResult:
         """Async :meth:`sample` on an ``httpx.AsyncClient``; fan out with ``asyncio.gather``."""
-        body = build_sample_body(
+        body, headers = self._prepare(
             prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, prompt_logprobs=prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs,
+            top_k=top_k, seed=seed, stop=stop, min_policy_version=min_policy_version,
+            checkpoint_path=checkpoint_path, prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs, affinity_key=affinity_key,
         )  # fmt: skip
-        headers = self.request_headers(
-            min_policy_version=min_policy_version,
-            checkpoint_path=checkpoint_path,
-            affinity_key=affinity_key,
-            idempotency_key=uuid.uuid4().hex,
-        )
         client = self._async_client()
         url = f"{self.base_url}/sample"
         deadline = time.monotonic() + self.ready_timeout

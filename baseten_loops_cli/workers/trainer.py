@@ -97,6 +97,17 @@ def _jsonable_data(data: Iterable[Datum | Mapping[str, Any]]) -> list[dict]:
     return [d.model_dump(mode="json") if isinstance(d, BaseModel) else dict(d) for d in data]
 
 
+def _loss_body(data: Iterable[Datum | Mapping[str, Any]], loss_fn: str, loss_fn_config: dict | None,
+               top_k_logprobs: int) -> dict:
+    """The body shared by ``/forward`` and ``/forward_backward``."""
+    return {
+        "data": _jsonable_data(data),
+        "loss_fn": loss_fn,
+        "loss_fn_config": loss_fn_config,
+        "top_k_logprobs": int(top_k_logprobs),
+    }
+
+
 class _Submission:
     """What is needed to (re)send one op: path, full body and its idempotency key."""
 
@@ -377,12 +388,7 @@ class TrainerClient:
         loss_fn_config: dict | None = None,
         top_k_logprobs: int = 0,
     ) -> OpFuture[ForwardBackwardOutput]:
-        body = {
-            "data": _jsonable_data(data),
-            "loss_fn": loss_fn,
-            "loss_fn_config": loss_fn_config,
-            "top_k_logprobs": int(top_k_logprobs),
-        }
+        body = _loss_body(data, loss_fn, loss_fn_config, top_k_logprobs)
         return self._submit("forward_backward", body, ForwardBackwardOutput)
 
     def forward(
@@ -393,12 +399,7 @@ class TrainerClient:
         top_k_logprobs: int = 0,
     ) -> OpFuture[ForwardBackwardOutput]:
         """Like :meth:`forward_backward` without gradients (safe during accumulation)."""
-        body = {
-            "data": _jsonable_data(data),
-            "loss_fn": loss_fn,
-            "loss_fn_config": loss_fn_config,
-            "top_k_logprobs": int(top_k_logprobs),
-        }
+        body = _loss_body(data, loss_fn, loss_fn_config, top_k_logprobs)
         return self._submit("forward", body, ForwardBackwardOutput)
 
     def optim_step(self, adam_params: AdamParams | Mapping[str, Any] | None = None) -> OpFuture[OptimStepResponse]:
