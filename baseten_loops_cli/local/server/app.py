@@ -39,8 +39,14 @@ from baseten_loops_cli.local.server import (
     trainer_routes,
 )
 from baseten_loops_cli.local.server.auth import TokenAuthMiddleware
-from baseten_loops_cli.local.server.compute import Engine
-from baseten_loops_cli.local.server.context import ServerConfig, ServerContext, get_ctx
+from baseten_loops_cli.local.server.checkpoints import CheckpointFiles
+from baseten_loops_cli.local.server.compute import ComputePool, Engine
+from baseten_loops_cli.local.server.context import (
+    ModelCatalog,
+    ServerConfig,
+    ServerContext,
+    get_ctx,
+)
 from baseten_loops_cli.local.server.errors import (
     ApiError,
     api_error_handler,
@@ -53,7 +59,13 @@ from baseten_loops_cli.local.server.faults import (
     FaultMiddleware,
     faults_endpoint,
 )
-from baseten_loops_cli.local.server.files import file_response, safe_relative_path
+from baseten_loops_cli.local.server.files import (
+    Presigner,
+    file_response,
+    load_or_create_secret,
+    safe_relative_path,
+)
+from baseten_loops_cli.local.server.operations import OperationRegistry
 from baseten_loops_cli.local.server.runs import RunManager
 from baseten_loops_cli.local.server.samplers import SamplerService
 
@@ -127,8 +139,8 @@ async def _janitor(ctx: ServerContext) -> None:
                 ctx.files.remove(cp.storage_dir)
                 run = ctx.store.get_run(cp.run_id)
                 if run is not None:
-                    ctx.log(run.deployment_id, f"Checkpoint {cp.bt_path} expired (TTL) and was "
-                                               "deleted.")
+                    ctx.store.append_log(run.deployment_id, f"Checkpoint {cp.bt_path} expired "
+                                                            "(TTL) and was deleted.")
         except Exception:  # keep sweeping; a failure here is logged, not fatal
             log.exception("janitor tick failed")
 
@@ -143,9 +155,20 @@ def create_app(
     """Build the app. ``config`` overrides :class:`ServerConfig` fields (e.g.
     ``op_poll_hold_s=1`` in tests)."""
     cfg = ServerConfig(data_dir=Path(data_dir), token=token, **config)
-    ctx = ServerContext(cfg, engine)
-    ctx.runs = RunManager(ctx)
-    ctx.samplers = SamplerService(ctx)
+    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    store = st.Store(cfg.data_dir / "loops.db")
+    engine = engine or Engine()
+    pool = ComputePool(engine)
+    files = CheckpointFiles(cfg.data_dir)
+    ops = OperationRegistry(store, result_ttl_s=cfg.op_result_ttl_s,
+                            idempotency_window_s=cfg.idempotency_window_s)
+    models = ModelCatalog(engine)
+    samplers = SamplerService(cfg, store, pool, files, models)
+    ctx = ServerContext(
+        config=cfg, store=store, engine=engine, pool=pool,
+        presigner=Presigner(load_or_create_secret(cfg.data_dir), cfg.link_ttl_s),
+        files=files, ops=ops, models=models, samplers=samplers,
+        runs=RunManager(cfg, store, pool, files, ops, models, samplers))
     faults = FaultInjector()
 
     @contextlib.asynccontextmanager
