@@ -6,7 +6,8 @@ Routes (see DEVELOPERS.md, "Local backend URLs"):
 - trainers ``/trainers/<run_id>/*``, samplers ``/samplers/<sampler_id>/*``
 - presigned files ``/files/<checkpoint_pk>/<path>``
 - checkpoint deployments ``/deployments/<id>/v1/*``
-- ``/health`` (no auth), ``/v1/local/status``, ``/v1/local/usage``, and with
+- ``/health`` (no auth), ``/v1/local/status``, ``/v1/local/usage``,
+  ``/v1/local/models/pull`` (streamed progress), and with
   ``enable_fault_hooks`` the test-only ``/v1/local/faults``
 
 Lifespan: at startup, ops left unfinished by the previous process are failed and active
@@ -35,6 +36,7 @@ from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.server import (
     control_plane,
     deployments,
+    model_routes,
     sampler_routes,
     trainer_routes,
 )
@@ -201,6 +203,7 @@ def create_app(
         *trainer_routes.routes(),
         *sampler_routes.routes(),
         *deployments.routes(),
+        *model_routes.routes(),
     ]
     middleware = [Middleware(TokenAuthMiddleware, token=token)]
     if cfg.enable_fault_hooks:

@@ -110,8 +110,10 @@ class Engine:
         except LookupError:  # UnknownModelError
             return None
 
-    def pull(self, name: str) -> Any:
-        return self._load()["registry"].pull_model(name)
+    def pull(self, name: str, progress: Any = None) -> Any:
+        """Fetch and convert ``name`` into the cache (``loops server pull-model``); each step
+        is reported to ``progress``. On a worker thread."""
+        return self._load()["model_zoo"].pull_model(name, progress)
 
     def load_base(self, name: str) -> Any:
         return self._load()["registry"].load_base(name)
