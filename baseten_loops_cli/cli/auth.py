@@ -1,7 +1,5 @@
 """`loops auth`: store, inspect and remove the API key of a profile (never printing it)."""
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated, Optional
 

@@ -13,8 +13,6 @@ Which sampler serves it:
   created otherwise and left running, like any sampler: it scales to zero when idle).
 """
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated, Any, Optional
 
