@@ -7,8 +7,6 @@ of LoopsRun objects, `runs describe -o json` is the LoopsRun with `deployment`,
 `latest_checkpoints` and `usage` added.
 """
 
-from __future__ import annotations
-
 import re
 import time
 from datetime import datetime, timezone

@@ -9,8 +9,6 @@ local backend does, through `/v1/local/usage`). On the local backend allocations
 workers: the summary counts allocations instead of GPUs (`summary.unit`).
 """
 
-from __future__ import annotations
-
 from typing import Annotated, Any, Optional
 
 import typer
