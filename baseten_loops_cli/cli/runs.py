@@ -164,17 +164,18 @@ def create(
 @app.command("list")
 def list_runs(
     ctx: typer.Context,
-    all_: Annotated[bool, typer.Option("--all", "-a", help="Include INACTIVE runs.")] = False,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Every run, INACTIVE ones included.")] = False,
     org: Annotated[bool, typer.Option("--org", help="Runs of the whole organization (adds OWNER).")] = False,
     base_model: Annotated[Optional[str], typer.Option("--base-model", "-m", help="Only runs of this base model.")] = None,
     sort: Annotated[str, typer.Option("--sort", help=f"Sort by {', '.join(SORT_KEYS)}.")] = "created",
     reverse: Annotated[bool, typer.Option("--reverse", "-r", help="Reverse the order (default: newest first).")] = False,
     limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="Show at most N runs (0 = all).")] = 0,
 ) -> None:
-    """List your Loops runs, newest first. INACTIVE runs are hidden unless --all.
+    """List your Loops runs, newest first: the active ones, or every run with --all.
 
-    -o json prints {"runs": [...]} (LoopsRun objects, filtered and sorted), as `baseten loops
-    run list` does; -q prints the ids.
+    When none of your runs is active (`loops train run` deactivates its run when it ends), the runs created in the last 24 hours are listed instead, whatever their status, so the runs you just made show up. Whenever runs were left out, a hint on stderr says how many and names --all (in every output format; -q prints no hints).
+
+    -o json prints {"runs": [...]} (LoopsRun objects, filtered and sorted), as `baseten loops run list` does; -q prints the ids.
 
     Examples:
 
@@ -199,7 +200,7 @@ def list_runs(
     if base_model:
         empty = empty.replace("runs found", f"runs of {base_model} found")
     if listing.recent:
-        out.info(f"No active Loops runs; showing the ones created in the last 24 hours.")
+        out.info("No active Loops runs; showing the ones created in the last 24 hours.")
     named = any(r.name and r.name != r.base_model for r in runs)
     out.emit(
         {"runs": runs},

@@ -62,7 +62,7 @@ def usage(
     org: Annotated[bool, typer.Option("--org", help="The whole organization's allocations (adds OWNER).")] = False,
     user: Annotated[Optional[str], typer.Option("--user", help="Only this user's allocations (by email; implies --org).")] = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="Also show allocations holding no live GPUs (idle, scaled to zero, stopped).")] = False,
-    by_run: Annotated[bool, typer.Option("--by-run", help="One row per run: tokens trained and sampled, compute time.")] = False,
+    by_run: Annotated[bool, typer.Option("--by-run", help="One row per run: tokens trained and sampled, compute time (active runs, or the last 24 hours' when none is active; --all for every run).")] = False,
 ) -> None:
     """GPU allocations of your runs and samplers, and the tokens and time they used.
 
