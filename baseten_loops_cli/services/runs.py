@@ -30,7 +30,7 @@ from baseten_loops_cli.services.resolve import (
 
 if TYPE_CHECKING:
     from baseten_loops_cli.api.client import LoopsClient
-    from baseten_loops_cli.settings.backend import Backend
+    from baseten_loops_cli.services import Connected as Backend
 
 RECENT_WINDOW_S = 24 * 3600
 LOG_PAGE_SIZE = 1000

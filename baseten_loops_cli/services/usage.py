@@ -20,7 +20,7 @@ from baseten_loops_cli.services.resolve import created_key, extra
 from baseten_loops_cli.services.runs import select_runs
 
 if TYPE_CHECKING:
-    from baseten_loops_cli.settings.backend import Backend
+    from baseten_loops_cli.services import Connected as Backend
 
 
 class UsageRow(BaseModel):
