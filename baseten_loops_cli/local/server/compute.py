@@ -151,7 +151,8 @@ class Engine:
             prompt=job.prompt, n=job.n, max_tokens=job.max_tokens,
             temperature=job.temperature, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
             stop_token_ids=list(job.stop_token_ids), stop=list(job.stop),
-            prompt_logprobs=job.prompt_logprobs,
+            prompt_logprobs=job.prompt_logprobs, top_logprobs=job.top_logprobs,
+            on_token=job.on_token,
             adapter=job.adapter.key if job.adapter else None,
             adapter_path=str(job.adapter.path) if job.adapter else None,
         ) for job in jobs]
@@ -162,6 +163,9 @@ class Engine:
                 raise
             results = []
             for request in requests:
+                # A streamed request may have sent tokens from the failed batch already; the
+                # rerun only delivers its final result (the stream ends with that).
+                request.on_token = None
                 try:
                     results.append(sampler.sample([request])[0])
                 except Exception as exc:  # delivered to that request's caller only
@@ -177,7 +181,7 @@ class Engine:
                 token_text = {t: sampler.tokenizer.decode([t]) for t in ids}
             return SampleOutput(
                 sequences=[SampledSequence(list(s.tokens), list(s.logprobs), s.finish_reason,
-                                           s.text) for s in result.sequences],
+                                           s.text, s.top_logprobs) for s in result.sequences],
                 prompt_logprobs=[None if e is None else (e.logprob, e.rank, list(e.top))
                                  for e in result.prompt_logprobs]
                 if result.prompt_logprobs is not None else None,
@@ -293,6 +297,8 @@ class ComputePool:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.before_job: Callable[[str], None] | None = None
+        # Test hook (fault injection): runs on a worker thread after each streamed token.
+        self.after_token: Callable[[], None] | None = None
         self._workers: dict[str, ModelWorker] = {}
         self._lock = threading.Lock()
 

@@ -15,6 +15,10 @@ Weight sync follows the dedicated-sampler protocol (loops-protocol.md §1.4, §3
 Concurrent ``/sample`` requests are batched: requests arriving within a few milliseconds
 of each other go to the engine as one call (one padded batch on the model's compute
 thread instead of N serial generations).
+
+Streaming (:meth:`SamplerService.stream`): the engine calls the job's ``on_token`` on the
+compute thread after every decoded token; the callback hands the token to the request's
+event loop through a queue, so the HTTP response sends it while the batch keeps decoding.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.server.checkpoints import parse_bt_path, require_bt_path
@@ -61,6 +65,9 @@ class SampleJob:
     stop: list[str]
     prompt_logprobs: int | None  # None = not requested; k = also the top-k alternatives
     adapter: Adapter | None
+    top_logprobs: int = 0  # k > 0: each generated token's k most likely alternatives too
+    # Streaming: called on the compute thread with each decoded token (engine TokenEvent).
+    on_token: Callable[[Any], None] | None = None
 
 
 @dataclass
@@ -69,6 +76,7 @@ class SampledSequence:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     text: str
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, (id, logprob)
 
 
 @dataclass
@@ -78,6 +86,9 @@ class SampleOutput:
     # [(token_id, logprob), ...] top-k alternatives).
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] | None = None
     token_text: dict[int, str] = field(default_factory=dict)
+
+
+_STREAM_END = object()
 
 
 class SampleBatcher:
@@ -164,6 +175,31 @@ class SamplerService:
             if self.ctx.engine.is_input_error(exc):
                 raise bad_request(str(exc), getattr(exc, "error_class", "InvalidInput")) from None
             raise
+
+    async def stream(self, base_model: str, job: SampleJob) -> AsyncIterator[Any]:
+        """Sample ``job`` token by token: yields the engine's ``TokenEvent`` for every token
+        as it is decoded, then the complete :class:`SampleOutput` (errors raise as in
+        :meth:`generate`). A client that goes away stops waiting; the batch it was in
+        still finishes (other requests share it)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        pause_hook = self.ctx.pool.after_token  # test fault hook (pauses decoding)
+
+        def on_token(event: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+            if pause_hook is not None:
+                pause_hook()
+
+        job.on_token = on_token
+        done = asyncio.ensure_future(self.generate(base_model, job))
+        # Queued after every token: the engine hands them over before its result.
+        done.add_done_callback(lambda _: events.put_nowait(_STREAM_END))
+        try:
+            while (event := await events.get()) is not _STREAM_END:
+                yield event
+            yield done.result()
+        finally:
+            done.cancel()
 
     def stats(self) -> dict[str, Any]:
         return {name: {"batches": b.batches, "largest_batch": b.largest_batch}
