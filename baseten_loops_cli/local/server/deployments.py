@@ -28,7 +28,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -149,7 +149,8 @@ def _reject_unsupported(body: dict, implemented: frozenset[str]) -> None:
         raise bad_request(
             f"Unsupported parameter {key!r}: this deployment does not implement it. Remove it "
             f"(implemented: {', '.join(sorted(implemented))}).", "UnsupportedParameter",
-            extra={"error": {"message": f"Unsupported parameter: '{key}'.",
+            extra={"error": {"message": f"Unsupported parameter: '{key}' (this deployment "
+                                        "does not implement it).",
                              "type": "invalid_request_error", "param": key,
                              "code": "unsupported_parameter"}})
     if body.get("stream_options") is not None and not body.get("stream"):
@@ -452,10 +453,27 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data})
 
 
+def _openai_errors(handler: Callable[[Request], Awaitable[Response]]
+                   ) -> Callable[[Request], Awaitable[Response]]:
+    """Errors also carry OpenAI's ``{"error": {message, type, param, code}}``, which is what
+    OpenAI clients show (``detail`` and ``error_class`` stay, as on every route)."""
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            kind = "invalid_request_error" if exc.status in (400, 404, 409) else "server_error"
+            exc.extra.setdefault("error", {"message": exc.detail, "type": kind, "param": None,
+                                           "code": exc.error_class})
+            raise
+
+    return wrapped
+
+
 def routes() -> list[BaseRoute]:
     return [
-        Route("/deployments/{deployment_id}/v1/models", models, methods=["GET"]),
-        Route("/deployments/{deployment_id}/v1/chat/completions", chat_completions,
+        Route("/deployments/{deployment_id}/v1/models", _openai_errors(models), methods=["GET"]),
+        Route("/deployments/{deployment_id}/v1/chat/completions",
+              _openai_errors(chat_completions), methods=["POST"]),
+        Route("/deployments/{deployment_id}/v1/completions", _openai_errors(completions),
               methods=["POST"]),
-        Route("/deployments/{deployment_id}/v1/completions", completions, methods=["POST"]),
     ]
