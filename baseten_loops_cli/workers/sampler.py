@@ -17,7 +17,7 @@ import asyncio
 import random
 import time
 import uuid
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 from urllib.parse import quote
 
 import httpx
@@ -210,6 +210,29 @@ def build_sample_body(
     if structured_outputs is not None:
         body["structured_outputs"] = structured_outputs
     return body
+
+
+def _json_line(text: str) -> dict:
+    import json
+
+    try:
+        payload = json.loads(text)
+    except ValueError as exc:
+        raise ProtocolError(f"/sample streamed a non-JSON event: {text[:200]}") from exc
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"/sample streamed an unexpected event: {text[:200]}")
+    return payload
+
+
+class SampleChunk(NamedTuple):
+    """One streamed ``/sample`` chunk: a decoded token of sample ``index`` (its text delta,
+    possibly empty while held back), or that sample's end (``finish_reason`` set)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
 
 
 class SamplerClient:
@@ -445,6 +468,56 @@ class SamplerClient:
                 return parse_completions(payload, None, prompt_token_ids=body["prompt"],
                                          include_topk_prompt_logprobs=prompt_logprobs and topk_prompt_logprobs > 0)  # fmt: skip
             return self._parse(resp, body, prompt_logprobs and topk_prompt_logprobs > 0)
+
+    def sample_stream(
+        self,
+        prompt_tokens: Sequence[int] | ModelInput,
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | Sequence[int] | None = None,
+        min_policy_version: int | None = None,
+        checkpoint_path: str | None = None,
+    ) -> Iterator[SampleChunk]:
+        """:meth:`sample` with ``stream: true``: chunks as the sampler decodes them (a
+        local-backend/vLLM extension; the hosted SDK does not stream). Statuses that
+        :meth:`sample` retries are retried until the stream starts; none after."""
+        body, headers = self._prepare(
+            prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, min_policy_version=min_policy_version,
+            checkpoint_path=checkpoint_path, affinity_key=None,
+        )  # fmt: skip
+        body["stream"] = True
+        url = f"{self.base_url}/sample"
+        deadline = time.monotonic() + self.ready_timeout
+        attempt = 0
+        while True:
+            try:
+                with self._http.stream("POST", url, json=body, headers=headers) as resp:
+                    if resp.status_code >= 400:
+                        resp.read()
+                        delay = self._retry_decision(resp, deadline)
+                        if delay is not None:
+                            self._sleep(self._delay(attempt, delay, deadline))
+                            attempt += 1
+                            continue
+                    for line in resp.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        for choice in _json_line(line[6:]).get("choices") or []:
+                            lp = choice.get("logprobs") or {}
+                            yield SampleChunk(int(choice.get("index") or 0), choice.get("text") or "",
+                                              list(choice.get("token_ids") or []),
+                                              list(lp.get("token_logprobs") or []), choice.get("finish_reason"))
+                    return
+            except httpx.ReadTimeout as exc:
+                raise self._sample_timeout() from exc
+            except httpx.TransportError as exc:
+                raise connection_error(exc, url, api_key=self._api_key) from exc
 
     # -- other routes ----------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from baseten_loops_cli.local import store as st
@@ -49,6 +49,7 @@ from baseten_loops_cli.local.server.samplers import (
     SampleJob,
     SampleOutput,
 )
+from baseten_loops_cli.local.server.streaming import sse_response
 from baseten_loops_cli.local.server.validation import check_token_ids
 
 MAX_N = 16
@@ -162,6 +163,10 @@ def _reject_unsupported(body: dict, implemented: frozenset[str]) -> None:
                           "InvalidRequest")
 
 
+def _include_usage(body: dict) -> bool:
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
 def _usage(prompt: list[int], completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
             "total_tokens": len(prompt) + completion_tokens}
@@ -211,33 +216,6 @@ def _tops(seq: SampledSequence, count: int) -> list[list[tuple[int, float]]]:
     return list(seq.top_logprobs or [[] for _ in seq.tokens])[:count]
 
 
-class _Detokenizer:
-    """A streamed sample's text, released as soon as it is final: held back while it ends
-    in an incomplete UTF-8 character or in what could be the start of a stop string."""
-
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.tokens: list[int] = []
-        self.sent = ""
-
-    def push(self, token: int) -> str:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True).rstrip("\ufffd")
-        hold = max((k for s in self.stop for k in range(1, len(s))
-                    if text.endswith(s[:k])), default=0)
-        return self._release(text[:len(text) - hold])
-
-    def finish(self, text: str) -> str:
-        return self._release(text)
-
-    def _release(self, text: str) -> str:
-        if not text.startswith(self.sent):  # the decoding of earlier tokens changed: wait
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-
 async def _prepare(ctx: ServerContext, request: Request, implemented: frozenset[str]
                    ) -> tuple[st.DeploymentRow, dict, Adapter | None, str, Any]:
     dep = _deployment(ctx, request.path_params["deployment_id"])
@@ -252,51 +230,6 @@ def _record_usage(ctx: ServerContext, dep: st.DeploymentRow, out: SampleOutput) 
     ctx.store.add_usage(dep.id, "deployment", tokens_sampled=completion_tokens,
                         sample_requests=1)
     return completion_tokens
-
-
-def _stream_response(ctx: ServerContext, dep: st.DeploymentRow, job: SampleJob, tokenizer: Any,
-                     events: Any, first: Any, chunk: Any, body: dict) -> StreamingResponse:
-    """SSE from the sampler's token events. ``chunk(index, kind, payload)`` builds one
-    chunk for a choice: kind "start" (payload None), "token" ((text, event)), "finish"
-    ((text, finish_reason)) or "usage" (the usage dict); None when there is nothing to send."""
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-
-    def frame(obj: dict) -> str:
-        if include_usage:  # OpenAI: every other chunk carries "usage": null
-            obj.setdefault("usage", None)
-        return f"data: {json.dumps(obj)}\n\n"
-
-    async def sse():
-        texts = [_Detokenizer(tokenizer, job.stop) for _ in range(job.n)]
-        for i in range(job.n):
-            started = chunk(i, "start", None)
-            if started is not None:
-                yield frame(started)
-        item = first
-        while True:
-            if isinstance(item, SampleOutput):
-                break
-            delta = "" if item.finish_reason is not None else texts[item.sample].push(item.token)
-            out = chunk(item.sample, "token", (delta, item))
-            if out is not None:
-                yield frame(out)
-            item = await events.__anext__()
-        completion_tokens = _record_usage(ctx, dep, item)
-        for i, seq in enumerate(item.sequences):
-            yield frame(chunk(i, "finish", (texts[i].finish(seq.text), seq.finish_reason)))
-        if include_usage:
-            yield frame(chunk(None, "usage", _usage(job.prompt, completion_tokens)))
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(sse(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
-async def _start_stream(ctx: ServerContext, base_model: str, job: SampleJob) -> tuple[Any, Any]:
-    """Start a streamed generation and wait for its first event, so that bad input is
-    still an HTTP error rather than a broken stream."""
-    events = ctx.samplers.stream(base_model, job)
-    return events, await events.__anext__()
 
 
 _CHAT_PARAMS = frozenset({
@@ -364,8 +297,10 @@ async def chat_completions(request: Request) -> Response:
                 choice["finish_reason"] = reason
             return {**head, "choices": [choice]}
 
-        events, first = await _start_stream(ctx, dep.base_model, job)
-        return _stream_response(ctx, dep, job, tokenizer, events, first, chunk, body)
+        return await sse_response(ctx, dep.base_model, job, tokenizer, chunk,
+                                  include_usage=_include_usage(body),
+                                  on_done=lambda out: _usage(job.prompt,
+                                                             _record_usage(ctx, dep, out)))
 
     out = await ctx.samplers.generate(dep.base_model, job)
     completion_tokens = _record_usage(ctx, dep, out)
@@ -426,8 +361,10 @@ async def completions(request: Request) -> Response:
                 choice["text"], choice["finish_reason"] = payload
             return {**head, "choices": [choice]}
 
-        events, first = await _start_stream(ctx, dep.base_model, job)
-        return _stream_response(ctx, dep, job, tokenizer, events, first, chunk, body)
+        return await sse_response(ctx, dep.base_model, job, tokenizer, chunk,
+                                  include_usage=_include_usage(body),
+                                  on_done=lambda out: _usage(job.prompt,
+                                                             _record_usage(ctx, dep, out)))
 
     out = await ctx.samplers.generate(dep.base_model, job)
     completion_tokens = _record_usage(ctx, dep, out)
