@@ -293,14 +293,14 @@ class SamplerService:
             return
         self.ctx.store.update_sampler(sampler.id, status=st.SAMPLER_INACTIVE,
                                       deactivated_at=time.time())
+        self.released(sampler)
+
+    def released(self, sampler: st.SamplerRow) -> None:
+        """``sampler`` was just deactivated (alone, or with its run): free its adapter and
+        wake requests waiting on it (they then answer 409)."""
         self._release_adapter(sampler)
         self.ctx.log(sampler.deployment_id, "Sampler deactivated.")
         self._notify(sampler.id)
-
-    def deactivate_paired(self, run_id: str) -> None:
-        sampler = self.ctx.store.paired_sampler(run_id)
-        if sampler is not None:
-            self.deactivate(sampler)
 
     # ── weight sync ──
 
