@@ -139,3 +139,25 @@ def test_neutral_values_and_completion_parameters(client):
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model="s2", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        top_logprobs=2)
+
+
+def test_a_samplers_sample_streams_through_the_sampler_client(seeded):
+    """The sampler's own `/sample` (token ids, what `loops sample --stream` uses) streams too."""
+    from baseten_loops_cli.tokenization import get_tokenizer, render_chat
+    from baseten_loops_cli.workers.sampler import SamplerClient
+
+    run = api(seeded.server, "GET", f"/v1/loops/runs/{seeded.run_id}")["run"]
+    tokenizer = get_tokenizer(run["base_model"])
+    prompt, _ = render_chat(tokenizer, [{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    pin = f"bt://loops:{seeded.run_id}/sampler_weights/s2"
+    stops = list(tokenizer.stop_token_ids)
+    with SamplerClient(run["sampler"]["base_url"], api_key=seeded.server.token, run_id=seeded.run_id) as sc:
+        whole = sc.sample(list(prompt), max_tokens=MAX_TOKENS, temperature=0, stop=stops, checkpoint_path=pin)
+        chunks = list(sc.sample_stream(list(prompt), max_tokens=MAX_TOKENS, temperature=0, stop=stops,
+                                       checkpoint_path=pin))
+    seq = whole.sequences[0]
+    assert [t for c in chunks for t in c.token_ids] == seq.tokens
+    assert len([c for c in chunks if c.text]) > 1
+    text = "".join(c.text for c in chunks)
+    assert text.startswith(SECRET) and text == tokenizer.decode([t for t in seq.tokens if t not in stops])
+    assert chunks[-1].finish_reason == ("stop" if seq.stop_reason == "stop" else "length")
