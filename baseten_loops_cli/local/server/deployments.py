@@ -25,7 +25,6 @@ parameter to the Loops checkpoint name"), or the base model by its name.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any, Awaitable, Callable
@@ -35,20 +34,21 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.engine.sample_types import (
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+)
 from baseten_loops_cli.local.server.context import ServerContext, get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, choices
+from baseten_loops_cli.local.server.schemas import parse_body
 from baseten_loops_cli.local.server.sampler_routes import (
     DEFAULT_MAX_TOKENS,
     float_field,
     int_field,
     top_p_field,
 )
-from baseten_loops_cli.local.server.samplers import (
-    Adapter,
-    SampledSequence,
-    SampleJob,
-    SampleOutput,
-)
+from baseten_loops_cli.local.server.samplers import Adapter
 from baseten_loops_cli.local.server.streaming import sse_response
 from baseten_loops_cli.local.server.validation import check_token_ids
 
@@ -108,7 +108,7 @@ def _stop_ids(tokenizer: Any) -> list[int]:
 
 
 def _job(body: dict, prompt: list[int], max_len: int, stop_ids: list[int],
-         adapter: Adapter | None) -> SampleJob:
+         adapter: Adapter | None) -> SampleRequest:
     room = max_len - len(prompt)
     if room < 1:
         raise bad_request(f"The prompt is {len(prompt)} tokens, leaving no room under the "
@@ -124,22 +124,13 @@ def _job(body: dict, prompt: list[int], max_len: int, stop_ids: list[int],
     if not all(isinstance(s, str) for s in stop):
         raise bad_request("stop must be a string or a list of strings.", "InvalidRequest")
     top_k = int_field(body, "top_k", -1)
-    return SampleJob(
+    return SampleRequest(
         prompt=prompt, n=int_field(body, "n", 1, minimum=1, maximum=MAX_N) or 1,
         max_tokens=max_tokens, temperature=float_field(body, "temperature", 1.0, 0.0, 2.0),
         top_p=top_p_field(body),
         top_k=-1 if top_k in (None, 0) else top_k, seed=int_field(body, "seed", None),
-        stop_token_ids=stop_ids, stop=stop, prompt_logprobs=None, adapter=adapter)
-
-
-async def _body(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"null")
-    except ValueError as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}.", "InvalidJson") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object.", "InvalidJson")
-    return body
+        stop_token_ids=stop_ids, stop=stop, prompt_logprobs=None,
+        adapter=adapter.key if adapter else None, adapter_path=adapter.path if adapter else None)
 
 
 def _reject_unsupported(body: dict, implemented: frozenset[str]) -> None:
@@ -219,13 +210,13 @@ def _tops(seq: SampledSequence, count: int) -> list[list[tuple[int, float]]]:
 async def _prepare(ctx: ServerContext, request: Request, implemented: frozenset[str]
                    ) -> tuple[st.DeploymentRow, dict, Adapter | None, str, Any]:
     dep = _deployment(ctx, request.path_params["deployment_id"])
-    body = await _body(request)
+    body = await parse_body(request)
     _reject_unsupported(body, implemented)
     adapter, model = _select(ctx, dep, body.get("model"))
     return dep, body, adapter, model, await _tokenizer(dep.base_model)
 
 
-def _record_usage(ctx: ServerContext, dep: st.DeploymentRow, out: SampleOutput) -> int:
+def _record_usage(ctx: ServerContext, dep: st.DeploymentRow, out: SampleResult) -> int:
     completion_tokens = sum(len(s.tokens) for s in out.sequences)
     ctx.store.add_usage(dep.id, "deployment", tokens_sampled=completion_tokens,
                         sample_requests=1)
@@ -268,7 +259,7 @@ async def chat_completions(request: Request) -> Response:
     from baseten_loops_cli.tokenization import render_chat
 
     prompt, _ = render_chat(tokenizer, messages, add_generation_prompt=True)
-    spec = await ctx.model_spec(dep.base_model)
+    spec = await ctx.models.spec(dep.base_model)
     stop_ids = _stop_ids(tokenizer)
     job = _job(body, list(prompt), spec.max_seq_len, stop_ids, adapter)
     job.top_logprobs = top_k
@@ -297,7 +288,7 @@ async def chat_completions(request: Request) -> Response:
                 choice["finish_reason"] = reason
             return {**head, "choices": [choice]}
 
-        return await sse_response(ctx, dep.base_model, job, tokenizer, chunk,
+        return await sse_response(ctx.samplers, dep.base_model, job, tokenizer, chunk,
                                   include_usage=_include_usage(body),
                                   on_done=lambda out: _usage(job.prompt,
                                                              _record_usage(ctx, dep, out)))
@@ -329,7 +320,7 @@ async def completions(request: Request) -> Response:
         raise bad_request("prompt must be a non-empty string or list of token ids.",
                           "InvalidRequest")
     want_logprobs = int_field(body, "logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
-    spec = await ctx.model_spec(dep.base_model)
+    spec = await ctx.models.spec(dep.base_model)
     check_token_ids(prompt, spec, "prompt")
     stop_ids = _stop_ids(tokenizer)
     job = _job(body, prompt, spec.max_seq_len, stop_ids, adapter)
@@ -361,7 +352,7 @@ async def completions(request: Request) -> Response:
                 choice["text"], choice["finish_reason"] = payload
             return {**head, "choices": [choice]}
 
-        return await sse_response(ctx, dep.base_model, job, tokenizer, chunk,
+        return await sse_response(ctx.samplers, dep.base_model, job, tokenizer, chunk,
                                   include_usage=_include_usage(body),
                                   on_done=lambda out: _usage(job.prompt,
                                                              _record_usage(ctx, dep, out)))

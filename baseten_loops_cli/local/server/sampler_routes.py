@@ -15,7 +15,6 @@ its ``token_ids`` and text delta (``stream_options.include_usage`` adds the usag
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 import uuid
@@ -26,10 +25,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.engine.sample_types import SampleRequest, SampleResult
 from baseten_loops_cli.local.server.compute import ModelSpec
 from baseten_loops_cli.local.server.context import get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, bad_request
-from baseten_loops_cli.local.server.samplers import SampleJob, SampleOutput
+from baseten_loops_cli.local.server.schemas import parse_body
+from baseten_loops_cli.local.server.streaming import sse_response
 from baseten_loops_cli.local.server.validation import check_token_ids
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's / OpenAI's completions default
@@ -69,7 +70,7 @@ def top_p_field(body: dict) -> float:
     return value
 
 
-def parse_sample_request(body: dict, spec: ModelSpec, max_len: int) -> SampleJob:
+def parse_sample_request(body: dict, spec: ModelSpec, max_len: int) -> SampleRequest:
     if body.get("model_input_chunks"):
         raise bad_request(f"{spec.name} is a text-only model; image prompts "
                           "(model_input_chunks) are not supported.", "UnsupportedInput")
@@ -109,14 +110,14 @@ def parse_sample_request(body: dict, spec: ModelSpec, max_len: int) -> SampleJob
     prompt_logprobs = int_field(body, "prompt_logprobs", None, minimum=0,
                                 maximum=MAX_PROMPT_LOGPROBS)
     top_logprobs = int_field(body, "logprobs", None, minimum=0, maximum=MAX_PROMPT_LOGPROBS)
-    return SampleJob(
+    return SampleRequest(
         top_logprobs=top_logprobs or 0,
         prompt=list(prompt), n=n or 1, max_tokens=max_tokens,
         temperature=float_field(body, "temperature", 1.0, 0.0, 100.0),
         top_p=top_p_field(body),
         top_k=top_k,
         seed=int_field(body, "seed", None), stop_token_ids=list(stop_ids), stop=list(stop or []),
-        prompt_logprobs=prompt_logprobs, adapter=None)
+        prompt_logprobs=prompt_logprobs)
 
 
 def _logprobs(tokens: list[int], logprobs: list[float],
@@ -127,7 +128,7 @@ def _logprobs(tokens: list[int], logprobs: list[float],
             "text_offset": None}
 
 
-def completions_body(job: SampleJob, out: SampleOutput, model: str,
+def completions_body(job: SampleRequest, out: SampleResult, model: str,
                      want_logprobs: bool) -> dict[str, Any]:
     prompt_logprobs = None
     if out.prompt_logprobs is not None:
@@ -187,23 +188,19 @@ async def sample(request: Request) -> Response:
     if sampler.status == st.SAMPLER_INACTIVE:
         raise ApiError(409, f"Sampler {sampler.id} was deactivated; create a new one.",
                        "SamplerInactive")
-    try:
-        body = json.loads(await request.body() or b"null")
-    except ValueError as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}.", "InvalidJson") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object.", "InvalidJson")
-    spec = await ctx.model_spec(sampler.base_model)
+    body = await parse_body(request)
+    spec = await ctx.models.spec(sampler.base_model)
     job = parse_sample_request(body, spec, sampler.max_seq_length or spec.max_seq_len)
     sampler = ctx.samplers.wake(sampler)  # a request wakes a scaled-to-zero sampler
     adapter, version = await ctx.samplers.choose_adapter(
         sampler, request.headers.get("x-checkpoint-path") or None,
         _header_int(request, "x-min-policy-version"))
-    job.adapter = adapter
+    if adapter is not None:
+        job.adapter, job.adapter_path = adapter.key, adapter.path
     model = adapter.name if adapter else sampler.base_model
     want_logprobs = body.get("logprobs") is not None
 
-    def record(output: SampleOutput) -> dict[str, int]:
+    def record(output: SampleResult) -> dict[str, int]:
         generated = sum(len(s.tokens) for s in output.sequences)
         owner, kind = (sampler.run_id, "run") if sampler.run_id else (sampler.id, "sampler")
         ctx.store.add_usage(owner, kind, tokens_sampled=generated, sample_requests=1)
@@ -221,11 +218,10 @@ async def sample(request: Request) -> Response:
                         headers={POLICY_VERSION_HEADER: str(version)})
 
 
-async def _stream(ctx, base_model: str, job: SampleJob, model: str, want_logprobs: bool,
+async def _stream(ctx, base_model: str, job: SampleRequest, model: str, want_logprobs: bool,
                   body: dict, record) -> Response:
     """``/sample`` with ``stream: true``: a completions chunk per decoded token, carrying
     its ``token_ids`` (the stop token too, as unstreamed) and text delta."""
-    from baseten_loops_cli.local.server.streaming import sse_response
     from baseten_loops_cli.tokenization import get_tokenizer
 
     tokenizer = await asyncio.to_thread(get_tokenizer, base_model)
@@ -250,7 +246,7 @@ async def _stream(ctx, base_model: str, job: SampleJob, model: str, want_logprob
         return {**head, "choices": [choice]}
 
     options = body.get("stream_options") or {}
-    return await sse_response(ctx, base_model, job, tokenizer, chunk,
+    return await sse_response(ctx.samplers, base_model, job, tokenizer, chunk,
                               include_usage=bool(isinstance(options, dict)
                                                  and options.get("include_usage")),
                               on_done=record)

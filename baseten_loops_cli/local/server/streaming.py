@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from starlette.responses import StreamingResponse
 
-from baseten_loops_cli.local.server.context import ServerContext
-from baseten_loops_cli.local.server.samplers import SampleJob, SampleOutput
+from baseten_loops_cli.local.engine.sample_types import SampleRequest, SampleResult
+from baseten_loops_cli.local.server.samplers import SamplerService
 
 # chunk(index, kind, payload) -> one chunk (dict) or None (nothing to send):
 #   "start"  payload None                        a choice begins (chat: the role delta)
@@ -54,11 +54,11 @@ class Detokenizer:
         return delta
 
 
-async def sse_response(ctx: ServerContext, base_model: str, job: SampleJob, tokenizer: Any,
-                       chunk: ChunkBuilder, *, include_usage: bool,
-                       on_done: Callable[[SampleOutput], dict]) -> StreamingResponse:
+async def sse_response(samplers: SamplerService, base_model: str, job: SampleRequest,
+                       tokenizer: Any, chunk: ChunkBuilder, *, include_usage: bool,
+                       on_done: Callable[[SampleResult], dict]) -> StreamingResponse:
     """Stream ``job``; ``on_done(output)`` records the usage and returns the usage dict."""
-    events = ctx.samplers.stream(base_model, job)
+    events = samplers.stream(base_model, job)
     first = await events.__anext__()
 
     def frame(obj: dict | None) -> str:
@@ -74,7 +74,7 @@ async def sse_response(ctx: ServerContext, base_model: str, job: SampleJob, toke
             if started := frame(chunk(index, "start", None)):
                 yield started
         item = first
-        while not isinstance(item, SampleOutput):
+        while not isinstance(item, SampleResult):
             # A sample's last token: its text comes from the final result (a stop string
             # cuts it there).
             delta = "" if item.finish_reason is not None else texts[item.sample].push(item.token)
