@@ -307,7 +307,7 @@ def _format_validation_error(exc: ValidationError, path: Path, lines: dict[tuple
     elif err["type"] == "union_tag_invalid" or (err["type"] == "literal_error" and loc == ("kind",)):
         message = f"{where}: kind must be 'sft', 'rl' or 'dpo'"
     else:
-        message = f"{where}: {key}: {err['msg']}"
+        message = f"{where}: {key}: {err['msg'].removeprefix('Value error, ')}"
     if len(exc.errors()) > 1:
         hint = (hint + " " if hint else "") + f"({len(exc.errors()) - 1} more problem(s) after this one.)"
     return ConfigError(message, hint=hint)
