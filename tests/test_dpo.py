@@ -44,6 +44,7 @@ lora_rank: 4
 max_seq_len: 64
 seed: 3
 batch_size: 4
+epochs: 2
 max_steps: {steps}
 optimizer:
   learning_rate: 3.0e-3
@@ -101,9 +102,9 @@ def test_dpo_config_defaults_and_reference_errors(tmp_path):
     config = load_config(dpo_config(tmp_path, TRAIN)).config
     assert (config.kind, config.beta, config.label_smoothing, config.reference) == ("dpo", 0.1, 0.0, "base")
     path = dpo_config(tmp_path, TRAIN, extra="reference: bt://loops:abc1234/weights/step-2\n")
-    with pytest.raises(ConfigError, match=r"dpo\.yaml:15: reference: .*trainer state.*sampler_weights/step-2"):
+    with pytest.raises(ConfigError, match=r"dpo\.yaml:16: reference: .*trainer state.*sampler_weights/step-2"):
         load_config(path)
-    with pytest.raises(ConfigError, match=r"dpo\.yaml:15: label_smoothing"):
+    with pytest.raises(ConfigError, match=r"dpo\.yaml:16: label_smoothing"):
         load_config(dpo_config(tmp_path, TRAIN, extra="label_smoothing: 0.5\n"))
 
 
@@ -294,7 +295,7 @@ def test_missing_reference_checkpoint_fails_before_anything_is_provisioned(local
     before = _run_ids(local_server)
     for args in (["run", str(config), "--run-dir", str(tmp_path / "r")], ["validate", str(config)]):
         result = loops_subprocess(local_server, "train", *args)
-        one_line_error(result, 1, f"{config}:15: reference: no checkpoint {missing}", "loops checkpoints list --run-id nope123")
+        one_line_error(result, 1, f"{config}:16: reference: no checkpoint {missing}", "loops checkpoints list --run-id nope123")
     assert _run_ids(local_server) == before and not (tmp_path / "r").exists()
 
 
