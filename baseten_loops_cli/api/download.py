@@ -711,7 +711,7 @@ def download_files(
         except OSError:
             free = None
         if free is not None and needed > free:
-            from baseten_loops_cli.output.format import human_size
+            from baseten_loops_cli.sizes import human_size
 
             raise DiskFullError(
                 f"not enough space in {dest}: the download needs {human_size(needed)}, "
@@ -927,7 +927,7 @@ def _stream_to(resp: _Response, job: _Job, shared: _Shared, offset: int) -> int:
     except OSError as exc:
         if exc.errno in _DISK_FULL:
             shared.cancel.set()
-            from baseten_loops_cli.output.format import human_size
+            from baseten_loops_cli.sizes import human_size
 
             raise DiskFullError(
                 f"no space left on the device of {shared.dest} while writing {job.rel.as_posix()} "

@@ -124,10 +124,10 @@ def _backend_key(profile_flag: str | None) -> str | None:
 def _get_json(profile_flag: str | None, path: str, params: dict[str, str] | None = None) -> Any:
     """One GET through the API layer's HTTP client (no retries, a short timeout, no pydantic)."""
     from baseten_loops_cli.api.http import HttpClient
-    from baseten_loops_cli.settings.backend import resolve_connection
+    from baseten_loops_cli.settings.connection import resolve_connection
 
-    _, base_url, key, _ = resolve_connection(profile_flag, announce=lambda _m: None, autostart=False)
-    with HttpClient(base_url, key, timeout=NETWORK_TIMEOUT_S, max_retries=0) as http:
+    conn = resolve_connection(profile_flag)  # never starts the local server
+    with HttpClient(conn.base_url, conn.api_key, timeout=NETWORK_TIMEOUT_S, max_retries=0) as http:
         return http.request_json("GET", path, params=params)
 
 

@@ -144,7 +144,7 @@ def validate(
     loaded = _load_config(config, overrides)
     kind, backend_desc, notes = "local", "local backend", []
     if not offline:
-        from baseten_loops_cli.settings.backend import open_backend_if_reachable
+        from baseten_loops_cli.cli._backend import open_backend_if_reachable
 
         backend = open_backend_if_reachable(_profile_for(state, loaded))
         if backend is None:

@@ -26,55 +26,21 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from baseten_loops_cli.local.engine.errors import EngineInputError
 from baseten_loops_cli.local.engine.registry import BaseModel
+from baseten_loops_cli.local.engine.sample_types import (
+    PromptTokenLogprob,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+)
 
 MAX_LOADED_ADAPTERS = 8
 MAX_PROMPT_LOGPROBS_TOP_K = 20
-
-
-@dataclass
-class SampleRequest:
-    prompt: list[int]
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0): off
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    # None: no prompt logprobs; k >= 0: each prompt token's logprob plus k alternatives.
-    prompt_logprobs: int | None = None
-    # The adapter to sample from (None = the base model): a key given to load_adapter, or
-    # any key together with the PEFT folder to load it from on first use.
-    adapter: str | None = None
-    adapter_path: str | Path | None = None
-
-
-@dataclass
-class SampledSequence:
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-    text: str
-
-
-class PromptTokenLogprob(NamedTuple):
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, float]]  # the k most likely (token id, logprob)
-
-
-@dataclass
-class SampleResult:
-    sequences: list[SampledSequence]
-    # One entry per prompt token; None for the first (nothing precedes it).
-    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
 
 
 @dataclass

@@ -26,15 +26,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.engine.sample_types import SampleRequest
 from baseten_loops_cli.local.server.context import ServerContext, get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, choices
+from baseten_loops_cli.local.server.schemas import parse_body
 from baseten_loops_cli.local.server.sampler_routes import (
     DEFAULT_MAX_TOKENS,
     float_field,
     int_field,
     top_p_field,
 )
-from baseten_loops_cli.local.server.samplers import Adapter, SampleJob
+from baseten_loops_cli.local.server.samplers import Adapter
 from baseten_loops_cli.local.server.validation import check_token_ids
 
 MAX_N = 16
@@ -92,7 +94,7 @@ def _stop_ids(tokenizer: Any) -> list[int]:
 
 
 def _job(body: dict, prompt: list[int], max_len: int, stop_ids: list[int],
-         adapter: Adapter | None) -> SampleJob:
+         adapter: Adapter | None) -> SampleRequest:
     room = max_len - len(prompt)
     if room < 1:
         raise bad_request(f"The prompt is {len(prompt)} tokens, leaving no room under the "
@@ -108,22 +110,13 @@ def _job(body: dict, prompt: list[int], max_len: int, stop_ids: list[int],
     if not all(isinstance(s, str) for s in stop):
         raise bad_request("stop must be a string or a list of strings.", "InvalidRequest")
     top_k = int_field(body, "top_k", -1)
-    return SampleJob(
+    return SampleRequest(
         prompt=prompt, n=int_field(body, "n", 1, minimum=1, maximum=MAX_N) or 1,
         max_tokens=max_tokens, temperature=float_field(body, "temperature", 1.0, 0.0, 2.0),
         top_p=top_p_field(body),
         top_k=-1 if top_k in (None, 0) else top_k, seed=int_field(body, "seed", None),
-        stop_token_ids=stop_ids, stop=stop, prompt_logprobs=None, adapter=adapter)
-
-
-async def _body(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"null")
-    except ValueError as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}.", "InvalidJson") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object.", "InvalidJson")
-    return body
+        stop_token_ids=stop_ids, stop=stop, prompt_logprobs=None,
+        adapter=adapter.key if adapter else None, adapter_path=adapter.path if adapter else None)
 
 
 def _usage(prompt: list[int], completion_tokens: int) -> dict[str, int]:
@@ -143,7 +136,7 @@ def _sse(chunks: list[dict]) -> StreamingResponse:
 async def chat_completions(request: Request) -> Response:
     ctx = get_ctx(request)
     dep = _deployment(ctx, request.path_params["deployment_id"])
-    body = await _body(request)
+    body = await parse_body(request)
     adapter, model = _select(ctx, dep, body.get("model"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
@@ -155,7 +148,7 @@ async def chat_completions(request: Request) -> Response:
 
     tokenizer = await _tokenizer(dep.base_model)
     prompt, _ = render_chat(tokenizer, messages, add_generation_prompt=True)
-    spec = await ctx.model_spec(dep.base_model)
+    spec = await ctx.models.spec(dep.base_model)
     job = _job(body, list(prompt), spec.max_seq_len, _stop_ids(tokenizer), adapter)
     out = await ctx.samplers.generate(dep.base_model, job)
     created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
@@ -181,7 +174,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     ctx = get_ctx(request)
     dep = _deployment(ctx, request.path_params["deployment_id"])
-    body = await _body(request)
+    body = await parse_body(request)
     adapter, model = _select(ctx, dep, body.get("model"))
     tokenizer = await _tokenizer(dep.base_model)
     raw = body.get("prompt")
@@ -192,7 +185,7 @@ async def completions(request: Request) -> Response:
     else:
         raise bad_request("prompt must be a non-empty string or list of token ids.",
                           "InvalidRequest")
-    spec = await ctx.model_spec(dep.base_model)
+    spec = await ctx.models.spec(dep.base_model)
     check_token_ids(prompt, spec, "prompt")
     job = _job(body, prompt, spec.max_seq_len, _stop_ids(tokenizer), adapter)
     out = await ctx.samplers.generate(dep.base_model, job)

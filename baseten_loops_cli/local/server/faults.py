@@ -32,7 +32,6 @@ import asyncio
 import dataclasses
 import fnmatch
 import itertools
-import json
 import threading
 import time
 from typing import Any
@@ -42,6 +41,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from baseten_loops_cli.local.server.errors import bad_request
+from baseten_loops_cli.local.server.schemas import parse_body
 
 FAULTS_PATH = "/v1/local/faults"
 
@@ -189,8 +189,5 @@ async def faults_endpoint(request: Request) -> JSONResponse:
         return JSONResponse({"faults": injector.list()})
     if request.method == "DELETE":
         return JSONResponse({"cleared": injector.clear()})
-    try:
-        spec = json.loads(await request.body() or b"null")
-    except ValueError:
-        raise bad_request("The fault spec must be a JSON object.", "InvalidFault") from None
+    spec = await parse_body(request)
     return JSONResponse({"fault": injector.add(spec).describe()})

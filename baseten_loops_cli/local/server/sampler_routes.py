@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -22,10 +21,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.engine.sample_types import SampleRequest, SampleResult
 from baseten_loops_cli.local.server.compute import ModelSpec
 from baseten_loops_cli.local.server.context import get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, bad_request
-from baseten_loops_cli.local.server.samplers import SampleJob, SampleOutput
+from baseten_loops_cli.local.server.schemas import parse_body
 from baseten_loops_cli.local.server.validation import check_token_ids
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's / OpenAI's completions default
@@ -65,7 +65,7 @@ def top_p_field(body: dict) -> float:
     return value
 
 
-def parse_sample_request(body: dict, spec: ModelSpec, max_len: int) -> SampleJob:
+def parse_sample_request(body: dict, spec: ModelSpec, max_len: int) -> SampleRequest:
     if body.get("model_input_chunks"):
         raise bad_request(f"{spec.name} is a text-only model; image prompts "
                           "(model_input_chunks) are not supported.", "UnsupportedInput")
@@ -104,16 +104,16 @@ def parse_sample_request(body: dict, spec: ModelSpec, max_len: int) -> SampleJob
     check_token_ids(stop_ids, spec, "stop_token_ids")
     prompt_logprobs = int_field(body, "prompt_logprobs", None, minimum=0,
                                 maximum=MAX_PROMPT_LOGPROBS)
-    return SampleJob(
+    return SampleRequest(
         prompt=list(prompt), n=n or 1, max_tokens=max_tokens,
         temperature=float_field(body, "temperature", 1.0, 0.0, 100.0),
         top_p=top_p_field(body),
         top_k=top_k,
         seed=int_field(body, "seed", None), stop_token_ids=list(stop_ids), stop=list(stop or []),
-        prompt_logprobs=prompt_logprobs, adapter=None)
+        prompt_logprobs=prompt_logprobs)
 
 
-def completions_body(job: SampleJob, out: SampleOutput, model: str,
+def completions_body(job: SampleRequest, out: SampleResult, model: str,
                      want_logprobs: bool) -> dict[str, Any]:
     prompt_logprobs = None
     if out.prompt_logprobs is not None:
@@ -177,19 +177,15 @@ async def sample(request: Request) -> Response:
     if sampler.status == st.SAMPLER_INACTIVE:
         raise ApiError(409, f"Sampler {sampler.id} was deactivated; create a new one.",
                        "SamplerInactive")
-    try:
-        body = json.loads(await request.body() or b"null")
-    except ValueError as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}.", "InvalidJson") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object.", "InvalidJson")
-    spec = await ctx.model_spec(sampler.base_model)
+    body = await parse_body(request)
+    spec = await ctx.models.spec(sampler.base_model)
     job = parse_sample_request(body, spec, sampler.max_seq_length or spec.max_seq_len)
     sampler = ctx.samplers.wake(sampler)  # a request wakes a scaled-to-zero sampler
     adapter, version = await ctx.samplers.choose_adapter(
         sampler, request.headers.get("x-checkpoint-path") or None,
         _header_int(request, "x-min-policy-version"))
-    job.adapter = adapter
+    if adapter is not None:
+        job.adapter, job.adapter_path = adapter.key, adapter.path
     output = await ctx.samplers.generate(sampler.base_model, job)
     generated = sum(len(s.tokens) for s in output.sequences)
     owner, kind = (sampler.run_id, "run") if sampler.run_id else (sampler.id, "sampler")
