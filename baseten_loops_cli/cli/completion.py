@@ -366,5 +366,4 @@ def install_command(
     elif result.get("note"):  # the user's own rc lines: remind them of the one pitfall
         out.hint(result["note"])
     out.hint(f"Restart your shell or run `{result['activate']}` to use it.")
-    if not out.human:
-        out.emit(record, id_key="script")
+    out.emit(record, id_key="script", text=[])
