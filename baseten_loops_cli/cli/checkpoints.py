@@ -5,8 +5,6 @@ trainer and a sampler checkpoint share the name). `checkpoints list -o json` is
 `{"checkpoints": [...]}` (ListLoopsCheckpointsResponse), as `baseten loops checkpoint list` prints.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Optional
 

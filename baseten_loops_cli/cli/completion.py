@@ -13,8 +13,6 @@ Both run when this module is imported (``cli.main`` imports it at top level); bo
 idempotent, so ``main()`` may call them too, which it must if this module is ever loaded lazily.
 """
 
-from __future__ import annotations
-
 import os
 import re
 import shutil

@@ -1,7 +1,5 @@
 """`loops config`: list, read, change and switch profiles in config.toml."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

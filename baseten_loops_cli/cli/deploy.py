@@ -10,8 +10,6 @@ of the workspace), so ``deploy list`` shows the deployments this machine created
 ``describe`` and ``stop`` also take any ``MODEL_ID/DEPLOYMENT_ID``.
 """
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer

@@ -5,8 +5,6 @@ tab completion must stay fast, so httpx, pydantic, yaml, keyring and torch are i
 command bodies. ``main()`` is the one place where errors become messages and exit codes.
 """
 
-from __future__ import annotations
-
 import os
 import sys
 from typing import Annotated, Optional

@@ -7,8 +7,6 @@ of LoopsRun objects, `runs describe -o json` is the LoopsRun with `deployment`,
 `latest_checkpoints` and `usage` added. The work is done by :mod:`baseten_loops_cli.services.runs`.
 """
 
-from __future__ import annotations
-
 import re
 import time
 from datetime import datetime, timezone

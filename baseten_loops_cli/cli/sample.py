@@ -4,8 +4,6 @@ Parse, call :mod:`baseten_loops_cli.services.sampling` (which sampler serves it,
 decoding), render. The text goes to stdout; -o json is the ``SampleResponse``.
 """
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated, Optional
 

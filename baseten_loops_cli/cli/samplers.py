@@ -5,8 +5,6 @@ serves a base model or one sampler checkpoint. `samplers list -o json` is
 `{"samplers": [...]}` (LoopsSampler objects).
 """
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer

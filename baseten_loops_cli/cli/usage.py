@@ -5,8 +5,6 @@ Parse, call :mod:`baseten_loops_cli.services.usage`, render. The JSON keys are t
 `{runs: [...], totals: {...}}`.
 """
 
-from __future__ import annotations
-
 from typing import Annotated, Any, Optional
 
 import typer
