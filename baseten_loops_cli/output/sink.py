@@ -251,7 +251,7 @@ class Output:
         columns: Sequence[Column] | None = None,
         fields: Sequence[Column] | None = None,
         title: str | None = None,
-        id_key: str | Callable[[dict], Any] = "id",
+        id_key: str | Callable[[Any], Any] = "id",
         empty: str | None = None,
         empty_hint: str | None = None,
         text: Iterable[str] | None = None,

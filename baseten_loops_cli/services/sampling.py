@@ -160,6 +160,41 @@ def _checkpoint_source(client: "LoopsClient", ref: str, cp: LoopsCheckpoint) -> 
     return SampleSource(sampler=sampler, base_model=cp.base_model or sampler.base_model, started_sampler=True, **common)
 
 
+def create_sampler(
+    client: "LoopsClient",
+    *,
+    base_model: str | None = None,
+    run_id: str | None = None,
+    checkpoint: str | None = None,
+    max_seq_len: int | None = None,
+    replicas: int | None = None,
+) -> tuple[LoopsSampler, str]:
+    """A sampler for a base model, a run (its paired sampler) or a sampler checkpoint (give one),
+    and a few words saying what it serves."""
+    from baseten_loops_cli.services.resolve import get_run
+
+    body: dict = {"max_seq_length": max_seq_len, "num_replicas": replicas}
+    if run_id:
+        run = get_run(client, run_id)
+        body.update(run_id=run.id, session_id=run.session_id)
+        what = f"run {run.id}"
+    elif checkpoint:
+        cp = resolve_checkpoint(client, checkpoint, prefer="sampler")
+        if cp.target != "sampler":
+            raise UsageError(
+                f"{checkpoint} is trainer state; samplers serve sampler weights",
+                hint=f"Pick a sampler checkpoint: loops checkpoints list --run-id {cp.run_id} --target sampler",
+            )
+        body["model_path"] = uri_of(cp)
+        what = str(body["model_path"])
+    else:
+        body["base_model"] = base_model
+        what = str(base_model)
+    if not body.get("session_id"):
+        body["session_id"] = client.sessions.create().id
+    return client.samplers.create({k: v for k, v in body.items() if v is not None}), what
+
+
 def sample_text(source: SampleSource, request: SampleRequest, *, api_key: str) -> SampleResponse:
     """Tokenize ``request.prompt``, sample from ``source`` and decode the answers."""
     from baseten_loops_cli.tokenization import get_tokenizer, render_chat
@@ -217,4 +252,4 @@ def sample_text(source: SampleSource, request: SampleRequest, *, api_key: str) -
     )
 
 
-__all__ = ["SampleRequest", "SampleResponse", "SampleSource", "Sample", "paired_sampler", "resolve_source", "sample_text"]
+__all__ = ["SampleRequest", "SampleResponse", "SampleSource", "Sample", "create_sampler", "paired_sampler", "resolve_source", "sample_text"]
