@@ -21,14 +21,13 @@ SetOpt = Annotated[
 
 # Paths inside a config that are resolved relative to the config file; the run directory keeps
 # absolute ones so `loops train resume` works from anywhere.
-_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"))
-
-
 def _absolute_raw(loaded) -> dict:
     import copy
 
+    from baseten_loops_cli.training.config import DATA_PATH_KEYS
+
     raw = copy.deepcopy(loaded.raw)
-    for section, key in _PATH_KEYS:
+    for section, key in DATA_PATH_KEYS:
         value = (raw.get(section) or {}).get(key)
         if isinstance(value, str):
             raw[section][key] = str(loaded.resolve_path(value).resolve())
