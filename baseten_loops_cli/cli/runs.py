@@ -336,6 +336,14 @@ def list_runs(
 # ── describe ──────────────────────────────────────────────────────────────────────────────
 
 
+def _resumed_from(name: str | None) -> str | None:
+    """The run a `loops train resume` continued, from the suffix its run name carries."""
+    import re
+
+    match = re.search(r" \(resumed from ([A-Za-z0-9_-]+)\)$", name or "")
+    return match.group(1) if match else None
+
+
 def _describe_fields(run: dict, dep: dict | None, checkpoints: list[dict], usage: dict | None, policy_version: int | None) -> list:
     from baseten_loops_cli.cli._resolve import status_name
     from baseten_loops_cli.output.format import human_duration, human_size, human_time
@@ -357,6 +365,8 @@ def _describe_fields(run: dict, dep: dict | None, checkpoints: list[dict], usage
         ("Max Seq Len", lambda r: r.get("max_seq_len")),
         ("Step", lambda r: policy_version),
     ]
+    if _resumed_from(run.get("name")):
+        fields.insert(2, ("Resumed From", lambda r: _resumed_from(r.get("name"))))
     sampler = run.get("sampler")
     fields.append(("#Sampler", None))
     if sampler:

@@ -192,6 +192,13 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
             sink.close()
         if session is not None:
             session.close(deactivate=session.created_run and not keep_run)
+            # `status` is how training ended (completed, interrupted, failed); `run_status` is
+            # the run's own status on the backend, in the backend's words (what `loops runs
+            # list` shows: ACTIVE, INACTIVE, ...), read back rather than assumed.
+            try:
+                rundir.update_state(run_status=session.client.runs.get(session.run_id).status_name)
+            except LoopsError:
+                pass
 
     status = "failed"
     try:
@@ -302,7 +309,7 @@ def run(
     out = state.output
     loaded = _load_config(config, overrides)
     if run_dir is None and loaded.config.logging.run_dir:
-        run_dir = loaded.resolve_path(loaded.config.logging.run_dir)
+        run_dir = Path(loaded.config.logging.run_dir).expanduser()  # relative to the working directory
     rundir = RunDir(run_dir or _default_run_dir(loaded.config.name))
     if rundir.exists():
         raise UsageError(

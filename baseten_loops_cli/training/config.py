@@ -50,7 +50,7 @@ class CheckpointConfig(_Strict):
 class LoggingConfig(_Strict):
     run_dir: str | None = Field(
         None,
-        description="Relative to the config file; --run-dir wins. Default: runs/<name>-<timestamp> in the current directory.",
+        description="Relative to the working directory; --run-dir wins. Default: runs/<name>-<timestamp>.",
     )
     wandb_project: str | None = None
     wandb_name: str | None = None
