@@ -131,7 +131,7 @@ def test_validate_lists_every_problem_in_line_order(tmp_path):
     )
     path = write(tmp_path, text)
     with pytest.raises(ConfigProblems) as info:
-        load_config(path)
+        load_config(path, check_files=True)
     problems = info.value.problems
     assert [p.line for p in problems] == [4, 6, 7, 9, 10, 11]
     assert [p.key for p in problems] == [

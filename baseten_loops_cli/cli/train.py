@@ -46,7 +46,7 @@ def _absolute_raw(loaded) -> dict:
 def _load_config(config: Path, overrides: list[str] | None):
     from baseten_loops_cli.training.config import load_config
 
-    return load_config(config, overrides or [])
+    return load_config(config, overrides or [], check_files=True)
 
 
 def _load_data(loaded):
@@ -375,34 +375,44 @@ def resume(
 @app.command("plot")
 def plot(
     ctx: typer.Context,
-    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    run_dirs: Annotated[list[Path], typer.Argument(help="One or more run directories (overlaid, one colour and legend entry each).")],
     metric: Annotated[Optional[list[str]], typer.Option("--metric", "-m", help="Metric(s) to plot (default: loss or reward).")] = None,
     out_file: Annotated[Optional[Path], typer.Option("--out", help="Write a PNG here (needs matplotlib).")] = None,
 ) -> None:
-    """Draw a run's metric curves in the terminal, or to a PNG.
+    """Draw runs' metric curves in the terminal, or to a PNG; several runs are overlaid.
 
     Examples:
 
       loops train plot runs/tiny-sft-20261203-091500
 
+      loops train plot runs/tiny-sft-*/
+
       loops train plot runs/my-rl --metric reward --metric pass_rate --out curves.png
     """
+    import os
+    import shutil
+
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training.plot import plot_png, plot_terminal
     from baseten_loops_cli.training.rundir import RunDir
 
     state = get_state(ctx)
-    rundir = RunDir(run_dir)
-    records = [r for r in rundir.metrics() if not r.get("final")]
-    if not records:
-        raise UsageError(f"{run_dir}: no metrics.jsonl records to plot")
-    names = metric or (["reward"] if "reward" in records[0] else ["loss"])
-    available = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
+    runs: dict[str, list[dict]] = {}
+    for run_dir in run_dirs:
+        records = [r for r in RunDir(run_dir).metrics() if not r.get("final")]
+        if not records:
+            raise UsageError(f"{run_dir}: no metrics.jsonl records to plot", hint="Pass run directories of `loops train run`.")
+        runs[str(run_dir).rstrip("/") or str(run_dir)] = records
+    first = next(iter(runs.values()))
+    names = metric or (["reward"] if "reward" in first[0] else ["loss"])
+    available = sorted({k for rs in runs.values() for r in rs for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
     for name in names:
         if name not in available:
-            raise UsageError(f"no metric {name!r} in {run_dir}", hint=f"Available: {', '.join(available)}.")
+            raise UsageError(f"no metric {name!r} in {', '.join(runs)}", hint=f"Available: {', '.join(available)}.")
     if out_file is not None:
-        plot_png(records, names, out_file)
+        plot_png(runs, names, out_file)
         state.output.success(f"Wrote {out_file}.")
         return
-    typer.echo(plot_terminal(records, names))
+    color = bool(state.output.streams.stdout_tty) and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+    width = max(40, min(120, shutil.get_terminal_size((80, 24)).columns - 2))
+    typer.echo(plot_terminal(runs, names, width=width, color=color))

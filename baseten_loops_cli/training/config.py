@@ -354,7 +354,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> LoadedConfig:
+def load_config(path: str | Path, overrides: list[str] | None = None, *, check_files: bool = False) -> LoadedConfig:
+    """Load and validate a config; every problem is reported at once (:class:`ConfigProblems`).
+
+    ``check_files`` also reports data files that do not exist, at the line of their key (what
+    `loops train validate` and `run` want; loading a run directory's config does not need it)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -378,7 +382,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> LoadedC
 
     # Collect every problem before failing: the schema's (pydantic reports them all) and the
     # data files that do not exist, so one `validate` shows everything to fix.
-    problems = _missing_data_files(raw, lines, path.resolve().parent)
+    problems = _missing_data_files(raw, lines, path.resolve().parent) if check_files else []
     config = None
     try:
         config = TypeAdapter(TrainConfig).validate_python(raw)
