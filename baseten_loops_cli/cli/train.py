@@ -301,10 +301,13 @@ def run(
 
       loops train run my.yaml -o jsonl > metrics.jsonl
     """
+    import time
+
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training.plan import check_base_model, make_plan
     from baseten_loops_cli.training.rundir import RunDir
 
+    started = time.monotonic()
     state = get_state(ctx)
     out = state.output
     loaded = _load_config(config, overrides)
@@ -335,6 +338,12 @@ def run(
     rundir.create(_absolute_raw(loaded), loaded.path)
     out.info(f"Run directory: {rundir.path}")
     _execute(state, backend, loaded, data, rundir, resume=False, keep_run=keep_run)
+    if backend.kind == "local":
+        # The next plan of this model on this machine is calibrated by this run's measured speed.
+        from baseten_loops_cli.training import calibration
+
+        calibration.record(loaded.config.kind, loaded.config.base_model, seconds=time.monotonic() - started,
+                           tokens=plan.train_tokens + plan.sample_tokens)
 
 
 @app.command("resume")

@@ -133,25 +133,44 @@ def check_base_model(client: Any, base_model: str, max_seq_len: int, use_case: s
     return notes
 
 
-def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan:
+def planned_tokens(config, data: LoadedData) -> tuple[int, int, int]:
+    """(steps, tokens trained, tokens sampled), counted on the real batches of every step.
+
+    SFT counts are exact: the datums' input tokens of each step's batch, as the loop builds them.
+    RL counts take each step's real prompts and ``sampling.max_tokens`` per completion, so they
+    are upper bounds (completions may stop early; groups without signal are not trained)."""
     from baseten_loops_cli.training import rl as rl_mod
     from baseten_loops_cli.training import sft as sft_mod
+    from baseten_loops_cli.training.data import batches_for_step
+
+    if isinstance(config, RLConfig):
+        steps = rl_mod.total_steps(len(data.train), config)
+        completions = config.groups_per_batch * config.group_size
+        prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in rl_mod.prompts_for_step(data.train, step, config))
+        sample_tokens = steps * completions * config.sampling.max_tokens
+        return steps, prompt_tokens * config.group_size + sample_tokens - steps * completions, sample_tokens
+    steps = sft_mod.total_steps(len(data.train), config)
+    train_tokens = sum(
+        len(data.train[i].tokens) - 1
+        for step in range(steps)
+        for i in batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
+    )
+    return steps, train_tokens, 0
+
+
+def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan:
+    from baseten_loops_cli.training import calibration
 
     config = loaded.config
     pricing = config.pricing
-    if isinstance(config, RLConfig):
-        steps = rl_mod.total_steps(len(data.train), config)
-        per_step_prompts = config.groups_per_batch * config.group_size
-        avg_prompt = sum(len(p.tokens) for p in data.train) / len(data.train)
-        sample_tokens = int(steps * per_step_prompts * config.sampling.max_tokens)
-        train_tokens = int(steps * per_step_prompts * (avg_prompt + config.sampling.max_tokens))
+    steps, train_tokens, sample_tokens = planned_tokens(config, data)
+    measured = calibration.lookup(config.kind, config.base_model) if backend_kind == "local" else None
+    if measured is not None:
+        # Seconds per planned token, measured on this machine by the last run of this model.
+        est = measured.startup_s + (train_tokens + sample_tokens) * measured.s_per_token
     else:
-        steps = sft_mod.total_steps(len(data.train), config)
-        avg = sum(len(e.tokens) for e in data.train) / len(data.train)
-        train_tokens = int(steps * config.batch_size * avg)
-        sample_tokens = 0
-    train_rate, sample_rate, per_step = _rates(backend_kind, config.base_model)
-    est = _STARTUP_S.get(backend_kind, 0.0) + steps * per_step + train_tokens / train_rate + sample_tokens / sample_rate
+        train_rate, sample_rate, per_step = _rates(backend_kind, config.base_model)
+        est = _STARTUP_S.get(backend_kind, 0.0) + steps * per_step + train_tokens / train_rate + sample_tokens / sample_rate
     cost = None
     if any(v is not None for v in (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour)):
         cost = (
@@ -160,6 +179,10 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
             + est / 3600 * (pricing.usd_per_hour or 0.0)
         )
     notes = []
+    if backend_kind == "local" and measured is None:
+        notes.append("time estimate not calibrated yet: it is measured on this machine by the first run of this model")
+    if isinstance(config, RLConfig):
+        notes.append("RL token counts are upper bounds (every completion at sampling.max_tokens)")
     if backend_kind != "local":
         notes.append("the time estimate leaves out provisioning (a cold trainer can take minutes)")
         if cost is None:
