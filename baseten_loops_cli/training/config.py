@@ -16,13 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from baseten_loops_cli.errors import ConfigError, UsageError
 
 
-# The config kinds (the `kind:` discriminator) and the data keys that name files.
-KINDS = ("sft", "rl")
+# The data keys that name files (relative to the config file).
 DATA_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"))
 
 
 def _kinds_text() -> str:
-    return " or ".join(repr(k) for k in KINDS)
+    """'sft', 'rl' or 'dpo': the config kinds (KINDS, below), for messages."""
+    return ", ".join(repr(k) for k in KINDS[:-1]) + f" or {KINDS[-1]!r}"
 
 
 class _Strict(BaseModel):
@@ -74,6 +74,12 @@ class SFTData(_Strict):
 class RLData(_Strict):
     prompts: str
     eval_prompts: str | None = None
+    shuffle: bool = True
+
+
+class DPOData(_Strict):
+    train: str
+    eval: str | None = None
     shuffle: bool = True
 
 
@@ -166,16 +172,51 @@ class RLConfig(_Common):
         return {"fn": value} if isinstance(value, str) else value
 
 
-TrainConfig = Annotated[Union[SFTConfig, RLConfig], Field(discriminator="kind")]
+class DPOConfig(_Common):
+    kind: Literal["dpo"]
+    data: DPOData
+    beta: float = Field(0.1, gt=0, description="DPO temperature: how far the policy may move from the reference.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed fraction of flipped labels (conservative DPO).")
+    reference: str = Field(
+        "base",
+        description="The reference policy: 'base' (the base model, as the run starts) or a sampler checkpoint bt://loops:<run>/sampler_weights/<name>.",
+    )
+
+    @field_validator("reference")
+    @classmethod
+    def _reference_checkpoint(cls, value: str) -> str:
+        if value == "base":
+            return value
+        from baseten_loops_cli.api.uri import CheckpointUri
+
+        if not CheckpointUri.is_uri(value):
+            raise ValueError(f"expected 'base' or bt://loops:<run_id>/sampler_weights/<name>, not {value!r}")
+        uri = CheckpointUri.parse(value)
+        if uri.target != "sampler":
+            raise ValueError(
+                f"{value} is trainer state; the reference is scored by a sampler, so name its sampler checkpoint "
+                f"bt://loops:{uri.run_id}/sampler_weights/{uri.name}"
+            )
+        return value
+
+
+TrainConfig = Annotated[Union[SFTConfig, RLConfig, DPOConfig], Field(discriminator="kind")]
+KINDS = ("sft", "rl", "dpo")
 
 
 class LoadedConfig:
     """A validated config plus where it came from (paths in it are relative to its folder)."""
 
-    def __init__(self, config: SFTConfig | RLConfig, path: Path, raw: dict):
+    def __init__(self, config: SFTConfig | RLConfig | DPOConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None):
         self.config = config
         self.path = path
         self.raw = raw
+        self.lines = lines or {}
+
+    def where(self, *key: str) -> str:
+        """``file:line`` of a key (``where("data", "train")``), for errors about its value."""
+        line = self.lines.get(tuple(key))
+        return f"{self.path}:{line}" if line else str(self.path)
 
     @property
     def base_dir(self) -> Path:
@@ -232,7 +273,7 @@ def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]
 
 
 def _model_for(raw: dict) -> type[BaseModel]:
-    return RLConfig if raw.get("kind") == "rl" else SFTConfig
+    return {"rl": RLConfig, "dpo": DPOConfig}.get(raw.get("kind"), SFTConfig)
 
 
 def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -311,7 +352,7 @@ def _problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
         return Problem(line, key, f"kind must be {_kinds_text()}", f"Set kind to {_kinds_text()}.")
     value = err.get("input")
     fix = f"Change the value ({value!r})." if not isinstance(value, (dict, list)) else None
-    return Problem(line, key, f"{key}: {err['msg']}", fix)
+    return Problem(line, key, f"{key}: {err['msg'].removeprefix('Value error, ')}", fix)
 
 
 def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path) -> list[Problem]:
@@ -374,7 +415,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
     if overrides:
         raw = apply_overrides(raw, overrides)
     if "kind" not in raw:
-        raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft` or `kind: rl`.")
+        raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft`, `kind: rl` or `kind: dpo`.")
     if raw.get("kind") not in KINDS:
         line = lines.get(("kind",))
         raise ConfigError(f"{path}:{line or 1}: kind must be {_kinds_text()}, not {raw.get('kind')!r}")
@@ -390,4 +431,4 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
         problems += [_problem(err, lines, raw) for err in exc.errors()]
     if problems:
         raise ConfigProblems(path, problems)
-    return LoadedConfig(config, path.resolve(), raw)
+    return LoadedConfig(config, path.resolve(), raw, lines)

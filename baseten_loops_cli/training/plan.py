@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training.config import LoadedConfig, RLConfig
+from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig
 
 ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
 
@@ -76,7 +76,8 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
         tokenizer = get_tokenizer(config.base_model)
     except Exception as exc:
         message = getattr(exc, "message", None) or str(exc)
-        raise ConfigError(f"{loaded.path}: base_model {config.base_model!r}: {message}") from None
+        raise ConfigError(f"{loaded.path}: base_model {config.base_model!r}: {message}",
+                          hint=getattr(exc, "hint", None)) from None
     if isinstance(config, RLConfig):
         from baseten_loops_cli.training.rewards import build_reward
 
@@ -96,6 +97,14 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
                         f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row"
                     )
         return LoadedData(tokenizer, train, evals, reward)
+    if isinstance(config, DPOConfig):
+        train = data_mod.load_preference_pairs(loaded.resolve_path(config.data.train), tokenizer, max_seq_len=config.max_seq_len)
+        evals = (
+            data_mod.load_preference_pairs(loaded.resolve_path(config.data.eval), tokenizer, max_seq_len=config.max_seq_len)
+            if config.data.eval
+            else None
+        )
+        return LoadedData(tokenizer, train, evals)
     kwargs = {"train_on": config.data.train_on, "max_seq_len": config.max_seq_len}
     train = data_mod.load_sft_examples(loaded.resolve_path(config.data.train), tokenizer, **kwargs)
     evals = (
@@ -108,7 +117,8 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
 
 def check_base_model(client: Any, base_model: str, max_seq_len: int, use_case: str) -> list[str]:
     """Ask the backend's capabilities whether the model is offered; return notes or raise."""
-    models = client.capabilities(use_case=use_case)
+    # The capabilities API knows sft and rl; DPO needs a sampler (to score the reference) as RL does.
+    models = client.capabilities(use_case="rl" if use_case == "dpo" else use_case)
     names = [m.model_name for m in models]
     match = next((m for m in models if m.model_name == base_model), None)
     if match is None:
@@ -143,6 +153,10 @@ def planned_tokens(config, data: LoadedData) -> tuple[int, int, int]:
     from baseten_loops_cli.training import sft as sft_mod
     from baseten_loops_cli.training.data import batches_for_step
 
+    if isinstance(config, DPOConfig):
+        steps = sft_mod.total_steps(len(data.train), config)
+        avg = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in data.train) / len(data.train)
+        return steps, int(steps * config.batch_size * avg), 0
     if isinstance(config, RLConfig):
         steps = rl_mod.total_steps(len(data.train), config)
         completions = config.groups_per_batch * config.group_size
@@ -171,6 +185,10 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
     else:
         train_rate, sample_rate, per_step = _rates(backend_kind, config.base_model)
         est = _STARTUP_S.get(backend_kind, 0.0) + steps * per_step + train_tokens / train_rate + sample_tokens / sample_rate
+    if isinstance(config, DPOConfig):
+        # The reference scores every sequence once (a prefill each, no backward).
+        scored = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in data.train + (data.eval or []))
+        est += scored * (measured.s_per_token if measured is not None else 1 / _rates(backend_kind, config.base_model)[0]) / 3
     cost = None
     if any(v is not None for v in (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour)):
         cost = (
@@ -189,6 +207,10 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
             notes.append("no cost estimate: set pricing.* in the config to get one")
     if config.max_steps and steps < config.max_steps:
         notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
+    if isinstance(config, DPOConfig):
+        notes.append(
+            f"before step 1 the reference ({config.reference}) scores {2 * len(pairs)} sequences (~{scored:,} tokens) once"
+        )
     return Plan(
         kind=config.kind,
         base_model=config.base_model,
