@@ -70,3 +70,20 @@ def test_planned_rl_tokens_bound_the_sampled_tokens(local_server, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     sampled = sum(r["sampled_tokens"] for r in records if not r.get("final"))
     assert 0 < sampled <= plan["sample_tokens"] == 2 * 8 * 8 * 8
+
+
+def test_logging_run_dir_is_relative_to_the_working_directory(local_server, tmp_path):
+    """As the README says: `runs/...` lands under the directory the command runs in, not next to
+    the config file (data paths stay relative to the config)."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    text = (EXAMPLES / "tiny-sft.yaml").read_text().replace("data/", f"{EXAMPLES}/data/")
+    (configs / "c.yaml").write_text(text + "logging:\n  run_dir: runs/mine\n")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "WANDB_"))}
+    env.update(local_server.env, LOOPS_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(EXAMPLES.parent))
+    proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "train", "run", str(configs / "c.yaml"),
+                           "--dry-run", "-o", "json"], env=env, cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["run_dir"] == "runs/mine"  # not configs/runs/mine

@@ -341,9 +341,9 @@ def run(
     if dry_run:
         if out.human:
             _show_plan(out, plan, loaded, desc)
-            out.info("Dry run: nothing provisioned.")
+            out.info(f"Dry run: nothing provisioned (run directory would be {rundir.path}).")
         else:
-            out.emit({"dry_run": True, "plan": plan.as_dict()}, id_key="kind")
+            out.emit({"dry_run": True, "run_dir": str(rundir.path), "plan": plan.as_dict()}, id_key="kind")
         return
     if not out.quiet and out.format == "table":
         _show_plan(out, plan, loaded, desc)
