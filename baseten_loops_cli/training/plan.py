@@ -15,10 +15,11 @@ from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig
 
 ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
 
-# Rough rates for the time estimate: (tokens/s through forward+backward, sampled tokens/s,
+# Rough rates for an uncalibrated time estimate (before the first local run of a model has been
+# measured on this machine; see calibration.py): (tokens/s through forward+backward, sampled tokens/s,
 # seconds of fixed cost per step). Local rates are measured on 2 CPU cores; remote GPUs are far
 # faster, and the estimate there leaves out provisioning (minutes for a cold trainer).
-_LOCAL_RATES = {"loops-local/tiny": (1500.0, 150.0, 0.3)}
+_LOCAL_RATES = {"loops-local/tiny": (15000.0, 2000.0, 0.3)}  # fitted to tiny-sft/tiny-rl, 2026-12-04
 _LOCAL_DEFAULT = (250.0, 25.0, 1.0)  # a ~100M-parameter model such as SmolLM2-135M
 _REMOTE_RATES = (50000.0, 5000.0, 1.0)
 _STARTUP_S = {"local": 5.0}
