@@ -295,6 +295,11 @@ def run_rl(
             save_checkpoint(session, step)
     if pending is not None:
         pending[0].join()
+    if stop.requested:
+        # Ctrl-C during the last step is honoured like any other: saved, resumable, exit 130
+        # (resume then only runs the final eval and checkpoint).
+        save_checkpoint(session, step)
+        return "interrupted"
     if eval_prompts:
         final = evaluate(rollouts, eval_prompts, config, version)
         sink.message(f"Final eval: mean reward {final['eval_reward_mean']:.3f}, pass rate {final['eval_pass_rate']:.0%}")

@@ -133,7 +133,20 @@ class TrainingSession:
                 pass  # best effort: the run may already be gone
 
 
-def _create_run(client: Any, config: SFTConfig | RLConfig) -> Any:
+RESUMED_FROM = " (resumed from {run_id})"
+
+
+def run_name(name: str, resumed_from: str | None = None) -> str:
+    """The run's name on the control plane. A resumed run's name says which run it continues:
+    the name is the one free-text field every backend keeps, so `loops runs describe` can show
+    the lineage without the run directory (which keeps it too: state.json ``resumed_from``)."""
+    if not resumed_from:
+        return name
+    suffix = RESUMED_FROM.format(run_id=resumed_from)
+    return name[: 255 - len(suffix)] + suffix
+
+
+def _create_run(client: Any, config: SFTConfig | RLConfig, resumed_from: str | None = None) -> Any:
     """Create the run in a session of its own. Creating is not idempotent: the client never
     re-sends it blindly but looks for it in this session after a lost answer, and deactivates
     a duplicate (``HttpClient.create``)."""
@@ -141,7 +154,7 @@ def _create_run(client: Any, config: SFTConfig | RLConfig) -> Any:
     return client.runs.create({
         "session_id": session.id,
         "base_model": config.base_model,
-        "name": config.name,
+        "name": run_name(config.name, resumed_from),
         "lora_rank": config.lora_rank,
         "max_seq_len": config.max_seq_len,
         "seed": config.seed,
@@ -182,10 +195,18 @@ def open_session(
                     announce(f"Deactivated run {existing.id}: no checkpoint to resume it from; starting over.")
                 except LoopsError:
                     pass
+    lineage = list(state.get("resumed_from") or [])
     if run is None:
-        run = _create_run(client, config)
+        previous = state.get("run_id") if resume else None
+        run = _create_run(client, config, resumed_from=previous)
         created = True
         announce(f"Created run {run.id} ({config.base_model}, LoRA rank {config.lora_rank}).")
+        if previous and previous != run.id:
+            # The old run is gone (deactivated at the end of the last attempt, or never
+            # resumable): training continues in a new run, and state.json keeps the lineage.
+            lineage.append(previous)
+            announce(f"Run {previous} is no longer active: continuing in the new run {run.id} "
+                     f"(state.json records resumed_from).")
     else:
         announce(f"Reattached to run {run.id}.")
     trainer = TrainerClient(run.base_url, api_key=backend.api_key, run_id=run.id, base_model=config.base_model)
@@ -207,6 +228,7 @@ def open_session(
         base_url=backend.base_url,
         status="running",
         step=start_step,
+        **({"resumed_from": lineage} if lineage else {}),
     )
     return TrainingSession(loaded, rundir, client, backend.api_key, run, trainer, created, start_step)
 

@@ -30,7 +30,7 @@ checkpointing:
   keep_final: true
 
 logging:
-  # run_dir: runs/my-run        # relative to this file; default: ./runs/<name>-<time>; --run-dir wins
+  # run_dir: runs/my-run        # relative to the working directory; default: runs/<name>-<time>; --run-dir wins
   # wandb_project: my-project   # when wandb is installed
 
 # pricing:                      # optional: a cost line in the plan
