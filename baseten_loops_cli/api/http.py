@@ -628,6 +628,22 @@ class HttpClient:
             timeout = self.timeout
         return client.build_request(method, self.url(path), params=clean, json=json, headers=merged, timeout=timeout)
 
+    def open(self, method: str, url: str, *, json: Any = None, headers: Mapping[str, str] | None = None,
+             timeout: Any = httpx.USE_CLIENT_DEFAULT, follow_redirects: bool = False) -> httpx.Response:
+        """One attempt, streamed (the caller reads and closes the body): for a transfer whose
+        retries depend on what arrived (``api.download`` decides with :func:`decide`) or a
+        stream of events. Raises the httpx transport error as is."""
+        request = self._build(self._client, method, url, params=None, json=json, headers=headers, timeout=timeout)
+        self._log_request(request, 0)
+        started = time.monotonic()
+        try:
+            resp = self._client.send(request, stream=True, follow_redirects=follow_redirects)
+        except httpx.TransportError as exc:
+            self._log_outcome(request, exc, time.monotonic() - started)
+            raise
+        self._log_outcome(request, resp, time.monotonic() - started)
+        return resp
+
     def send(
         self,
         method: str,

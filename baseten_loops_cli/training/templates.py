@@ -80,8 +80,26 @@ max_steps_off_policy: 0         # 0 = synchronous; N >= 1 = sample the next batc
 # kl_penalty_coef: 0.0          # per-token KL penalty against the base model
 """
 
+DPO = """\
+# loops DPO config (preference pairs). Check it with `loops train validate FILE`.
+kind: dpo
+""" + _COMMON + """
+batch_size: 8                   # preference pairs per step
+
+data:
+  train: data/pairs.jsonl       # JSONL: {{"prompt": "...", "chosen": "...", "rejected": "..."}}
+  # eval: data/eval_pairs.jsonl #    or: {{"messages": [...], "chosen": "...", "rejected": "..."}}
+  shuffle: true                 #    or: {{"chosen": [messages], "rejected": [messages]}}
+
+beta: 0.1                       # how far the policy may move from the reference (higher = closer)
+label_smoothing: 0.0            # assumed fraction of mislabelled pairs (conservative DPO)
+reference: base                 # base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
+"""
+
 
 def template(kind: str) -> str:
     if kind == "rl":
         return RL.format(name="my-rl", lr="4.0e-5", schedule="constant")
+    if kind == "dpo":
+        return DPO.format(name="my-dpo", lr="5.0e-5", schedule="linear")
     return SFT.format(name="my-sft", lr="2.0e-4", schedule="linear")
