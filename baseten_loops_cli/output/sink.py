@@ -328,6 +328,13 @@ class Output:
         elif self.format == "table" and text is not None:
             self._write(text)
 
+    def text_piece(self, piece: str) -> None:
+        """Text printed as it comes (a streamed answer): no newline added, flushed at once;
+        ``none`` prints nothing."""
+        if self.format != "none":
+            self.streams.stdout.write(piece)
+            self.streams.stdout.flush()
+
     def live(self) -> "LiveLine":
         """A line redrawn in place on stderr for a person at a terminal; elsewhere its
         :meth:`LiveLine.update` streams each state like :meth:`stream` (with a time stamp in
