@@ -21,7 +21,7 @@ SetOpt = Annotated[
 
 # Paths inside a config that are resolved relative to the config file; the run directory keeps
 # absolute ones so `loops train resume` works from anywhere.
-_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"))
+_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"), ("eval", "data"))
 
 
 def _absolute_raw(loaded) -> dict:
@@ -29,7 +29,7 @@ def _absolute_raw(loaded) -> dict:
 
     raw = copy.deepcopy(loaded.raw)
     for section, key in _PATH_KEYS:
-        value = (raw.get(section) or {}).get(key)
+        value = raw[section].get(key) if isinstance(raw.get(section), dict) else None
         if isinstance(value, str):
             raw[section][key] = str(loaded.resolve_path(value).resolve())
     reward = raw.get("reward")

@@ -173,6 +173,11 @@ class Output:
         if not self.quiet:
             self._message(text, "dim")
 
+    def progress(self, description: str) -> "ProgressBar":
+        """A progress bar on stderr: drawn on a terminal only (and not with -q), silent
+        otherwise, so it never mixes with data or logs."""
+        return ProgressBar(self if (self.streams.stderr_tty and not self.quiet) else None, description)
+
     # ------------------------------------------------------------------ confirmation
     def confirm(self, question: str, *, yes: bool, default: bool = False) -> None:
         """Ask ``question``; raise CancelledError on "no". ``--yes`` skips the question.
@@ -320,6 +325,44 @@ class Output:
                 self._write(label[1:].strip())
                 continue
             self._write(f"{(label + ':').ljust(width)} {format_cell(_cell(obj, key))}")
+
+
+class ProgressBar:
+    """``with out.progress("Scoring") as bar: bar.start(total); bar.advance()``: a Rich bar with
+    a count and the time left, or nothing when ``out`` is None (not a terminal)."""
+
+    def __init__(self, out: Output | None, description: str) -> None:
+        self._out = out
+        self._description = description
+        self._progress: Any = None
+        self._task: Any = None
+
+    def start(self, total: int) -> None:
+        if self._out is None or total <= 0 or self._progress is not None:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            console=self._out.err_console, transient=True,
+        )  # fmt: skip
+        self._task = self._progress.add_task(self._description, total=total)
+        self._progress.start()
+
+    def advance(self, n: int = 1) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, n)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _cell(row: Any, key: str | Callable[[dict], Any]) -> Any:

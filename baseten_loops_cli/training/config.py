@@ -106,6 +106,18 @@ class SamplingConfig(_Strict):
     stop: list[str] = Field(default_factory=list)
 
 
+class EvalConfig(_Strict):
+    """``eval:``: when training ends, score the final checkpoint (and the base model with
+    ``base: true``) as ``loops eval`` does; the table goes to eval.json and eval.txt in the run
+    directory. ``eval: true`` (or an empty ``eval:``) takes every default."""
+
+    data: str | None = Field(None, description="JSONL to score (default: data.eval, or data.eval_prompts for RL).")
+    base: bool = Field(False, description="Also score the base model, to show what training bought.")
+    limit: int | None = Field(None, ge=1, description="Score only the first N rows.")
+    samples: int | None = Field(None, ge=1, description="RL: completions per prompt (default: group_size).")
+    k: int | None = Field(None, ge=1, description="RL: the k of pass@k (default: samples).")
+
+
 class _Common(_Strict):
     name: str = Field(..., min_length=1, max_length=255)
     base_model: str
@@ -121,13 +133,19 @@ class _Common(_Strict):
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
+    eval: EvalConfig | None = Field(None, description="Evaluate the final checkpoint when training ends.")
+
+    @field_validator("eval", mode="before")
+    @classmethod
+    def _eval_shorthand(cls, value: Any) -> Any:
+        return {} if value is True else None if value is False else value
 
     @model_validator(mode="before")
     @classmethod
     def _empty_sections(cls, data: Any) -> Any:
         """A section whose keys are all commented out (``logging:`` alone) means the defaults."""
         if isinstance(data, dict):
-            empty = [k for k in ("optimizer", "checkpointing", "logging", "pricing", "loss", "sampling") if k in data and data[k] is None]
+            empty = [k for k in ("optimizer", "checkpointing", "logging", "pricing", "loss", "sampling", "eval") if k in data and data[k] is None]
             if empty:
                 data = {**data, **{k: {} for k in empty}}
         return data
