@@ -618,7 +618,7 @@ def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
     candidates = [Candidate(run_label, config.base_model, f"final:{sampler_path}", checkpoint_client, uri=sampler_path)]
     if spec.base:
         candidates.insert(
-            0, Candidate(f"base ({config.base_model})", config.base_model, f"base:{config.base_model}",
+            0, Candidate("base", config.base_model, f"base:{config.base_model}",
                          session.new_base_sampler_client, is_base=True),
         )  # fmt: skip
     try:

@@ -36,6 +36,10 @@ logging:
 # pricing:                      # optional: a cost line in the plan
 #   usd_per_million_train_tokens: 1.0
 #   usd_per_hour: 0.0
+
+# eval:                         # optional: when training ends, score the final checkpoint as `loops eval` does
+#   base: true                  # also score the base model (eval.json + eval.txt in the run directory)
+#   # data: data/eval.jsonl     # default: data.eval (SFT) or data.eval_prompts (RL)
 """
 
 SFT = """\
