@@ -269,3 +269,18 @@ def test_progress_bar_draws_only_on_a_terminal():
             for _ in range(3):
                 bar.advance()
         assert ("Scoring rows" in err.getvalue()) is drawn
+
+
+def test_same_command_on_a_baseten_profile(local_server, sft_run, tmp_path):
+    """Only samplers are used: a `kind = "baseten"` profile (here pointed at the local server)
+    scores the same numbers."""
+    run_id, _ = sft_run
+    args = ["eval", f"{run_id}:final", "--data", str(SFT_EVAL), "--limit", "3", "-o", "json"]
+    local = loops(local_server, *args)
+    assert local.code == 0, local
+    (tmp_path / "config.toml").write_text(f'[profiles.remote]\nkind = "baseten"\nbase_url = "{local_server.url}"\n')
+    remote = loops(local_server, *args, "--profile", "remote", "--no-cache",
+                   env={"LOOPS_CONFIG_DIR": str(tmp_path), "LOOPS_BASE_URL": ""})
+    assert remote.code == 0, remote
+    assert remote.json()["results"][0]["cached"] is False
+    assert remote.json()["results"][0]["metrics"] == pytest.approx(local.json()["results"][0]["metrics"], abs=1e-6)
