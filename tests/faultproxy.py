@@ -10,6 +10,12 @@ kind                what the client sees
 ``reset``           the connection is reset (TCP RST) before the request is forwarded
 ``reset_after``     the request IS forwarded and applied upstream, then the connection is reset
                     instead of returning the response (a lost response: the idempotency test)
+``502_after``       the request IS forwarded and applied upstream, then ``502`` is answered
+                    instead of its response (a gateway failing after the backend acted)
+                                                           [not in the default mix]
+``hang_after``      the request IS forwarded and applied upstream, then nothing is answered
+                    until the client gives up (a timeout after the backend acted)
+                                                           [not in the default mix]
 ``502``             ``502 Bad Gateway`` without forwarding
 ``502_retry_after`` ``502`` with ``Retry-After`` without forwarding
 ``503``             ``503 Service Unavailable`` without forwarding
@@ -66,15 +72,20 @@ FAULT_KINDS: tuple[str, ...] = (
     "replay",
     "truncate",
     "corrupt",
+    "502_after",
+    "hang_after",
 )
 
 # Body faults: for download tests; they are not in the default mix (a flipped byte in a JSON
 # API body is not a transport fault HTTP clients are expected to survive).
 BODY_FAULTS = ("truncate", "corrupt")
+# Applied-then-failed answers: for the create-reconciliation tests; not in the default mix
+# either (only a request without an Idempotency-Key is at risk, and the mix is for all).
+APPLIED_FAULTS = ("502_after", "hang_after")
 
 # The mix the issue names: resets, 502/503 with and without Retry-After, 408s, slow responses
 # and replays (+ lost responses, the case idempotency keys exist for). Equal weights.
-DEFAULT_MIX: dict[str, float] = {kind: 1.0 for kind in FAULT_KINDS if kind not in BODY_FAULTS}
+DEFAULT_MIX: dict[str, float] = {kind: 1.0 for kind in FAULT_KINDS if kind not in BODY_FAULTS + APPLIED_FAULTS}
 
 _STATUS_TEXT = {408: "Request Timeout", 502: "Bad Gateway", 503: "Service Unavailable"}
 _MAX_HEAD_BYTES = 64 * 1024
@@ -429,6 +440,20 @@ class FaultProxy:
             writer.write(head + bytes(damaged))
             await writer.drain()
             return True
+        if fault in APPLIED_FAULTS:
+            try:
+                status, _ = await self._forward(req, None)
+                ev.upstream_status = status
+            except (OSError, ProxyProtocolError, asyncio.IncompleteReadError):
+                pass
+            if fault == "502_after":
+                await _write_simple(writer, 502, [], close=False)
+                return True
+            # Hold the connection without a word: the client times out first (the proxy's stop
+            # cancels the wait).
+            await asyncio.sleep(120)
+            _reset(writer)
+            return False
         if fault == "reset_after":
             try:
                 status, _ = await self._forward(req, None)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from baseten_loops_cli.api.uri import CheckpointUri, format_checkpoint_uri
+from baseten_loops_cli.api.uri import CheckpointUri
 from baseten_loops_cli.errors import UsageError
 
 
@@ -38,9 +38,9 @@ def test_malformed(bad):
 
 
 def test_format():
-    assert format_checkpoint_uri("r", "n") == "bt://loops:r/sampler_weights/n"
-    assert format_checkpoint_uri("r", "n", "trainer") == "bt://loops:r/weights/n"
+    assert str(CheckpointUri.sampler("r", "n")) == "bt://loops:r/sampler_weights/n"
+    assert str(CheckpointUri("r", "trainer", "n")) == "bt://loops:r/weights/n"
     assert str(CheckpointUri.trainer("r", "n")) == "bt://loops:r/weights/n"
     assert CheckpointUri.sampler("r", "n").directory == "sampler_weights"
     with pytest.raises(UsageError):
-        format_checkpoint_uri("r", "n", "bogus")  # type: ignore[arg-type]
+        CheckpointUri.parse("bt://loops:r/bogus/n")

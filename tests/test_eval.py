@@ -264,7 +264,7 @@ def test_progress_bar_draws_only_on_a_terminal():
     for tty, drawn in ((True, True), (False, False)):
         err = io.StringIO()
         out = Output("table", streams=Streams(stdout=io.StringIO(), stderr=err, stdin_tty=False, stdout_tty=tty, stderr_tty=tty))
-        with out.progress("Scoring rows") as bar:
+        with out.count_progress("Scoring rows") as bar:
             bar.start(3)
             for _ in range(3):
                 bar.advance()

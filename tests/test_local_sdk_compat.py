@@ -1,8 +1,8 @@
 """The official SDK (baseten-loops 0.32.0) drives the local server end to end.
 
-The SDK needs Python >= 3.12 and heavy dependencies, so it lives in its own venv:
-``LOOPS_SDK_PYTHON`` (its interpreter) or ``/work/sdkvenv`` (made by
-``scripts/install_sdk_venv.sh``). Without one this test is skipped.
+The SDK needs Python >= 3.12 and heavy dependencies, so it lives in its own venv, made by
+``scripts/install_sdk_venv.sh`` in the test cache, or named by ``LOOPS_SDK_PYTHON``
+(tests/external.py). Without one this test skips, which fails CI.
 """
 
 from __future__ import annotations
@@ -15,26 +15,17 @@ from pathlib import Path
 import pytest
 
 from conftest import LocalServer
+from tests.external import sdk_python
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_SDK_PYTHON = Path("/work/sdkvenv/bin/python")
-
-
-def sdk_python() -> str | None:
-    candidate = os.environ.get("LOOPS_SDK_PYTHON") or (
-        str(DEFAULT_SDK_PYTHON) if DEFAULT_SDK_PYTHON.exists() else None)
-    if candidate is None:
-        return None
-    probe = subprocess.run([candidate, "-c", "import baseten.loops"], capture_output=True,
-                           timeout=120)
-    return candidate if probe.returncode == 0 else None
 
 
 @pytest.mark.local
+@pytest.mark.required_in_ci
 def test_official_sdk_quickstart_against_local_server(local_server: LocalServer):
     python = sdk_python()
     if python is None:
-        pytest.skip("no SDK venv (set LOOPS_SDK_PYTHON or run scripts/install_sdk_venv.sh)")
+        pytest.skip("no SDK venv: run scripts/install_sdk_venv.sh, or set LOOPS_SDK_PYTHON")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_"))}
     env.update(LOOPS_BASE_URL=local_server.url, BASETEN_API_KEY=local_server.token,
                WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONPATH="")

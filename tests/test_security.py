@@ -220,28 +220,52 @@ def test_wrong_api_key_is_never_echoed_even_with_debug(local_server, tmp_path):
     env = _cli_env(local_server, BASETEN_API_KEY=secret)
     outputs = []
     for args in (["--debug", "runs", "list"], ["runs", "list", "-o", "json", "--debug"],
-                 ["--debug", "auth", "status"], ["--debug", "config", "list"]):
+                 ["--debug", "auth", "status"], ["--debug", "config", "list"],
+                 ["runs", "list"], ["runs", "list", "-o", "json"], ["auth", "status"], ["config", "list"]):
         p = _loops(args, env, tmp_path, timeout=120)
         outputs.append((args, p.returncode, p.stdout + p.stderr))
     for args, rc, text in outputs:
         assert secret not in text, f"loops {' '.join(args)} leaked the key:\n{text}"
-        assert "Traceback" not in text or "--debug" in args, text
-    # A bad key is an auth failure: exit 4 with a hint, for the command that used the server.
-    assert outputs[0][1] == 4, outputs[0][2]
+        if "--debug" not in args:  # --debug shows the traceback of an error on purpose
+            assert "Traceback" not in text, f"loops {' '.join(args)}:\n{text}"
+    # A bad key is an auth failure: exit 4 with a hint, for the commands that used the server.
+    by_args = {tuple(args): (rc, text) for args, rc, text in outputs}
+    for args in (("--debug", "runs", "list"), ("runs", "list"), ("runs", "list", "-o", "json")):
+        assert by_args[args][0] == 4, by_args[args][1]
     assert secret not in local_server.log_text
+
+
+def _assert_key_not_leaked(server, key: str, texts: list[tuple[list[str], str]], tmp_path: Path) -> None:
+    """``key`` in none of the outputs, nor in any file the CLI and server wrote (logs, caches,
+    run dirs) except the token file and the credentials store, which exist to hold it."""
+    assert any("***" in t or "Api-Key" in t for _, t in texts), "no HTTP debug log seen at all"
+    for args, text in texts:
+        assert key not in text, f"loops {' '.join(args)} printed the API key"
+    skip = {server.state_dir / "token"}
+    leaks = []
+    for d in (server.state_dir, server.dirs["CACHE"], server.dirs["CONFIG"], tmp_path):
+        leaks += _grep_tree(d, key, skip)
+    leaks = [p for p in leaks if p.name != "credentials.toml"]
+    assert not leaks, f"API key found in {leaks}"
 
 
 def test_api_key_never_in_debug_output_or_logs(local_server, tmp_path):
     env = _cli_env(local_server)
-    key = local_server.token
     texts = []
     for args in (["--debug", "runs", "list"], ["--debug", "usage"], ["--debug", "auth", "status"],
                  ["--debug", "runs", "get", "no-such-run"], ["--debug", "checkpoints", "list", "--run-id", "nope"],
                  ["--debug", "samplers", "list"]):
         p = _loops(args, env, tmp_path, timeout=120)
         texts.append((args, p.stdout + p.stderr))
-    # A whole training run with --debug: HTTP debug log of every control-plane and worker call.
+    _assert_key_not_leaked(local_server, local_server.token, texts, tmp_path)
+
+
+@pytest.mark.local
+def test_api_key_never_in_debug_output_or_logs_of_a_training_run(local_server, tmp_path):
+    """A whole training run with --debug: HTTP debug log of every control-plane and worker call."""
     pytest.importorskip("torch")
+    env = _cli_env(local_server)
+    texts = []
     cfg = tmp_path / "sft.yaml"
     cfg.write_text("kind: sft\nname: keyleak\nbase_model: loops-local/tiny\nlora_rank: 4\nmax_seq_len: 64\n"
                    "batch_size: 4\nmax_steps: 2\ncheckpointing:\n  save_every: 1\n"
@@ -254,17 +278,7 @@ def test_api_key_never_in_debug_output_or_logs(local_server, tmp_path):
                env, tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr
     texts.append((["--debug", "checkpoints", "download"], p.stdout + p.stderr))
-    assert any("***" in t or "Api-Key" in t for _, t in texts), "no HTTP debug log seen at all"
-    for args, text in texts:
-        assert key not in text, f"loops {' '.join(args)} printed the API key"
-    # Files the CLI and server wrote (logs, caches, run dirs), except the token file itself
-    # and the credentials store, which exist to hold it.
-    skip = {local_server.state_dir / "token"}
-    leaks = []
-    for d in (local_server.state_dir, local_server.dirs["CACHE"], local_server.dirs["CONFIG"], tmp_path):
-        leaks += _grep_tree(d, key, skip)
-    leaks = [p for p in leaks if p.name != "credentials.toml"]
-    assert not leaks, f"API key found in {leaks}"
+    _assert_key_not_leaked(local_server, local_server.token, texts, tmp_path)
 
 
 # ── traversal in downloads (the client side) ────────────────────────────────────────────────
@@ -370,7 +384,6 @@ def test_presigned_link_works_without_auth_for_its_file_only(local_server, signe
 
 
 def test_presigned_link_expires(server_factory, tmp_path):
-    pytest.importorskip("torch")
     from baseten_loops_cli.local.server.files import Presigner
 
     server = server_factory(link_ttl_s=1)

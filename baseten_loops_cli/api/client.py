@@ -49,6 +49,7 @@ from baseten_loops_cli.api.models import (
     ModelDeployment,
     RunResponse,
     RunsResponse,
+    SamplerDeploymentStatus,
     SamplerResponse,
     SamplersResponse,
     Session,
@@ -70,14 +71,6 @@ MAX_FILE_PAGES = 1000
 def _seg(value: str) -> str:
     """A path segment, URL-encoded (ids are opaque strings)."""
     return quote(str(value), safe="")
-
-
-def _body(request: Any) -> dict[str, Any]:
-    if request is None:
-        return {}
-    if hasattr(request, "to_body"):
-        return request.to_body()
-    return {k: v for k, v in dict(request).items() if v is not None}
 
 
 class _Resource:
@@ -105,16 +98,37 @@ class Sessions(_Resource):
         return SessionResponse.model_validate(self._get(f"/v1/loops/sessions/{_seg(session_id)}")).session
 
 
+def _oldest_first(items: list[Any]) -> list[Any]:
+    return sorted(items, key=lambda x: (x.created_at is None, x.created_at or 0, x.id))
+
+
 class Runs(_Resource):
     def create(self, request: CreateRunRequest | Mapping[str, Any]) -> LoopsRun:
-        """``POST /v1/loops/runs``: a run with its paired sampler."""
+        """``POST /v1/loops/runs``: a run with its paired sampler. Not idempotent: after an
+        ambiguous failure the run is looked up in its session (see :meth:`HttpClient.create`)."""
         req = request if isinstance(request, CreateRunRequest) else CreateRunRequest.model_validate(request)
-        return RunResponse.model_validate(self._post(f"{self._client.create_root}/runs", json=req.to_body())).run
+        return self._create("runs", req)
 
     def create_trainer(self, request: CreateTrainerRequest | Mapping[str, Any]) -> LoopsRun:
         """``POST /v1/loops/trainers``: trainer only (the SDK ≥0.2x path); sampler made lazily."""
         req = request if isinstance(request, CreateTrainerRequest) else CreateTrainerRequest.model_validate(request)
-        return RunResponse.model_validate(self._post(f"{self._client.create_root}/trainers", json=req.to_body())).run
+        return self._create("trainers", req)
+
+    def _create(self, route: str, req: CreateTrainerRequest) -> LoopsRun:
+        def find() -> list[LoopsRun]:
+            # A session is made for one run (training.session, the SDK); a name narrows it further.
+            runs = self.list(base_model=req.base_model)
+            return _oldest_first([r for r in runs if r.session_id == req.session_id and r.is_active
+                                  and (req.name is None or r.name in (None, req.name))])  # fmt: skip
+
+        return self._http.create(
+            f"{self._client.create_root}/{route}",
+            json=req.to_body(),
+            parse=lambda data: RunResponse.model_validate(data).run,
+            find=find,
+            discard=lambda run: self.deactivate(run.id),
+            what="run",
+        )
 
     def list(self, *, base_model: str | None = None, scope: str | None = None, run_id: str | None = None) -> list[LoopsRun]:
         """``GET /v1/loops/runs`` (unpaginated, order not guaranteed). ``scope="org"`` = whole org."""
@@ -139,8 +153,25 @@ class Samplers(_Resource):
                 "a sampler needs exactly one of base_model, run_id or model_path"
                 + (f" (got {', '.join(chosen)})" if chosen else "")
             )
-        data = self._post(f"{self._client.create_root}/samplers", json=req.to_body())
-        return SamplerResponse.model_validate(data).sampler
+
+        def find() -> list[LoopsSampler]:
+            # The listing carries each sampler's session and source (extra fields of LoopsSampler).
+            def mine(s: LoopsSampler) -> bool:
+                extra = s.model_extra or {}
+                return (extra.get("session_id") == req.session_id and not SamplerDeploymentStatus.is_terminal(s.status_name)
+                        and all(extra.get(k) == getattr(req, k) for k in chosen if k != "base_model")
+                        and (req.base_model is None or s.base_model == req.base_model))  # fmt: skip
+
+            return _oldest_first([s for s in self.list() if mine(s)])
+
+        return self._http.create(
+            f"{self._client.create_root}/samplers",
+            json=req.to_body(),
+            parse=lambda data: SamplerResponse.model_validate(data).sampler,
+            find=find,
+            discard=lambda sampler: self.deactivate(sampler.id),
+            what="sampler",
+        )
 
     def list(self, *, scope: str | None = None) -> list[LoopsSampler]:
         data = self._get(f"{self._client.create_root}/samplers", params={"scope": scope})
@@ -215,15 +246,22 @@ class Checkpoints(_Resource):
         hf_secret_name: str | None = None,
     ) -> DeployCheckpointsResponse:
         """Create an inference deployment. Billable and NOT idempotent: never re-sent after it
-        may have reached the server (only connect errors and explicit 429/503 Retry-After)."""
+        may have reached the server (only connect errors and explicit 429/503 Retry-After). No
+        route lists checkpoint deployments, so an ambiguous failure is raised with a hint to
+        check before deploying again."""
         body = DeployCheckpointsRequest(
             checkpoint_ids=list(checkpoint_ids),
             model_name=model_name,
             instance_type_id=instance_type_id,
             hf_secret_name=hf_secret_name,
         ).to_body()
-        data = self._post("/v1/loops/checkpoints/deploy", json=body, safe_to_repeat=False)
-        return DeployCheckpointsResponse.model_validate(data)
+        return self._http.create(
+            "/v1/loops/checkpoints/deploy",
+            json=body,
+            parse=DeployCheckpointsResponse.model_validate,
+            find=None,
+            what="deployment",
+        )
 
 
 class Deployments(_Resource):

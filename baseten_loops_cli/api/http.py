@@ -1,33 +1,49 @@
-"""The one httpx layer: auth headers, retries with backoff, debug log, typed errors.
+"""The one transport: retry policy, the retry decision, the send loop, typed errors.
 
-Modelled on the Stainless clients (anthropic-sdk-python ``_base_client.py``): a thin wrapper over
-one ``httpx.Client`` that retries what is safe to retry and turns every failure into a
-:mod:`baseten_loops_cli.api.errors` class.
+Every request of the CLI - control plane, trainer and sampler workers, operation polling, run
+creation, checkpoint downloads - is decided by :func:`decide` under a :class:`RetryPolicy`, and
+sent by :meth:`HttpClient.send` (sync) or :meth:`HttpClient.asend` (async), the only loops that
+re-send a request. The shape follows the Stainless clients (anthropic-sdk-python
+``_base_client.py``: a policy, a "should retry" decision, Retry-After honoured and capped,
+exponential backoff with jitter, typed errors), with two additions the Loops protocol needs: a
+deadline (workers wait out cold starts by time, not by count) and "may it have been applied?"
+for requests without an Idempotency-Key.
 
-What is retried (``max_retries`` extra attempts, exponential backoff with full jitter):
+What :func:`decide` retries:
 
-* connect errors (refused, DNS, connect timeout): the request was never sent, any method;
-* read timeouts and connections dropped mid-response: idempotent methods only, since a POST
-  may already have been applied;
-* 429, and 503 with ``Retry-After``: the server asked for a pause, any method; the wait
-  honours ``Retry-After`` (seconds, ``retry-after-ms`` or an HTTP date), capped;
-* 502/503/504: any method unless the caller says the request is unsafe to repeat (e.g.
-  ``POST /checkpoints/deploy``, which is billable and not idempotent);
-* 408 and 500: idempotent methods (or ``safe_to_repeat=True``) only.
+* transport failures (:data:`RETRYABLE_TRANSPORT_ERRORS`): always when the request was certainly
+  not sent (connect errors), otherwise only when the request is *repeatable* (an idempotent
+  method, or a body keyed by an ``Idempotency-Key``);
+* 429, and 503 with ``Retry-After``: the server refused before doing anything, any request;
+* the policy's other statuses (408, 500, 502, 503, 504 by default): repeatable requests only.
+  For a request that is not repeatable these are *ambiguous* (the server may have applied it
+  before the gateway failed): the error is raised with ``maybe_applied = True`` and
+  :meth:`HttpClient.create` reconciles instead of re-sending;
+* a wait is the response's ``Retry-After`` (``retry-after-ms``, seconds or an HTTP date), capped
+  at ``max_retry_after``, else full-jitter exponential backoff; never past the deadline.
 
-The helpers below (headers, redaction, backoff, ``error_from_response``) are shared with the
-worker clients in :mod:`baseten_loops_cli.workers`.
+Giving up (retries, deadline, unreachable or unavailable limits spent) raises the typed error
+of the last outcome, naming the URL, the last status or failure and the attempts made.
+
+One ``httpx.Client`` per origin per process (and one ``httpx.AsyncClient`` per origin per event
+loop) is shared by every :class:`HttpClient`; headers (``Authorization``, ``User-Agent``) are
+built by :func:`auth_headers` and sent per request, so clients with different keys can share
+connections.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import email.utils
 import json
 import math
 import random
+import threading
 import time
+from dataclasses import dataclass
 from datetime import timezone
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping, TypeVar
 
 import httpx
 
@@ -39,11 +55,14 @@ from baseten_loops_cli.api.errors import (
     ConflictError,
     ConnectionFailedError,
     NotFoundError,
+    ProtocolError,
     RateLimitedError,
     RequestTimeoutError,
     ServerError,
+    ServerShutdownError,
     one_line,
 )
+from baseten_loops_cli.errors import LoopsError
 
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 DEFAULT_MAX_RETRIES = 3
@@ -60,24 +79,27 @@ ERROR_CODE_HEADER = "X-Baseten-Error-Code"
 GATEWAY_ERROR_SOURCE = "06"
 
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
-RETRY_STATUSES = frozenset({502, 503, 504})
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+# The one list of transport failures worth another attempt. Connect errors mean the request
+# was never sent; the others may come after the server received (and applied) it.
+RETRYABLE_TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.ReadError,
+    httpx.ReadTimeout,
+    httpx.WriteError,
+    httpx.WriteTimeout,
+    httpx.RemoteProtocolError,
+)
 
 # Headers whose values never reach a log line.
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key"})
 
-# Transport failures where the request was certainly not sent.
-_NOT_SENT_EXC: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-# Transport failures after the request may have reached the server.
-_MAYBE_SENT_EXC: tuple[type[Exception], ...] = (
-    httpx.ReadTimeout,
-    httpx.WriteTimeout,
-    httpx.ReadError,
-    httpx.WriteError,
-    httpx.RemoteProtocolError,
-)
-
 DebugLog = Callable[[str], None]
 Sleep = Callable[[float], None]
+T = TypeVar("T")
 
 
 # ── shared helpers ──────────────────────────────────────────────────────────────────────────
@@ -111,22 +133,6 @@ def scrub(text: str, secret: str | None) -> str:
     return text
 
 
-def backoff_delay(
-    attempt: int,
-    *,
-    initial: float = INITIAL_RETRY_DELAY,
-    maximum: float = MAX_RETRY_DELAY,
-    rng: Callable[[], float] = random.random,
-) -> float:
-    """Full-jitter exponential backoff: uniform in ``[0, min(maximum, initial * 2**attempt)]``.
-
-    ``attempt`` counts retries already made (0 for the first retry). Full jitter (AWS
-    architecture blog) spreads a burst of clients better than the Stainless 0.75-1 factor.
-    """
-    ceiling = min(maximum, initial * (2 ** min(attempt, 30)))
-    return ceiling * rng()
-
-
 def retry_after_seconds(headers: Mapping[str, str], cap: float = MAX_RETRY_AFTER) -> float | None:
     """The wait a response asks for (``retry-after-ms``, ``Retry-After`` seconds or HTTP date),
     clamped to ``[0, cap]``; ``None`` when it names no usable delay."""
@@ -156,8 +162,149 @@ def retry_after_seconds(headers: Mapping[str, str], cap: float = MAX_RETRY_AFTER
     return min(max(value, 0.0), cap)
 
 
-def _safe_retry_after(headers: Mapping[str, str], cap: float) -> float | None:
-    return retry_after_seconds(headers, cap)
+
+
+# ── the policy and the decision ──────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """What is retried, how long to wait, and when to give up.
+
+    ``max_retries`` counts extra attempts (``None``: no count, only the deadline); ``deadline``
+    is seconds from the first attempt (``None``: none). ``unavailable_limit``: consecutive 503s
+    without Retry-After tolerated before the worker is taken as shutting down (``None``: a 503
+    is an ordinary retryable status). ``unreachable_limit``: seconds of consecutive transport
+    failures before giving up, however long the deadline. ``retry_timeouts``: whether a read
+    timeout of a repeatable request is retried (not for sampling: a retry restarts generation).
+    """
+
+    retry_statuses: frozenset[int] = RETRY_STATUSES
+    max_retries: int | None = DEFAULT_MAX_RETRIES
+    deadline: float | None = None
+    initial_backoff: float = INITIAL_RETRY_DELAY
+    max_backoff: float = MAX_RETRY_DELAY
+    max_retry_after: float = MAX_RETRY_AFTER
+    unavailable_limit: int | None = None
+    unreachable_limit: float | None = None
+    retry_timeouts: bool = True
+
+    def replace(self, **changes: Any) -> "RetryPolicy":
+        return dataclasses.replace(self, **changes)
+
+    def backoff(self, attempt: int, rng: Callable[[], float] = random.random) -> float:
+        """Full-jitter exponential backoff: uniform in ``[0, min(max_backoff, initial * 2**attempt)]``.
+
+        ``attempt`` counts retries already made (0 for the first). Full jitter (AWS architecture
+        blog) spreads a burst of clients better than the Stainless 0.75-1 factor."""
+        return min(self.max_backoff, self.initial_backoff * (2 ** min(attempt, 30))) * rng()
+
+
+DEFAULT_POLICY = RetryPolicy()
+
+
+def backoff_delay(attempt: int, *, rng: Callable[[], float] = random.random) -> float:
+    """The default policy's backoff before retry number ``attempt + 1``."""
+    return DEFAULT_POLICY.backoff(attempt, rng)
+
+
+@dataclass(frozen=True)
+class RetryState:
+    """Where one request stands: retries made, consecutive 503s without Retry-After, since when
+    the server has been unreachable, and the last outcome (for the give-up message)."""
+
+    started: float
+    attempt: int = 0
+    unavailable: int = 0
+    down_since: float | None = None
+    last: str = ""
+
+
+Action = Literal["retry", "return", "raise"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``retry`` after ``delay`` seconds, ``return`` the response, or ``raise``.
+
+    ``gave_up``: a retryable outcome, but the budget is spent. ``maybe_applied``: the request
+    is not repeatable and the outcome does not say whether the server applied it.
+    ``shutdown``: more consecutive 503s without Retry-After than the policy tolerates."""
+
+    action: Action
+    delay: float = 0.0
+    reason: str = ""
+    gave_up: bool = False
+    maybe_applied: bool = False
+    shutdown: bool = False
+
+
+def request_was_sent(exc: BaseException) -> bool:
+    """Whether a transport failure may have come after the server received the request."""
+    return not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
+
+
+def decide(
+    policy: RetryPolicy,
+    outcome: httpx.Response | BaseException,
+    state: RetryState,
+    *,
+    now: float,
+    repeatable: bool,
+    rng: Callable[[], float] = random.random,
+    accept: Iterable[int] = (),
+    retry_if: Callable[[httpx.Response], bool] | None = None,
+) -> tuple[Decision, RetryState]:
+    """The one retry decision: what to do after ``outcome`` (a response or a transport
+    exception) of attempt ``state.attempt + 1``, and the state for the next attempt.
+
+    ``accept``: statuses the caller handles itself (returned, never retried or raised).
+    ``retry_if``: a caller's extra "not ready yet" test (a cold trainer's 404). Pure: time and
+    randomness come in as ``now`` and ``rng``.
+    """
+    delay: float | None = None
+    if isinstance(outcome, BaseException):
+        reason = type(outcome).__name__
+        state = dataclasses.replace(
+            state, unavailable=0, last=reason, down_since=now if state.down_since is None else state.down_since
+        )
+        if not isinstance(outcome, RETRYABLE_TRANSPORT_ERRORS):
+            return Decision("raise", reason=reason), state
+        if request_was_sent(outcome):
+            if not repeatable:
+                return Decision("raise", reason=reason, maybe_applied=True), state
+            if isinstance(outcome, httpx.TimeoutException) and not policy.retry_timeouts:
+                return Decision("raise", reason=reason), state
+        if policy.unreachable_limit is not None and now - (state.down_since or now) >= policy.unreachable_limit:
+            return Decision("raise", reason=reason, gave_up=True), state
+    else:
+        status = outcome.status_code
+        reason = f"HTTP {status}"
+        retry_after = retry_after_seconds(outcome.headers, policy.max_retry_after)
+        unavailable = state.unavailable + 1 if status == 503 and retry_after is None else 0
+        state = dataclasses.replace(state, unavailable=unavailable, down_since=None, last=reason)
+        if status in accept:
+            return Decision("return", reason=reason), state
+        if retry_if is not None and retry_if(outcome):
+            pass
+        elif status not in policy.retry_statuses:
+            return Decision("return" if status < 400 else "raise", reason=reason), state
+        elif not (status == 429 or (status == 503 and retry_after is not None)) and not repeatable:
+            # Only 429 and 503 + Retry-After say the server did nothing; after any other
+            # failure status a request without an Idempotency-Key may have been applied.
+            return Decision("raise", reason=reason, maybe_applied=True), state
+        if unavailable and policy.unavailable_limit is not None and unavailable > policy.unavailable_limit:
+            return Decision("raise", reason=reason, gave_up=True, shutdown=True), state
+        delay = retry_after
+    if policy.max_retries is not None and state.attempt >= policy.max_retries:
+        return Decision("raise", reason=reason, gave_up=True), state
+    elapsed = now - state.started
+    if policy.deadline is not None and elapsed >= policy.deadline:
+        return Decision("raise", reason=reason, gave_up=True), state
+    wait = policy.backoff(state.attempt, rng) if delay is None else delay
+    if policy.deadline is not None:
+        wait = min(wait, policy.deadline - elapsed)
+    return Decision("retry", delay=max(wait, 0.0), reason=reason), dataclasses.replace(state, attempt=state.attempt + 1)
 
 
 def _json_or_none(resp: httpx.Response) -> Any:
@@ -230,17 +377,22 @@ def _display_url(url: httpx.URL | str) -> str:
     return str(u.copy_with(query=None, fragment=None, username=None, password=None))
 
 
-def error_from_response(resp: httpx.Response, *, api_key: str | None = None) -> ApiError:
-    """Map an error response to the typed :class:`ApiError` subclass for its status."""
+def error_from_response(resp: httpx.Response, *, api_key: str | None = None, gave_up: str | None = None) -> ApiError:
+    """Map an error response to the typed :class:`ApiError` subclass for its status.
+
+    ``gave_up`` ("gave up after 4 attempts in 3.1s") marks the last answer of a retried
+    request: the message then names the whole URL, not only the path."""
     body = _json_or_none(resp)
     detail, error_class, reason = error_fields(body, resp.text if body is None else "")
     status = resp.status_code
     method = resp.request.method if resp.request is not None else None
     url = _display_url(resp.request.url) if resp.request is not None else None
-    where = f"{method} {httpx.URL(url).path}" if method and url else "request"
+    where = f"{method} {url if gave_up else httpx.URL(url).path}" if method and url else "request"
     gateway = resp.headers.get(ERROR_SOURCE_HEADER) == GATEWAY_ERROR_SOURCE
     code = resp.headers.get(ERROR_CODE_HEADER)
     text = f"HTTP {status} for {where}"
+    if gave_up:
+        text += f"; {gave_up}"
     if gateway and code:
         text += f" (Loops gateway: {code})"
     if detail:
@@ -265,7 +417,7 @@ def error_from_response(resp: httpx.Response, *, api_key: str | None = None) -> 
     if status == 409:
         return ConflictError(message, **kwargs)
     if status == 429:
-        retry_after = _safe_retry_after(resp.headers, cap=math.inf)
+        retry_after = retry_after_seconds(resp.headers, cap=math.inf)
         hint = f"the server asked to wait {retry_after:.0f}s before retrying" if retry_after else None
         return RateLimitedError(message, retry_after=retry_after, hint=hint, **kwargs)
     if status >= 500:
@@ -275,13 +427,17 @@ def error_from_response(resp: httpx.Response, *, api_key: str | None = None) -> 
     return ApiError(message, **kwargs)  # pragma: no cover - callers pass error statuses only
 
 
-def connection_error(exc: Exception, url: httpx.URL | str, *, api_key: str | None = None) -> ConnectionFailedError:
+def connection_error(
+    exc: BaseException, url: httpx.URL | str, *, api_key: str | None = None, gave_up: str | None = None
+) -> ConnectionFailedError:
     """Map an httpx transport failure to :class:`ConnectionFailedError` (or its timeout child)."""
     shown = _display_url(url)
     reason = scrub(one_line(str(exc) or type(exc).__name__, 160), api_key)
+    suffix = f"; {gave_up}" if gave_up else ""
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
-        return RequestTimeoutError(f"timed out waiting for {shown} ({type(exc).__name__})", url=shown)
-    return ConnectionFailedError(f"could not reach {shown}: {reason}", url=shown)
+        return RequestTimeoutError(f"timed out waiting for {shown} ({type(exc).__name__}{suffix})", url=shown)
+    return ConnectionFailedError(f"could not reach {shown}: {reason}{suffix}" if not gave_up else
+                                 f"could not reach {shown}: {reason} ({gave_up})", url=shown)
 
 
 def is_permanent_rejection(resp: httpx.Response) -> bool:
@@ -299,50 +455,89 @@ def is_permanent_rejection(resp: httpx.Response) -> bool:
     return payload.get("type") == "BadRequestError" or bool(body.get("error_class"))
 
 
-def get_with_retries(
-    client: httpx.Client,
-    url: str,
-    *,
-    params: Mapping[str, Any] | None = None,
-    headers: Mapping[str, str] | None = None,
-    max_retries: int = 8,
-    sleep: Sleep = time.sleep,
-    rng: Callable[[], float] = random.random,
-    api_key: str | None = None,
-) -> httpx.Response:
-    """A GET on a bare ``httpx.Client`` (the worker clients), retried like :class:`HttpClient`
-    retries a GET: transport errors, 408, 429, 500, 502, 503, 504 (honouring Retry-After).
 
-    Returns the last response, error statuses included (the caller maps them: a 501 can mean
-    "unsupported"); raises :class:`ConnectionFailedError` when the server never answered.
-    """
-    attempt = 0
-    while True:
-        try:
-            resp = client.get(url, params=params, headers=headers)
-        except httpx.TransportError as exc:
-            if attempt >= max_retries:
-                raise connection_error(exc, url, api_key=api_key) from exc
-            sleep(backoff_delay(attempt, rng=rng))
-            attempt += 1
-            continue
-        if resp.status_code in (408, 429, 500, 502, 503, 504) and attempt < max_retries:
-            delay = retry_after_seconds(resp.headers)
-            sleep(backoff_delay(attempt, rng=rng) if delay is None else delay)
-            attempt += 1
-            continue
-        return resp
+
+# ── one httpx client per origin per process ──────────────────────────────────────────────────
+
+_SYNC_LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+# Async sampling fans out (hundreds of concurrent /sample calls for RL groups).
+_ASYNC_LIMITS = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+
+
+def _origin(url: str) -> str:
+    u = httpx.URL(url)
+    return f"{u.scheme}://{u.netloc.decode('ascii')}"
+
+
+class _SharedClients:
+    """The process's httpx clients: one per origin (async: per origin and event loop), counted
+    by users; the last :meth:`HttpClient.close` of an origin closes its client."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sync: dict[str, list[Any]] = {}
+        self._async: dict[tuple[str, asyncio.AbstractEventLoop], list[Any]] = {}
+
+    def acquire(self, origin: str) -> httpx.Client:
+        with self._lock:
+            entry = self._sync.get(origin)
+            if entry is None or entry[0].is_closed:
+                client = httpx.Client(timeout=DEFAULT_TIMEOUT, limits=_SYNC_LIMITS, follow_redirects=False)
+                entry = self._sync[origin] = [client, 0]
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, origin: str, client: httpx.Client) -> None:
+        with self._lock:
+            entry = self._sync.get(origin)
+            if entry is None or entry[0] is not client:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._sync[origin]
+        client.close()
+
+    def acquire_async(self, origin: str) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            for key in [k for k in self._async if k[1].is_closed()]:
+                del self._async[key]  # its loop is gone: nothing can close it any more
+            entry = self._async.get((origin, loop))
+            if entry is None or entry[0].is_closed:
+                client = httpx.AsyncClient(timeout=DEFAULT_TIMEOUT, limits=_ASYNC_LIMITS, follow_redirects=False)
+                entry = self._async[(origin, loop)] = [client, 0]
+            entry[1] += 1
+            return entry[0]
+
+    async def release_async(self, origin: str, client: httpx.AsyncClient) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            entry = self._async.get((origin, loop))
+            if entry is None or entry[0] is not client:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._async[(origin, loop)]
+        await client.aclose()
+
+
+_SHARED = _SharedClients()
 
 
 # ── the client ──────────────────────────────────────────────────────────────────────────────
 
 
 class HttpClient:
-    """One ``httpx.Client`` with Loops auth headers, retries and typed errors.
+    """Requests to one base URL, sent by the one send loop under a :class:`RetryPolicy`.
 
+    ``policy`` defaults to :data:`DEFAULT_POLICY` with ``max_retries`` and ``max_retry_after``;
+    ``headers`` are added to :func:`auth_headers` on every request (a worker's ``X-Run-Id``).
     ``debug_log`` receives one line per attempt (method, URL, status, elapsed, headers with
     ``Authorization`` redacted to ``Api-Key ***``). ``sleep`` and ``rng`` are injectable so tests
-    run the retry paths without waiting.
+    run the retry paths without waiting. ``transport`` (tests) gives this client a private
+    httpx client on that transport instead of the shared one.
     """
 
     def __init__(
@@ -352,7 +547,9 @@ class HttpClient:
         *,
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        policy: RetryPolicy | None = None,
         user_agent: str = USER_AGENT,
+        headers: Mapping[str, str] | None = None,
         debug_log: DebugLog | None = None,
         sleep: Sleep = time.sleep,
         rng: Callable[[], float] = random.random,
@@ -360,24 +557,43 @@ class HttpClient:
         transport: httpx.BaseTransport | None = None,
     ):
         self.base_url = base_url.rstrip("/")
-        self._api_key = api_key
-        self.max_retries = max(0, int(max_retries))
+        self.api_key = api_key
+        self.policy = policy or DEFAULT_POLICY.replace(max_retries=max(0, int(max_retries)), max_retry_after=max_retry_after)
+        self.headers = {**auth_headers(api_key, user_agent), **(headers or {})}
+        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self.debug_log = debug_log
         self._sleep = sleep
         self._rng = rng
-        self._max_retry_after = max_retry_after
-        self._client = httpx.Client(
-            base_url=self.base_url,
-            headers=auth_headers(api_key, user_agent),
-            timeout=timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout),
-            transport=transport,
-            follow_redirects=False,
-        )
+        self._origin = _origin(self.base_url)
+        self._private = transport is not None
+        if transport is not None:
+            self._client = httpx.Client(timeout=DEFAULT_TIMEOUT, transport=transport, follow_redirects=False)
+        else:
+            self._client = _SHARED.acquire(self._origin)
+        self._aclients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._closed = False
+
+    @property
+    def max_retries(self) -> int | None:
+        return self.policy.max_retries
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        self._client.close()
+        if self._closed:
+            return
+        self._closed = True
+        if self._private:
+            self._client.close()
+        else:
+            _SHARED.release(self._origin, self._client)
+        self._aclients.clear()  # an AsyncClient is closed on its own loop (aclose)
+
+    async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        aclient = self._aclients.pop(loop, None)
+        if aclient is not None:
+            await _SHARED.release_async(self._origin, aclient)
 
     def __enter__(self) -> "HttpClient":
         return self
@@ -385,7 +601,163 @@ class HttpClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- requests --------------------------------------------------------------------------
+    def _async_client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        aclient = self._aclients.get(loop)
+        if aclient is None:
+            for gone in [k for k in self._aclients if k.is_closed()]:
+                del self._aclients[gone]
+            aclient = self._aclients[loop] = _SHARED.acquire_async(self._origin)
+        return aclient
+
+    # -- the send loop -----------------------------------------------------------------------
+
+    def url(self, path: str) -> str:
+        """``path`` under the base URL (``/v1/...`` or ``forward``); absolute URLs as given."""
+        if path.startswith(("http://", "https://")):
+            return path
+        if not path:
+            return self.base_url
+        return self.base_url + (path if path.startswith("/") else "/" + path)
+
+    def _build(self, client: httpx.Client | httpx.AsyncClient, method: str, path: str, *, params: Any, json: Any,
+               headers: Mapping[str, str] | None, timeout: Any) -> httpx.Request:
+        clean = ({k: v for k, v in params.items() if v is not None} or None) if isinstance(params, Mapping) else params
+        merged = {**self.headers, **(headers or {})}
+        if timeout is httpx.USE_CLIENT_DEFAULT:
+            timeout = self.timeout
+        return client.build_request(method, self.url(path), params=clean, json=json, headers=merged, timeout=timeout)
+
+    def open(self, method: str, url: str, *, json: Any = None, headers: Mapping[str, str] | None = None,
+             timeout: Any = httpx.USE_CLIENT_DEFAULT, follow_redirects: bool = False) -> httpx.Response:
+        """One attempt, streamed (the caller reads and closes the body): for a transfer whose
+        retries depend on what arrived (``api.download`` decides with :func:`decide`) or a
+        stream of events. Raises the httpx transport error as is."""
+        request = self._build(self._client, method, url, params=None, json=json, headers=headers, timeout=timeout)
+        self._log_request(request, 0)
+        started = time.monotonic()
+        try:
+            resp = self._client.send(request, stream=True, follow_redirects=follow_redirects)
+        except httpx.TransportError as exc:
+            self._log_outcome(request, exc, time.monotonic() - started)
+            raise
+        self._log_outcome(request, resp, time.monotonic() - started)
+        return resp
+
+    def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: Any = httpx.USE_CLIENT_DEFAULT,
+        policy: RetryPolicy | None = None,
+        repeatable: bool | None = None,
+        accept: Iterable[int] = (),
+        retry_if: Callable[[httpx.Response], bool] | None = None,
+        stream: bool = False,
+    ) -> httpx.Response:
+        """Send one request, retried as :func:`decide` says; return the response it accepts
+        (2xx/3xx and the ``accept`` statuses) or raise the typed error of the last outcome.
+
+        ``repeatable``: whether the request may be sent again after the server may have
+        received it; defaults to the method being idempotent (pass True for a body keyed by an
+        Idempotency-Key). ``stream``: the accepted response's body is not read yet (iterate
+        it, then close it); error bodies are read for the decision as usual."""
+        method = method.upper()
+        policy = policy or self.policy
+        repeat = method in IDEMPOTENT_METHODS if repeatable is None else repeatable
+        state = RetryState(started=time.monotonic())
+        while True:
+            request = self._build(self._client, method, path, params=params, json=json, headers=headers, timeout=timeout)
+            self._log_request(request, state.attempt)
+            started = time.monotonic()
+            try:
+                outcome: httpx.Response | httpx.TransportError = self._client.send(request, stream=stream)
+                if stream and outcome.status_code >= 400:
+                    outcome.read()
+                    outcome.close()
+            except httpx.TransportError as exc:
+                outcome = exc
+            decision, state = self._decide(policy, outcome, state, request, started, repeat, accept, retry_if)
+            if decision.action == "return":
+                return outcome  # type: ignore[return-value]
+            if stream and isinstance(outcome, httpx.Response):
+                outcome.close()
+            if decision.action == "raise":
+                raise self._error(request, outcome, decision, state) from (outcome if isinstance(outcome, BaseException) else None)
+            self._sleep(decision.delay)
+
+    async def asend(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: Any = httpx.USE_CLIENT_DEFAULT,
+        policy: RetryPolicy | None = None,
+        repeatable: bool | None = None,
+        accept: Iterable[int] = (),
+        retry_if: Callable[[httpx.Response], bool] | None = None,
+    ) -> httpx.Response:
+        """:meth:`send` on the shared ``httpx.AsyncClient`` of this event loop."""
+        method = method.upper()
+        policy = policy or self.policy
+        repeat = method in IDEMPOTENT_METHODS if repeatable is None else repeatable
+        client = self._async_client()
+        state = RetryState(started=time.monotonic())
+        while True:
+            request = self._build(client, method, path, params=params, json=json, headers=headers, timeout=timeout)
+            self._log_request(request, state.attempt)
+            started = time.monotonic()
+            try:
+                outcome: httpx.Response | httpx.TransportError = await client.send(request)
+            except httpx.TransportError as exc:
+                outcome = exc
+            decision, state = self._decide(policy, outcome, state, request, started, repeat, accept, retry_if)
+            if decision.action == "return":
+                return outcome  # type: ignore[return-value]
+            if decision.action == "raise":
+                raise self._error(request, outcome, decision, state) from (outcome if isinstance(outcome, BaseException) else None)
+            await asyncio.sleep(decision.delay)
+
+    def _decide(self, policy: RetryPolicy, outcome: Any, state: RetryState, request: httpx.Request, started: float,
+                repeat: bool, accept: Iterable[int], retry_if: Any) -> tuple[Decision, RetryState]:
+        now = time.monotonic()
+        self._log_outcome(request, outcome, now - started)
+        decision, state = decide(policy, outcome, state, now=now, repeatable=repeat, rng=self._rng, accept=accept,
+                                 retry_if=retry_if)  # fmt: skip
+        if decision.action == "retry":
+            total = "" if policy.max_retries is None else f"/{policy.max_retries}"
+            self._log(f"   retry {state.attempt}{total} after {decision.reason}: sleeping {decision.delay:.2f}s")
+        return decision, state
+
+    def _error(self, request: httpx.Request, outcome: Any, decision: Decision, state: RetryState) -> LoopsError:
+        """The typed error for giving up on ``outcome``; it names the URL and the last status."""
+        gave_up = None
+        if state.attempt:
+            gave_up = f"gave up after {state.attempt + 1} attempts in {time.monotonic() - state.started:.1f}s"
+        if isinstance(outcome, BaseException):
+            err: LoopsError = connection_error(outcome, request.url, api_key=self.api_key, gave_up=gave_up)
+        elif decision.shutdown:
+            err = ServerShutdownError(
+                f"{_display_url(request.url)} answered HTTP 503 {state.unavailable} times in a row without Retry-After "
+                f"(the worker is shutting down or gone; {gave_up})",
+                url=self.base_url,
+            )
+        else:
+            err = error_from_response(outcome, api_key=self.api_key, gave_up=gave_up)
+        if decision.maybe_applied:
+            # Read by HttpClient.create: the outcome to decide on after reconciling.
+            err.maybe_applied = True  # type: ignore[attr-defined]
+            err.outcome = outcome  # type: ignore[attr-defined]
+        return err
+
+    # -- the control plane's request API -------------------------------------------------------
 
     def request(
         self,
@@ -399,49 +771,14 @@ class HttpClient:
         safe_to_repeat: bool | None = None,
         max_retries: int | None = None,
     ) -> httpx.Response:
-        """Send one request (with retries) and return the 2xx/3xx response, or raise.
+        """:meth:`send` with this client's policy (``max_retries`` overrides its count).
 
         ``safe_to_repeat``: whether the request may be re-sent after it possibly reached the
-        server (read timeout, dropped connection, 502/504). Defaults to the method being
-        idempotent, except that 502/503/504 are retried for every method unless this is
-        ``False`` explicitly (the server did not apply a request it answered 502/503/504 to
-        in this API).
-        """
-        method = method.upper()
-        idempotent = method in IDEMPOTENT_METHODS
-        repeat_after_send = idempotent if safe_to_repeat is None else safe_to_repeat
-        retries = self.max_retries if max_retries is None else max(0, max_retries)
-        clean_params = {k: v for k, v in (params or {}).items() if v is not None} or None
-        attempt = 0
-        while True:
-            request = self._client.build_request(
-                method, path, params=clean_params, json=json, headers=headers, timeout=timeout
-            )
-            started = time.monotonic()
-            self._log_request(request, attempt)
-            try:
-                resp = self._client.send(request)
-            except httpx.TransportError as exc:
-                elapsed = time.monotonic() - started
-                self._log(f"<- {type(exc).__name__} {request.method} {_display_url(request.url)} ({elapsed * 1000:.0f} ms)")
-                retryable = isinstance(exc, _NOT_SENT_EXC) or (isinstance(exc, _MAYBE_SENT_EXC) and repeat_after_send)
-                if retryable and attempt < retries:
-                    self._wait(attempt, None, reason=type(exc).__name__)
-                    attempt += 1
-                    continue
-                raise connection_error(exc, request.url, api_key=self._api_key) from exc
-
-            elapsed = time.monotonic() - started
-            self._log_response(resp, elapsed)
-            if resp.status_code < 400:
-                return resp
-            delay = self._retry_delay(resp, idempotent=idempotent, safe_to_repeat=safe_to_repeat)
-            if delay is not False and attempt < retries:
-                resp.close()
-                self._wait(attempt, delay, reason=f"HTTP {resp.status_code}")
-                attempt += 1
-                continue
-            raise error_from_response(resp, api_key=self._api_key)
+        server (read timeout, dropped connection, 408/500/502/503/504); defaults to the method
+        being idempotent. A create without an Idempotency-Key goes through :meth:`create`."""
+        policy = self.policy if max_retries is None else self.policy.replace(max_retries=max(0, max_retries))
+        return self.send(method, path, params=params, json=json, headers=headers, timeout=timeout, policy=policy,
+                         repeatable=safe_to_repeat)  # fmt: skip
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return self.request("GET", path, **kwargs)
@@ -454,48 +791,66 @@ class HttpClient:
 
     def request_json(self, method: str, path: str, **kwargs: Any) -> Any:
         """:meth:`request`, returning the decoded JSON body (``{}`` for an empty body)."""
-        resp = self.request(method, path, **kwargs)
-        if not resp.content:
-            return {}
-        try:
-            return resp.json()
-        except ValueError as exc:
-            from baseten_loops_cli.api.errors import ProtocolError
+        return response_json(self.request(method, path, **kwargs))
 
-            raise ProtocolError(
-                f"{method} {httpx.URL(path).path}: the server answered {resp.status_code} with a non-JSON body"
-            ) from exc
+    def create(
+        self,
+        path: str,
+        *,
+        json: Any,
+        parse: Callable[[Any], T],
+        find: Callable[[], list[T]] | None,
+        discard: Callable[[T], Any] | None = None,
+        what: str = "object",
+    ) -> T:
+        """POST a create that carries no Idempotency-Key (run, trainer, sampler, deployment).
 
-    # -- retry policy ----------------------------------------------------------------------
-
-    def _retry_delay(self, resp: httpx.Response, *, idempotent: bool, safe_to_repeat: bool | None) -> float | None | bool:
-        """``False`` = do not retry; ``None`` = retry after the backoff; a float = after that."""
-        status = resp.status_code
-        retry_after = _safe_retry_after(resp.headers, self._max_retry_after)
-        if status == 429:
-            return retry_after
-        if status == 503 and retry_after is not None:
-            return retry_after
-        if status in RETRY_STATUSES:
-            if safe_to_repeat is False:
-                return False
-            return retry_after
-        if status in (408, 500) and (idempotent if safe_to_repeat is None else safe_to_repeat):
-            # 408: a proxy gave up waiting; 500: maybe transient. Only re-sent when repeating
-            # the request is harmless (a POST may already have been applied).
-            return retry_after
-        return False
-
-    def _wait(self, attempt: int, delay: float | None, *, reason: str) -> None:
-        wait = backoff_delay(attempt, rng=self._rng) if delay is None else delay
-        self._log(f"   retry {attempt + 1}/{self.max_retries} after {reason}: sleeping {wait:.2f}s")
-        self._sleep(wait)
+        It is never re-sent blindly. After an ambiguous failure (dropped connection, timeout,
+        502 after the request was sent) ``find()`` looks for what it may have made (by session
+        or name, oldest first): a match is the result; with none, the POST is sent again, under
+        this client's policy (Retry-After, backoff, retries). When an ambiguous failure
+        happened, every other match ``find()`` returns at the end is a duplicate and is
+        ``discard``-ed (deactivated). Without ``find`` an ambiguous failure is raised with a
+        hint to check before trying again."""
+        state = RetryState(started=time.monotonic())
+        ambiguous = False
+        while True:
+            try:
+                made = parse(self.request_json("POST", path, json=json, safe_to_repeat=False))
+                break
+            except LoopsError as exc:
+                outcome = getattr(exc, "outcome", None)
+                if not getattr(exc, "maybe_applied", False) or outcome is None:
+                    raise
+                if find is None:
+                    exc.hint = f"the {what} may have been created anyway: check before trying again"
+                    raise
+                ambiguous = True
+                decision, state = decide(self.policy, outcome, state, now=time.monotonic(), repeatable=True, rng=self._rng)
+                if decision.action != "retry":
+                    request = outcome.request if isinstance(outcome, httpx.Response) else httpx.Request("POST", self.url(path))
+                    raise self._error(request, outcome, decision, state) from exc
+                # Wait first: a create that is still running on the server (a timeout) gets the
+                # time to land before it is looked for.
+                self._log(f"   {what} creation ended with {exc.message}: looking for it in {decision.delay:.2f}s")
+                self._sleep(decision.delay)
+                found = find()
+                if found:
+                    made = found[0]
+                    break
+                self._log(f"   no {what} was made: sending again")
+        if ambiguous and discard is not None:
+            for other in find() if find is not None else []:
+                if getattr(other, "id", other) != getattr(made, "id", made):
+                    self._log(f"   deactivating duplicate {what} {getattr(other, 'id', other)}")
+                    discard(other)
+        return made
 
     # -- debug log -------------------------------------------------------------------------
 
     def _log(self, line: str) -> None:
         if self.debug_log is not None:
-            self.debug_log(scrub(line, self._api_key))
+            self.debug_log(scrub(line, self.api_key))
 
     def _log_request(self, request: httpx.Request, attempt: int) -> None:
         if self.debug_log is None:
@@ -503,30 +858,51 @@ class HttpClient:
         suffix = f" (attempt {attempt + 1})" if attempt else ""
         self._log(f"-> {request.method} {redact_url(request.url)}{suffix} headers={json.dumps(redact_headers(request.headers.multi_items()))}")
 
-    def _log_response(self, resp: httpx.Response, elapsed: float) -> None:
+    def _log_outcome(self, request: httpx.Request, outcome: Any, elapsed: float) -> None:
         if self.debug_log is None:
             return
+        if isinstance(outcome, BaseException):
+            self._log(f"<- {type(outcome).__name__} {request.method} {_display_url(request.url)} ({elapsed * 1000:.0f} ms)")
+            return
         self._log(
-            f"<- {resp.status_code} {resp.request.method} {redact_url(resp.request.url)} ({elapsed * 1000:.0f} ms) "
-            f"headers={json.dumps(redact_headers(resp.headers.multi_items()))}"
+            f"<- {outcome.status_code} {request.method} {redact_url(request.url)} ({elapsed * 1000:.0f} ms) "
+            f"headers={json.dumps(redact_headers(outcome.headers.multi_items()))}"
         )
+
+
+def response_json(resp: httpx.Response) -> Any:
+    """The decoded JSON body of a response (``{}`` for an empty one), or :class:`ProtocolError`."""
+    if not resp.content:
+        return {}
+    try:
+        return resp.json()
+    except ValueError as exc:
+        where = f"{resp.request.method} {resp.request.url.path}" if resp.request is not None else "request"
+        raise ProtocolError(f"{where}: the server answered {resp.status_code} with a non-JSON body") from exc
 
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
+    "DEFAULT_POLICY",
     "DEFAULT_TIMEOUT",
+    "Decision",
     "HttpClient",
+    "RETRYABLE_TRANSPORT_ERRORS",
+    "RetryPolicy",
+    "RetryState",
     "USER_AGENT",
     "auth_headers",
     "backoff_delay",
     "connection_error",
+    "decide",
     "error_fields",
     "error_from_response",
-    "get_with_retries",
     "is_permanent_rejection",
     "redact_header",
     "redact_headers",
     "redact_url",
+    "request_was_sent",
+    "response_json",
     "retry_after_seconds",
     "scrub",
 ]

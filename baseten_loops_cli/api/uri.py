@@ -69,10 +69,4 @@ class CheckpointUri:
         return f"bt://loops:{self.run_id}/{self.directory}/{self.name}"
 
 
-def format_checkpoint_uri(run_id: str, name: str, target: Target = "sampler") -> str:
-    if target not in _DIR_FOR_TARGET:
-        raise UsageError(f"unknown checkpoint target {target!r}: expected trainer or sampler")
-    return str(CheckpointUri(run_id, target, name))
-
-
-__all__ = ["CheckpointUri", "EXPECTED_FORM", "Target", "format_checkpoint_uri"]
+__all__ = ["CheckpointUri", "EXPECTED_FORM", "Target"]

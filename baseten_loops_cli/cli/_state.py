@@ -11,7 +11,7 @@ import typer
 
 if TYPE_CHECKING:
     from baseten_loops_cli.output.sink import Output
-    from baseten_loops_cli.settings.backend import Backend
+    from baseten_loops_cli.cli._backend import Backend
 
 
 @dataclass
@@ -35,7 +35,7 @@ class AppState:
     def backend(self, profile: str | None = None) -> "Backend":
         """The connected backend of ``profile`` (default: the --profile / selected one)."""
         if self._backend is None:
-            from baseten_loops_cli.settings.backend import open_backend
+            from baseten_loops_cli.cli._backend import open_backend
 
             self._backend = open_backend(profile or self.profile, announce=self.output.info)
         return self._backend

@@ -19,86 +19,69 @@ from baseten_loops_cli.cli import _complete
 from baseten_loops_cli.cli._state import get_state
 
 
-def _run_checkpoints(client: Any, text: str) -> list[dict]:
+def _run_checkpoints(client: Any, text: str) -> list:
     """``RUN:*``: the run's sampler checkpoints, oldest first."""
-    from baseten_loops_cli.cli._resolve import NotFound, checkpoints_of_run
+    from baseten_loops_cli.services.resolve import NotFound, checkpoints_of_run, created_key
 
     run_id = text[: -len(":*")]
-    cps = [c for c in checkpoints_of_run(client, run_id) if c.get("target") == "sampler"]
+    cps = [c for c in checkpoints_of_run(client, run_id) if c.target == "sampler"]
     if not cps:
         raise NotFound(
             f"run {run_id} has no sampler checkpoints",
             hint=f"Trainer checkpoints cannot be scored; list them with `loops checkpoints list --run-id {run_id}`.",
         )
-    return sorted(cps, key=lambda c: (c.get("created_at") or "", c.get("checkpoint_id") or ""))
+    return sorted(cps, key=lambda c: (created_key(c), c.checkpoint_id))
 
 
-def _sampler_checkpoint(client: Any, text: str) -> dict:
-    from baseten_loops_cli.cli._resolve import resolve_checkpoint
+def _sampler_checkpoint(client: Any, text: str) -> Any:
     from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.services.resolve import resolve_checkpoint
 
     cp = resolve_checkpoint(client, text, prefer="sampler")
-    if cp.get("target") != "sampler":
+    if cp.target != "sampler":
         raise UsageError(
             f"{text} is a trainer checkpoint (training state); eval scores sampler weights",
-            hint=f"Pick a sampler checkpoint: loops checkpoints list --run-id {cp.get('run_id')} --target sampler",
+            hint=f"Pick a sampler checkpoint: loops checkpoints list --run-id {cp.run_id} --target sampler",
         )
     return cp
 
 
 class _Samplers:
-    """Finds or starts the samplers that serve the candidates; stops the ones it started."""
+    """Finds or starts the samplers that serve the candidates (on a cache miss only) and stops
+    the ones it started: an evaluation leaves no capacity behind."""
 
     def __init__(self, client: Any, api_key: str, out: Any) -> None:
         self.client = client
         self.api_key = api_key
         self.out = out
         self.started: list[str] = []
-        self._live: list[dict] | None = None
-        self._session: str | None = None
 
-    def _live_standalone(self) -> list[dict]:
-        from baseten_loops_cli.cli._resolve import SAMPLER_TERMINAL, as_dict, status_name
+    def _started(self, sampler_id: str, what: str) -> None:
+        self.started.append(sampler_id)
+        self.out.info(f"Started sampler {sampler_id} for {what} (stopped when the evaluation ends).")
 
-        if self._live is None:
-            self._live = [s for s in as_dict(self.client.samplers.list()) or []
-                          if status_name(s) not in SAMPLER_TERMINAL and not s.get("run_id")]  # fmt: skip
-        return self._live
-
-    def _start(self, request: dict, what: str) -> dict:
-        from baseten_loops_cli.cli._resolve import as_dict
-
-        if self._session is None:
-            self._session = self.client.sessions.create().id
-        sampler = as_dict(self.client.samplers.create({"session_id": self._session, **request}))
-        self.started.append(sampler["id"])
-        self.out.info(f"Started sampler {sampler['id']} for {what} (stopped when the evaluation ends).")
-        return sampler
-
-    def for_checkpoint(self, cp: dict, uri: str) -> Any:
-        from baseten_loops_cli.api.errors import ApiError
-        from baseten_loops_cli.cli._resolve import as_dict, status_name
-        from baseten_loops_cli.cli.sample import _paired_sampler
+    def for_checkpoint(self, uri: str) -> Any:
+        from baseten_loops_cli.services.sampling import resolve_source
         from baseten_loops_cli.workers.sampler import SamplerClient
 
-        try:
-            run = as_dict(self.client.runs.get(cp["run_id"]))
-        except ApiError:
-            run = None
-        if run and status_name(run) == "ACTIVE":
-            sampler = _paired_sampler(self.client, run)
-            return SamplerClient(sampler["base_url"], api_key=self.api_key, run_id=run["id"], checkpoint_path=uri)
-        found = next((s for s in self._live_standalone() if s.get("model_path") == uri), None)
-        sampler = found or self._start({"model_path": uri}, uri)
-        return SamplerClient(sampler["base_url"], api_key=self.api_key, sampler_id=sampler["id"])
+        source = resolve_source(self.client, uri)
+        if source.started_sampler:
+            self._started(source.sampler.id, uri)
+        return SamplerClient(source.sampler.base_url, api_key=self.api_key, run_id=source.run_header,
+                             sampler_id=None if source.run_header else source.sampler.id, checkpoint_path=source.pin)  # fmt: skip
 
     def for_base(self, base_model: str) -> Any:
+        from baseten_loops_cli.services.resolve import extra, sampler_is_terminal
+        from baseten_loops_cli.services.sampling import create_sampler
         from baseten_loops_cli.workers.sampler import SamplerClient
 
-        found = next((s for s in self._live_standalone()
-                      if s.get("base_model") == base_model and not s.get("model_path")), None)  # fmt: skip
-        sampler = found or self._start({"base_model": base_model}, f"the base model {base_model}")
-        return SamplerClient(sampler["base_url"], api_key=self.api_key, sampler_id=sampler["id"])
+        live = [s for s in self.client.samplers.list() if not sampler_is_terminal(s) and s.base_model == base_model
+                and not extra(s, "run_id") and not extra(s, "model_path")]  # fmt: skip
+        sampler = live[0] if live else None
+        if sampler is None:
+            sampler, what = create_sampler(self.client, base_model=base_model)
+            self._started(sampler.id, f"the base model {what}")
+        return SamplerClient(sampler.base_url, api_key=self.api_key, sampler_id=sampler.id)
 
     def close(self) -> None:
         from baseten_loops_cli.errors import LoopsError
@@ -193,18 +176,17 @@ def eval_command(
 
     backend = state.backend()
     client = backend.client
-    resolved: list[dict] = []
+    resolved: list = []
     for text in refs:
         found = _run_checkpoints(client, text) if text.endswith(":*") else [_sampler_checkpoint(client, text)]
-        resolved += [cp for cp in found if cp.get("id") not in {c.get("id") for c in resolved}]
+        resolved += [cp for cp in found if cp.id not in {c.id for c in resolved}]
 
-    from baseten_loops_cli.cli._resolve import display_name, uri_of
+    from baseten_loops_cli.services.resolve import display_name, uri_of
 
     samplers = _Samplers(client, backend.api_key, out)
     candidates: list[ev.Candidate] = []
-    base_models = [str(cp.get("base_model") or "") for cp in resolved]
     if base:
-        models = list(dict.fromkeys(m for m in base_models if m))
+        models = list(dict.fromkeys(cp.base_model for cp in resolved if cp.base_model))
         if not models:
             if config is None:
                 raise UsageError("--base alone needs --config (its base_model)", hint="Or name a checkpoint of that model too.")
@@ -216,17 +198,18 @@ def eval_command(
                 f"base ({model})" if len(models) > 1 else "base", model, f"{backend.base_url}|base|{model}",
                 lambda model=model: samplers.for_base(model), is_base=True,
             ))  # fmt: skip
-    for cp, model in zip(resolved, base_models):
-        uri = uri_of(cp) or ""
-        if not model:
+    for cp in resolved:
+        uri = uri_of(cp) or cp.uri
+        if not cp.base_model:
             raise LoopsError(f"checkpoint {display_name(cp)} does not say its base model", hint="It cannot be scored.")
+        created = cp.created_at.isoformat() if cp.created_at else ""
         candidates.append(ev.Candidate(
-            display_name(cp), model, f"{backend.base_url}|{cp.get('id')}|{uri}|{cp.get('created_at')}",
-            lambda cp=cp, uri=uri: samplers.for_checkpoint(cp, uri), uri=uri,
+            display_name(cp), cp.base_model, f"{backend.base_url}|{cp.id}|{uri}|{created}",
+            lambda uri=uri: samplers.for_checkpoint(uri), uri=uri,
         ))  # fmt: skip
 
     try:
-        with out.progress("Scoring rows") as bar:
+        with out.count_progress("Scoring rows") as bar:
             report = ev.evaluate(candidates, task, cache_dir=None if no_cache else cache_dir() / "eval", progress=bar)
     finally:
         samplers.close()

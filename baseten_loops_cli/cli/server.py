@@ -3,8 +3,6 @@
 Imports stay inside the commands: `loops --help` must not pull in httpx or torch.
 """
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer
@@ -135,29 +133,33 @@ def env(ctx: typer.Context) -> None:
 @app.command("pull-model")
 def pull_model(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="Model name, e.g. loops-local/tiny (see GET /v1/loops/capabilities).")],
+    name: Annotated[str, typer.Argument(help="Model name, e.g. HuggingFaceTB/SmolLM2-135M-Instruct (see GET /v1/loops/capabilities).")],
 ) -> None:
-    """Prepare a model for the local backend (fetch/convert it into the cache) ahead of use."""
-    from baseten_loops_cli.errors import LoopsError
+    """Prepare a model for the local backend ahead of use: the local server downloads and
+    converts it into its cache (started if needed), showing each step as it happens."""
+    from baseten_loops_cli.api.local_server import pull_model_events
+    from baseten_loops_cli.cli._backend import local_server_connection
 
     out = get_state(ctx).output
-    out.info(f"Preparing {name} for the local backend...")
-    try:
-        from baseten_loops_cli.local.engine import registry
-    except ImportError as exc:
-        raise LoopsError("The local backend is not installed.",
-                         hint="pip install 'baseten-loops-cli[local]'") from exc
-    known = {m.name: m for m in registry.available_models()}
-    pull = getattr(registry, "pull_model", None)
-    try:
-        if pull is not None:
-            pull(name)
-        elif name in known:
-            registry.load_base(name)
-        else:
-            raise LoopsError(f"Unknown model {name!r}.",
-                             hint=f"Available: {', '.join(sorted(known)) or '<none>'}.")
-    except LookupError as exc:  # the engine's UnknownModelError lists the names
-        raise LoopsError(str(exc)) from exc
+    url, token = local_server_connection(announce=out.info)
+    out.info(f"Asking the local server to prepare {name}...")
+    step = "Preparing"
+    path = None
+    with out.err_console.status(f"{step} {name}") as status:
+        for event in pull_model_events(url, token, name):
+            kind = event.get("event")
+            elapsed = f" ({event.get('elapsed_s', 0):.0f}s)"
+            if kind == "download":
+                step = f"Downloading {event.get('package')}"
+                out.info(f"{step} (the weights of {name})...")
+            elif kind == "convert":
+                step = "Converting"
+                out.info(f"Converting {event.get('source')} into the model cache...")
+            elif kind == "log":
+                out.info(f"  {event.get('message')}")
+            elif kind == "done":
+                path = event.get("path")
+            status.update(f"{step} {name}{elapsed}")
     out.success(f"{name} is ready.")
-    out.emit({"model": name, "ready": True}, fields=[("Model", "model"), ("Ready", "ready")])
+    out.emit({"model": name, "ready": True, "path": path},
+             fields=[("Model", "model"), ("Ready", "ready"), ("Path", "path")])

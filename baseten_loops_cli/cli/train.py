@@ -1,6 +1,4 @@
-"""`loops train`: write, check and run YAML-defined SFT and RL loops; resume and plot them."""
-
-from __future__ import annotations
+"""`loops train`: write, check and run YAML-defined SFT, RL and DPO loops; resume and plot them."""
 
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,7 +8,7 @@ import typer
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(
-    help="Run YAML-defined SFT and RL loops on Baseten or the local backend.",
+    help="Run YAML-defined SFT, RL and DPO loops on Baseten or the local backend.",
     no_args_is_help=True,
 )
 
@@ -56,6 +54,14 @@ def _load_data(loaded):
     return load_data(loaded)
 
 
+def _check_reference(client, loaded) -> None:
+    """DPO with a checkpoint reference: it must exist (checked before anything is provisioned)."""
+    if loaded.config.kind == "dpo":
+        from baseten_loops_cli.training.dpo import check_reference
+
+        check_reference(client, loaded)
+
+
 def _profile_for(state, loaded) -> str | None:
     # --profile on the command line > the config's `profile` > LOOPS_PROFILE > the active one.
     return state.profile or loaded.config.profile
@@ -67,7 +73,7 @@ def _show_plan(out, plan, loaded, backend_desc: str) -> None:
     config = loaded.config
     lines = [
         f"Plan for {config.name!r} ({config.kind.upper()}) on {config.base_model}, {backend_desc}:",
-        f"  {plan.examples} {'prompts' if config.kind == 'rl' else 'examples'}"
+        f"  {plan.examples} {({'rl': 'prompts', 'dpo': 'pairs'}).get(config.kind, 'examples')}"
         + (f" (+{plan.eval_examples} eval)" if plan.eval_examples else "")
         + f", {plan.steps} steps",
         f"  ~{plan.train_tokens:,} tokens trained" + (f", ~{plan.sample_tokens:,} sampled" if plan.sample_tokens else ""),
@@ -82,7 +88,7 @@ def _show_plan(out, plan, loaded, backend_desc: str) -> None:
 @app.command("init")
 def init(
     ctx: typer.Context,
-    kind: Annotated[str, typer.Option("--kind", help="sft or rl.")] = "sft",
+    kind: Annotated[str, typer.Option("--kind", help="sft, rl or dpo.")] = "sft",
     output_file: Annotated[
         Optional[Path], typer.Option("-O", "--output-file", help="Write here instead of stdout.")
     ] = None,
@@ -95,13 +101,15 @@ def init(
       loops train init --kind sft -O my-sft.yaml
 
       loops train init --kind rl > my-rl.yaml
+
+      loops train init --kind dpo -O my-dpo.yaml
     """
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training.templates import template
 
     state = get_state(ctx)
-    if kind not in ("sft", "rl"):
-        raise UsageError(f"--kind must be sft or rl, not {kind!r}")
+    if kind not in ("sft", "rl", "dpo"):
+        raise UsageError(f"--kind must be sft, rl or dpo, not {kind!r}")
     text = template(kind)
     if output_file is None:
         typer.echo(text, nl=False)
@@ -134,7 +142,7 @@ def validate(
     loaded = _load_config(config, overrides)
     kind, backend_desc, notes = "local", "local backend", []
     if not offline:
-        from baseten_loops_cli.settings.backend import open_backend_if_reachable
+        from baseten_loops_cli.cli._backend import open_backend_if_reachable
 
         backend = open_backend_if_reachable(_profile_for(state, loaded))
         if backend is None:
@@ -146,6 +154,7 @@ def validate(
 
             try:
                 notes += check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
+                _check_reference(backend.client, loaded)
             except ConnectionFailedError:
                 notes.append(f"base model not checked: {backend.base_url} is not reachable")
             finally:
@@ -177,7 +186,7 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
     is left billing.
     """
     from baseten_loops_cli.errors import InterruptedByUser, LoopsError
-    from baseten_loops_cli.training.config import RLConfig
+    from baseten_loops_cli.training.config import DPOConfig, RLConfig
     from baseten_loops_cli.training.metrics import MetricsSink, open_wandb
     from baseten_loops_cli.training.rewards import RewardError
     from baseten_loops_cli.training.session import StopRequested, open_session, save_checkpoint
@@ -209,6 +218,10 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
                     from baseten_loops_cli.training.rl import run_rl
 
                     status = run_rl(session, data.train, data.eval, data.tokenizer, data.reward, sink, stop)
+                elif isinstance(loaded.config, DPOConfig):
+                    from baseten_loops_cli.training.dpo import run_dpo
+
+                    status = run_dpo(session, data.train, data.eval, sink, stop)
                 else:
                     from baseten_loops_cli.training.sft import run_sft
 
@@ -312,6 +325,7 @@ def run(
         )
     backend = state.backend(_profile_for(state, loaded))
     check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
+    _check_reference(backend.client, loaded)
     data = _load_data(loaded)
     plan = make_plan(loaded, data, backend.kind)
     desc = f"profile {backend.profile_name!r} ({backend.base_url})"

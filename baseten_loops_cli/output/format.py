@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from baseten_loops_cli.sizes import human_size
+
+__all__ = ["human_duration", "human_size", "human_time", "parse_time"]
+
 
 def parse_time(value: str | datetime) -> datetime:
     if isinstance(value, datetime):
@@ -21,17 +25,6 @@ def human_time(value: str | datetime) -> str:
         return parse_time(value).astimezone().strftime("%Y-%m-%d %H:%M")
     except (ValueError, TypeError):
         return str(value)
-
-
-def human_size(num_bytes: int | float | None) -> str:
-    if num_bytes is None:
-        return "-"
-    size = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"  # pragma: no cover
 
 
 def human_duration(seconds: float | None) -> str:

@@ -8,7 +8,12 @@ Data goes to stdout in the chosen format; messages, hints, warnings and progress
 - ``-q/--quiet``: the IDs only, one per line, and no messages.
 
 Colour and animation follow the terminal: none when the stream is not a TTY, when ``NO_COLOR``
-is set or ``TERM=dumb``. The TTY checks live in :class:`Streams`, the one seam tests replace.
+is set or ``TERM=dumb``. That decision is made once, in :class:`Streams` (``stdout_color``,
+``stderr_color``; ``Output.animate`` adds "a person is reading"), the one seam tests replace. Commands never branch on the format
+or the terminal themselves: they hand models to :meth:`Output.emit` (a document, with its table,
+key/value or text view), :meth:`Output.stream` (one record of a live stream: a log line, a watch
+snapshot), :meth:`Output.live` (a line redrawn in place), :meth:`Output.progress` (a transfer
+bar) and :meth:`Output.confirm`; the sink picks what each format shows.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from baseten_loops_cli.errors import CancelledError, UsageError
 
 FORMATS = ("table", "json", "jsonl", "yaml", "none")
 
-# A column is (header, key or function of the row).
-Column = tuple[str, "str | Callable[[dict], Any]"]
+# A column is (header, key or function of the row). A key is a dotted path in the row's JSON
+# ("user.email"); a function gets the row as it was given (a model, or a dict).
+Column = tuple[str, "str | Callable[[Any], Any]"]
 
 
 @dataclass
@@ -47,11 +53,19 @@ class Streams:
         if self.stderr_tty is None:
             self.stderr_tty = _isatty(self.stderr)
 
+    @staticmethod
+    def _styling_allowed() -> bool:
+        return not (os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb")
+
     @property
-    def color(self) -> bool:
-        if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
-            return False
-        return bool(self.stdout_tty)
+    def stdout_color(self) -> bool:
+        """Colour and Rich tables on stdout."""
+        return bool(self.stdout_tty) and self._styling_allowed()
+
+    @property
+    def stderr_color(self) -> bool:
+        """Colour, live views and progress bars on stderr."""
+        return bool(self.stderr_tty) and self._styling_allowed()
 
 
 def _isatty(stream: Any) -> bool:
@@ -122,16 +136,18 @@ class Output:
         return bool(self.streams.stdin_tty and self.streams.stderr_tty)
 
     @property
+    def animate(self) -> bool:
+        """Live views and progress bars are drawn (on stderr) for a person at a terminal."""
+        return self.human and bool(self.streams.stderr_tty)
+
+    @property
     def console(self):
         if self._console is None:
             from rich.console import Console
 
+            color = self.streams.stdout_color
             self._console = Console(
-                file=self.streams.stdout,
-                force_terminal=self.streams.stdout_tty and self.streams.color,
-                no_color=not self.streams.color,
-                highlight=False,
-                soft_wrap=False,
+                file=self.streams.stdout, force_terminal=color, no_color=not color, highlight=False, soft_wrap=False
             )
         return self._console
 
@@ -140,20 +156,13 @@ class Output:
         if self._err_console is None:
             from rich.console import Console
 
-            color = bool(self.streams.stderr_tty) and not (
-                os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb"
-            )
-            self._err_console = Console(
-                file=self.streams.stderr,
-                force_terminal=color,
-                no_color=not color,
-                highlight=False,
-            )
+            color = self.streams.stderr_color
+            self._err_console = Console(file=self.streams.stderr, force_terminal=color, no_color=not color, highlight=False)
         return self._err_console
 
     # ------------------------------------------------------------------ messages (stderr)
     def _message(self, text: str, style: str | None = None) -> None:
-        if self.streams.stderr_tty and style and self.streams.color is not None:
+        if style and self.streams.stderr_tty:
             self.err_console.print(text, style=style, markup=False, highlight=False)
         else:
             print(text, file=self.streams.stderr, flush=True)
@@ -173,24 +182,20 @@ class Output:
         if not self.quiet:
             self._message(text, "dim")
 
-    def progress(self, description: str) -> "ProgressBar":
-        """A progress bar on stderr: drawn on a terminal only (and not with -q), silent
-        otherwise, so it never mixes with data or logs."""
-        return ProgressBar(self if (self.streams.stderr_tty and not self.quiet) else None, description)
-
     # ------------------------------------------------------------------ confirmation
-    def confirm(self, question: str, *, yes: bool, default: bool = False) -> None:
+    def confirm(self, question: str, *, yes: bool, action: str | None = None, default: bool = False) -> None:
         """Ask ``question``; raise CancelledError on "no". ``--yes`` skips the question.
 
-        Prompting needs a terminal: without one, the user is told which flag to pass.
+        Prompting needs a terminal: without one, the command is cancelled (exit 3) with a short
+        message naming ``action`` ("deactivating run abc1234") and the flag to pass.
         """
         if yes:
             return
         if not self.streams.stdin_tty:
-            raise CancelledError(
-                f"{question.rstrip('?')}: confirmation needed but stdin is not a terminal",
-                hint="Pass --yes to confirm non-interactively.",
+            what = f"not {action} without confirmation (stdin is not a terminal)" if action else (
+                f"{question.rstrip('?')}: confirmation needed but stdin is not a terminal"
             )
+            raise CancelledError(what, hint="Pass --yes to confirm non-interactively.")
         suffix = " [Y/n] " if default else " [y/N] "
         self.streams.stderr.write(question + suffix)
         self.streams.stderr.flush()
@@ -246,24 +251,31 @@ class Output:
         columns: Sequence[Column] | None = None,
         fields: Sequence[Column] | None = None,
         title: str | None = None,
-        id_key: str | Callable[[dict], Any] = "id",
+        id_key: str | Callable[[Any], Any] = "id",
         empty: str | None = None,
         empty_hint: str | None = None,
+        text: Iterable[str] | None = None,
+        note: str | None = None,
+        hint: str | None = None,
     ) -> None:
-        """Write ``data`` (the JSON document) in the chosen format.
+        """Write ``data`` (the JSON document: a model, or a dict of models) in the chosen format.
 
         ``rows`` + ``columns`` describe the table view (and the jsonl/quiet views) of a list;
-        ``fields`` describes a key/value view of a single object. Without either, tables fall
-        back to JSON.
+        ``fields`` describes a key/value view of a single object; ``text`` is a view of plain
+        lines (an empty one: the messages on stderr already said it all). Without any of them,
+        tables fall back to JSON. For people only (the table view): ``note`` is said on stderr
+        before the view, ``hint`` after a non-empty one.
         """
         payload = to_jsonable(data)
-        row_list = [to_jsonable(r) for r in rows] if rows is not None else None
+        originals = list(rows) if rows is not None else None
+        row_list = [to_jsonable(r) for r in originals] if originals is not None else None
         if self.format == "none":
             return
         if self.quiet:
-            for row in row_list if row_list is not None else [payload]:
-                value = _cell(row, id_key)
-                if value not in (None, ""):
+            pairs = zip(row_list, originals) if row_list is not None and originals is not None else [(payload, data)]
+            for row, original in pairs:
+                value = _cell(row, id_key, original)
+                if value is not None and (value != "" or text is not None):
                     self._write(str(value))
             return
         if self.format == "json":
@@ -279,33 +291,74 @@ class Output:
             self._write(yaml.safe_dump(payload, sort_keys=False, allow_unicode=True).rstrip("\n"))
             return
         # table
-        if row_list is not None and columns is not None:
-            if not row_list:
-                if empty:
-                    self.info(empty)
-                if empty_hint:
-                    self.hint(empty_hint)
-                return
-            self._table(row_list, columns, title)
+        if note:
+            self.info(note)
+        if row_list is not None and not row_list and (columns is not None or text is not None):
+            if empty:
+                self.info(empty)
+            if empty_hint:
+                self.hint(empty_hint)
             return
-        if fields is not None:
-            self._fields(payload, fields)
-            return
-        self._emit_json_value(payload)
+        if text is not None:
+            for line in text:
+                self._write(line)
+        elif row_list is not None and originals is not None and columns is not None:
+            self._table(list(zip(row_list, originals)), columns, title)
+        elif fields is not None:
+            self._fields(payload, data, fields)
+        else:
+            self._emit_json_value(payload)
+        if hint:
+            self.hint(hint)
 
     def emit_record(self, record: Any) -> None:
         """Stream one record (jsonl/json modes); tables ignore records (they render their own)."""
         if self.format in ("json", "jsonl"):
             self._emit_json_value(to_jsonable(record), lines=True)
 
+    def stream(self, record: Any, *, text: str | None, quiet_text: str | None = None) -> None:
+        """One item of a stream that is printed as it comes (a log line, a watch snapshot):
+        json/jsonl print the record as one JSON line, the table view ``text``, -q
+        ``quiet_text``; ``none`` prints nothing."""
+        if self.format in ("json", "jsonl"):
+            self._emit_json_value(to_jsonable(record), lines=True)
+        elif self.quiet:
+            if quiet_text is not None:
+                self._write(quiet_text)
+        elif self.format == "table" and text is not None:
+            self._write(text)
+
+    def live(self) -> "LiveLine":
+        """A line redrawn in place on stderr for a person at a terminal; elsewhere its
+        :meth:`LiveLine.update` streams each state like :meth:`stream` (with a time stamp in
+        the table view)."""
+        return LiveLine(self)
+
+    def progress(self, label: str):
+        """A transfer bar on stderr (bytes, rate, ETA, files) for a person at a terminal, or a
+        silent stand-in: either way it has ``start``/``advance``/``file_done`` and is a
+        context manager. The rate is the transfer's average, as the summary reports it."""
+        from baseten_loops_cli.output.progress import SilentProgress, TransferBar
+
+        if self.streams.stderr_tty and not self.quiet:
+            return TransferBar(self.err_console, label)
+        return SilentProgress()
+
+    def count_progress(self, label: str):
+        """A bar of items done out of a total (with the time left) on stderr for a person at a
+        terminal, silent otherwise; ``start(total)``/``advance(n)``, a context manager."""
+        from baseten_loops_cli.output.progress import CountBar
+
+        return CountBar(self.err_console if (self.streams.stderr_tty and not self.quiet) else None, label)
+
     # ------------------------------------------------------------------ renderers
-    def _table(self, rows: list[dict], columns: Sequence[Column], title: str | None) -> None:
+    def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None) -> None:
         headers = [h for h, _ in columns]
-        cells = [[format_cell(_cell(row, key)) for _, key in columns] for row in rows]
+        cells = [[format_cell(_cell(row, key, original)) for _, key in columns] for row, original in rows]
         if self.is_tty:
             from rich.table import Table
 
-            table = Table(title=title, header_style="bold", box=None if not self.streams.color else None)
+            table = Table(title=title, header_style="bold", box=None)
             for header in headers:
                 table.add_column(header, overflow="fold")
             for line in cells:
@@ -317,58 +370,52 @@ class Output:
         for line in cells:
             self._write("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
 
-    def _fields(self, obj: dict, fields: Sequence[Column]) -> None:
+    def _fields(self, obj: dict, original: Any, fields: Sequence[Column]) -> None:
         width = max(len(label) for label, _ in fields) + 1
         for label, key in fields:
             if label.startswith("#"):  # a section heading
                 self._write("")
                 self._write(label[1:].strip())
                 continue
-            self._write(f"{(label + ':').ljust(width)} {format_cell(_cell(obj, key))}")
+            self._write(f"{(label + ':').ljust(width)} {format_cell(_cell(obj, key, original))}")
 
 
-class ProgressBar:
-    """``with out.progress("Scoring") as bar: bar.start(total); bar.advance()``: a Rich bar with
-    a count and the time left, or nothing when ``out`` is None (not a terminal)."""
+class LiveLine:
+    """See :meth:`Output.live`. Use as a context manager; ``update`` whenever the state changes."""
 
-    def __init__(self, out: Output | None, description: str) -> None:
+    def __init__(self, out: Output):
         self._out = out
-        self._description = description
-        self._progress: Any = None
-        self._task: Any = None
+        self._live = None
 
-    def start(self, total: int) -> None:
-        if self._out is None or total <= 0 or self._progress is not None:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    def __enter__(self) -> "LiveLine":
+        if self._out.animate:
+            from rich.live import Live
+            from rich.text import Text
 
-        self._progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-            console=self._out.err_console, transient=True,
-        )  # fmt: skip
-        self._task = self._progress.add_task(self._description, total=total)
-        self._progress.start()
-
-    def advance(self, n: int = 1) -> None:
-        if self._progress is not None:
-            self._progress.advance(self._task, n)
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-
-    def __enter__(self) -> "ProgressBar":
+            self._live = Live(Text(""), console=self._out.err_console, refresh_per_second=4, transient=False)
+            self._live.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def update(self, record: Any, text: str) -> None:
+        if self._live is not None:
+            from rich.text import Text
+
+            self._live.update(Text(text))
+            return
+        stamp = datetime.now().strftime("%H:%M:%S")
+        self._out.stream(record, text=f"[{stamp}] {text}")
 
 
-def _cell(row: Any, key: str | Callable[[dict], Any]) -> Any:
+def _cell(row: Any, key: "str | Callable[[Any], Any]", original: Any = None) -> Any:
+    """The value of ``key`` in ``row`` (JSON); a function of the row gets ``original``."""
     if callable(key):
         try:
-            return key(row)
+            return key(row if original is None else original)
         except (KeyError, TypeError, AttributeError):
             return None
     value: Any = row

@@ -1,18 +1,20 @@
 """Tokenizers and chat templates shared by the client (data preparation) and the local
-server (sampling, chat completions). No torch here, and ``transformers`` only on demand.
+server (sampling, chat completions). Never torch or transformers (tests/test_layers.py).
 
-- ``loops-local/tiny``: :class:`~.byte_tokenizer.ByteTokenizer`, built in code.
-- anything else: ``transformers.AutoTokenizer``, loaded from where the local engine finds
-  the model (``local.engine.model_zoo.resolve_model_dir``: a local directory, the HF cache,
-  or the converted-GGUF cache), else from the Hugging Face hub id itself.
+- ``loops-local/*``: built in code (:class:`~.byte_tokenizer.ByteTokenizer`).
+- anything else: ``tokenizer.json`` and the chat template from the model's files
+  (:mod:`.files`), found by ``settings.model_files.find_model_dir``: a local directory, the
+  converted-model cache, or the Hugging Face hub cache.
 """
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Iterable, Protocol, runtime_checkable
 
 from baseten_loops_cli.errors import LoopsError
+from baseten_loops_cli.settings.model_files import TOKENIZER_FILES
 from baseten_loops_cli.tokenization.byte_tokenizer import ByteTokenizer
 from baseten_loops_cli.tokenization.chat import render_chat, render_prompt_completion
 
@@ -47,17 +49,15 @@ class TokenizerUnavailableError(LoopsError):
     """The tokenizer of a model cannot be loaded here."""
 
 
+# Tokenizers built in code, by model name.
+_BUILTIN: dict[str, type[ByteTokenizer]] = {TINY_MODEL: ByteTokenizer}
 _cache: dict[str, Tokenizer] = {}
 _lock = threading.Lock()
 
 
 def local_model_names() -> list[str]:
-    """Models the local backend knows by name (any local HF model directory also works)."""
-    try:
-        from baseten_loops_cli.local.engine.model_zoo import BUILTIN_MODELS
-    except ImportError:  # the engine package is absent from this install
-        return [TINY_MODEL]
-    return list(BUILTIN_MODELS)
+    """Models whose tokenizer is built in code (any model with files on disk also works)."""
+    return list(_BUILTIN)
 
 
 def get_tokenizer(base_model: str) -> Tokenizer:
@@ -70,23 +70,37 @@ def get_tokenizer(base_model: str) -> Tokenizer:
 
 
 def _load(base_model: str) -> Tokenizer:
-    if base_model == TINY_MODEL:
-        return ByteTokenizer()
-    try:
-        import transformers  # noqa: F401  (only to give a clear error when it is missing)
-    except ImportError:
-        raise TokenizerUnavailableError(
-            f"The tokenizer of {base_model} needs the 'transformers' package.",
-            hint="pip install 'baseten-loops-cli[local]' (or pip install transformers).",
-        ) from None
-    from baseten_loops_cli.local.engine.model_zoo import resolve_model_dir
-    from baseten_loops_cli.tokenization.hf import load_hf_tokenizer
+    builtin = _BUILTIN.get(base_model)
+    if builtin is not None:
+        return builtin()
+    from baseten_loops_cli.settings.model_files import find_model_dir
+    from baseten_loops_cli.tokenization.files import load_file_tokenizer
 
-    source = resolve_model_dir(base_model) or base_model
-    try:
-        return load_hf_tokenizer(base_model, source)
-    except Exception as exc:  # transformers raises OSError/ValueError/HTTP errors
+    directory = find_model_dir(base_model, weights=False) or _from_hub(base_model)
+    if directory is None:
         raise TokenizerUnavailableError(
-            f"Could not load the tokenizer of {base_model}: {exc}",
-            hint=f"Check the model name, or run 'loops server pull-model {base_model}'.",
+            f"The tokenizer of {base_model} is not on this machine (no tokenizer.json in a "
+            "local model directory, the converted-model cache or the Hugging Face cache) and "
+            "could not be downloaded from the Hugging Face hub.",
+            hint=f"Run 'loops server pull-model {base_model}', or pass a local model directory.",
+        )
+    try:
+        return load_file_tokenizer(base_model, directory)
+    except Exception as exc:  # tokenizers raises plain Exceptions on bad files
+        raise TokenizerUnavailableError(
+            f"Could not load the tokenizer of {base_model} from {directory}: {exc}",
+            hint=f"Delete that directory and run 'loops server pull-model {base_model}' again.",
         ) from exc
+
+
+def _from_hub(base_model: str) -> Path | None:
+    """The tokenizer files of a hub id, downloaded into the HF cache (not the weights);
+    None when offline (``HF_HUB_OFFLINE=1``) or unknown."""
+    if base_model.count("/") != 1 or Path(base_model).expanduser().exists():
+        return None
+    try:
+        from huggingface_hub import snapshot_download  # a dependency of tokenizers
+
+        return Path(snapshot_download(base_model, allow_patterns=list(TOKENIZER_FILES)))
+    except Exception:  # offline, unknown repo, gated: the caller says what to do
+        return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -64,6 +64,12 @@ class SFTData(_Strict):
 class RLData(_Strict):
     prompts: str
     eval_prompts: str | None = None
+    shuffle: bool = True
+
+
+class DPOData(_Strict):
+    train: str
+    eval: str | None = None
     shuffle: bool = True
 
 
@@ -134,11 +140,15 @@ class _Common(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
     eval: EvalConfig | None = Field(None, description="Evaluate the final checkpoint when training ends.")
+    EVAL_SUPPORTED: ClassVar[bool] = True  # the loop ends with evaluate_final()
 
     @field_validator("eval", mode="before")
     @classmethod
     def _eval_shorthand(cls, value: Any) -> Any:
-        return {} if value is True else None if value is False else value
+        value = {} if value is True else None if value is False else value
+        if value is not None and not cls.EVAL_SUPPORTED:
+            raise ValueError("not offered for this kind; score the final checkpoint with `loops eval RUN:final --data FILE`")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -174,16 +184,52 @@ class RLConfig(_Common):
         return {"fn": value} if isinstance(value, str) else value
 
 
-TrainConfig = Annotated[Union[SFTConfig, RLConfig], Field(discriminator="kind")]
+class DPOConfig(_Common):
+    EVAL_SUPPORTED = False
+    kind: Literal["dpo"]
+    data: DPOData
+    beta: float = Field(0.1, gt=0, description="DPO temperature: how far the policy may move from the reference.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed fraction of flipped labels (conservative DPO).")
+    reference: str = Field(
+        "base",
+        description="The reference policy: 'base' (the base model, as the run starts) or a sampler checkpoint bt://loops:<run>/sampler_weights/<name>.",
+    )
+
+    @field_validator("reference")
+    @classmethod
+    def _reference_checkpoint(cls, value: str) -> str:
+        if value == "base":
+            return value
+        from baseten_loops_cli.api.uri import CheckpointUri
+
+        if not CheckpointUri.is_uri(value):
+            raise ValueError(f"expected 'base' or bt://loops:<run_id>/sampler_weights/<name>, not {value!r}")
+        uri = CheckpointUri.parse(value)
+        if uri.target != "sampler":
+            raise ValueError(
+                f"{value} is trainer state; the reference is scored by a sampler, so name its sampler checkpoint "
+                f"bt://loops:{uri.run_id}/sampler_weights/{uri.name}"
+            )
+        return value
+
+
+TrainConfig = Annotated[Union[SFTConfig, RLConfig, DPOConfig], Field(discriminator="kind")]
+KINDS = ("sft", "rl", "dpo")
 
 
 class LoadedConfig:
     """A validated config plus where it came from (paths in it are relative to its folder)."""
 
-    def __init__(self, config: SFTConfig | RLConfig, path: Path, raw: dict):
+    def __init__(self, config: SFTConfig | RLConfig | DPOConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None):
         self.config = config
         self.path = path
         self.raw = raw
+        self.lines = lines or {}
+
+    def where(self, *key: str) -> str:
+        """``file:line`` of a key (``where("data", "train")``), for errors about its value."""
+        line = self.lines.get(tuple(key))
+        return f"{self.path}:{line}" if line else str(self.path)
 
     @property
     def base_dir(self) -> Path:
@@ -240,7 +286,7 @@ def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]
 
 
 def _model_for(raw: dict) -> type[BaseModel]:
-    return RLConfig if raw.get("kind") == "rl" else SFTConfig
+    return {"rl": RLConfig, "dpo": DPOConfig}.get(raw.get("kind"), SFTConfig)
 
 
 def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -262,7 +308,7 @@ def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
 
 def _format_validation_error(exc: ValidationError, path: Path, lines: dict[tuple, int], raw: dict) -> ConfigError:
     err = exc.errors()[0]
-    loc = tuple(p for p in err["loc"] if p not in ("sft", "rl"))
+    loc = tuple(p for p in err["loc"] if p not in KINDS)
     key = ".".join(str(p) for p in loc) or "(top level)"
     line = None
     probe = loc
@@ -282,9 +328,9 @@ def _format_validation_error(exc: ValidationError, path: Path, lines: dict[tuple
     elif err["type"] == "missing":
         message = f"{where}: missing required key {key!r}"
     elif err["type"] == "union_tag_invalid" or (err["type"] == "literal_error" and loc == ("kind",)):
-        message = f"{where}: kind must be 'sft' or 'rl'"
+        message = f"{where}: kind must be 'sft', 'rl' or 'dpo'"
     else:
-        message = f"{where}: {key}: {err['msg']}"
+        message = f"{where}: {key}: {err['msg'].removeprefix('Value error, ')}"
     if len(exc.errors()) > 1:
         hint = (hint + " " if hint else "") + f"({len(exc.errors()) - 1} more problem(s) after this one.)"
     return ConfigError(message, hint=hint)
@@ -330,14 +376,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> LoadedC
     if overrides:
         raw = apply_overrides(raw, overrides)
     if "kind" not in raw:
-        raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft` or `kind: rl`.")
-    if raw.get("kind") not in ("sft", "rl"):
+        raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft`, `kind: rl` or `kind: dpo`.")
+    if raw.get("kind") not in KINDS:
         line = lines.get(("kind",))
-        raise ConfigError(f"{path}:{line or 1}: kind must be 'sft' or 'rl', not {raw.get('kind')!r}")
+        raise ConfigError(f"{path}:{line or 1}: kind must be 'sft', 'rl' or 'dpo', not {raw.get('kind')!r}")
     from pydantic import TypeAdapter
 
     try:
         config = TypeAdapter(TrainConfig).validate_python(raw)
     except ValidationError as exc:
         raise _format_validation_error(exc, path, lines, raw) from None
-    return LoadedConfig(config, path.resolve(), raw)
+    return LoadedConfig(config, path.resolve(), raw, lines)

@@ -2,7 +2,9 @@
 
 SFT rows are either OpenAI chat (``{"messages": [{"role", "content"}, ...]}``) or
 ``{"prompt": ..., "completion": ...}``. RL rows are ``{"prompt": ...}`` or ``{"messages": [...]}``
-plus whatever the reward needs (usually ``"answer"``). Every error names the file and line.
+plus whatever the reward needs (usually ``"answer"``). DPO rows are a prompt (``"prompt"`` or
+``"messages"``) with a ``"chosen"`` and a ``"rejected"`` reply, or two whole conversations.
+Every error names the file and line.
 """
 
 from __future__ import annotations
@@ -213,3 +215,106 @@ def weighted_nll(datums: list[dict], outputs: list[dict]) -> tuple[float, int]:
                 total -= w * lp
                 count += w
     return (total / count if count else float("nan")), int(count)
+
+
+# ------------------------------------------------------------------ preference pairs (DPO)
+@dataclass
+class PreferencePair:
+    """One DPO row: the same conversation ending in the chosen and in the rejected reply (each
+    an :class:`Example` whose weights mark the final assistant reply)."""
+
+    chosen: Example
+    rejected: Example
+    source: str
+
+
+def _reply_messages(value: Any, key: str, where: str) -> list[dict]:
+    """``chosen``/``rejected`` as messages: a string (one assistant reply), a message, or a list."""
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list) and value:
+        return _check_messages(value, f"{where}: '{key}'")
+    raise ConfigError(f"{where}: '{key}' must be a string reply or a non-empty list of messages")
+
+
+def _preference_side(row: dict, key: str, prompt: list[dict], where: str) -> list[dict]:
+    if key not in row:
+        raise ConfigError(
+            f"{where}: missing key '{key}'",
+            hint='Each row needs "chosen" and "rejected" (plus "prompt" or "messages", unless both are whole conversations).',
+        )
+    conversation = prompt + _reply_messages(row[key], key, where)
+    if conversation[-1].get("role") != "assistant":
+        raise ConfigError(f"{where}: '{key}' must end with an assistant message (the reply being compared)")
+    return conversation
+
+
+def load_preference_pairs(path: Path, tokenizer: Any, *, max_seq_len: int) -> list[PreferencePair]:
+    """Rows ``{"prompt" | "messages", "chosen", "rejected"}`` or ``{"chosen": [messages],
+    "rejected": [messages]}``; both sides must share everything before the final reply."""
+    from baseten_loops_cli.tokenization import render_chat
+
+    pairs = []
+    for lineno, row in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        if isinstance(row.get("prompt"), str):
+            prompt = [{"role": "user", "content": row["prompt"]}]
+        elif "prompt" in row:
+            prompt = _check_messages(row["prompt"], f"{where}: 'prompt'")
+        elif "messages" in row:
+            prompt = _check_messages(row["messages"], where)
+        else:
+            prompt = []
+        chosen = _preference_side(row, "chosen", prompt, where)
+        rejected = _preference_side(row, "rejected", prompt, where)
+        if chosen[:-1] != rejected[:-1]:
+            raise ConfigError(
+                f"{where}: 'chosen' and 'rejected' differ before their final reply",
+                hint="A pair compares two replies to one conversation: put the shared turns in 'prompt' or 'messages'.",
+            )
+        sides = []
+        for key, conversation in (("chosen", chosen), ("rejected", rejected)):
+            try:
+                tokens, weights = render_chat(tokenizer, conversation, train_on="last_assistant")
+            except ValueError as exc:
+                raise ConfigError(f"{where}: '{key}': {exc}") from None
+            if len(tokens) > max_seq_len:
+                raise ConfigError(
+                    f"{where}: '{key}' is {len(tokens)} tokens with its prompt, over max_seq_len {max_seq_len}",
+                    hint=f"Raise max_seq_len to at least {len(tokens)} (if the model allows) or shorten the pair.",
+                )
+            sides.append(Example(list(tokens), [float(w) for w in weights], where))
+        if sides[0].tokens == sides[1].tokens:
+            raise ConfigError(f"{where}: 'chosen' and 'rejected' are identical", hint="A pair must prefer one reply over a different one.")
+        pairs.append(PreferencePair(sides[0], sides[1], where))
+    if not pairs:
+        raise ConfigError(f"{path}: no preference pairs (the file is empty)")
+    return pairs
+
+
+def reference_logprobs_field(token_logprobs: list[float | None]) -> list[float]:
+    """The sampler's prompt logprobs of a sequence (``[i]`` = logprob of token i, ``[0]`` None)
+    as the trainer's per-position ``ref_logprobs`` (``[i]`` = logprob of token i+1): shifted
+    left by one, the last position padded with 0.0 and None as 0.0, exactly as the SDK's
+    ``helpers.datum.attach_reference_logprobs`` does (those positions carry weight 0)."""
+    return [0.0 if v is None else float(v) for v in token_logprobs[1:]] + [0.0]
+
+
+def dpo_datum(example: Example, ref_logprobs: list[float]) -> dict:
+    """A DPO row as the SDK builds it: the whole sequence as model input (so the sampler-scored
+    ``ref_logprobs`` line up with it), target[i] = token i+1, and weight 1 on the reply's
+    targets. The last position predicts nothing: weight 0, token 0 as a placeholder target."""
+    tokens = example.tokens
+    n = len(tokens)
+    if len(ref_logprobs) != n:
+        raise ValueError(f"{example.source}: {len(ref_logprobs)} reference logprobs for {n} tokens")
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": list(tokens)}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": list(tokens[1:]) + [0], "dtype": "int64", "shape": [n]},
+            "weights": {"data": list(example.weights[1:]) + [0.0], "dtype": "float32", "shape": [n]},
+            "ref_logprobs": {"data": list(ref_logprobs), "dtype": "float32", "shape": [n]},
+        },
+    }

@@ -34,8 +34,13 @@ def step_line(record: dict, total: int, main_metric: str) -> str:
         parts.append(f"groups {record.get('groups_trained', 0)}/{record.get('groups', 0)}")
     else:
         parts.append(f"loss {_fmt(record.get('loss'))}")
+    if "preference_accuracy" in record:  # DPO
+        parts.append(f"pref_acc {_fmt(record['preference_accuracy'], '.0%')}")
+        parts.append(f"margin {_fmt(record.get('reward_margin'), '.3f')}")
     if "eval_loss" in record:
         parts.append(f"eval_loss {_fmt(record['eval_loss'])}")
+    if "eval_preference_accuracy" in record:
+        parts.append(f"eval_pref_acc {_fmt(record['eval_preference_accuracy'], '.0%')}")
     if "eval_reward_mean" in record:
         parts.append(f"eval_reward {_fmt(record['eval_reward_mean'], '.3f')}")
     parts.append(f"lr {_fmt(record.get('learning_rate'), '.2e')}")

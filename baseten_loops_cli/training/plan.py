@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training.config import LoadedConfig, RLConfig
+from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig
 
 ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
 
@@ -76,7 +76,8 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
         tokenizer = get_tokenizer(config.base_model)
     except Exception as exc:
         message = getattr(exc, "message", None) or str(exc)
-        raise ConfigError(f"{loaded.path}: base_model {config.base_model!r}: {message}") from None
+        raise ConfigError(f"{loaded.path}: base_model {config.base_model!r}: {message}",
+                          hint=getattr(exc, "hint", None)) from None
     if isinstance(config, RLConfig):
         from baseten_loops_cli.training.rewards import build_reward
 
@@ -96,6 +97,14 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
                         f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row"
                     )
         return LoadedData(tokenizer, train, evals, reward)
+    if isinstance(config, DPOConfig):
+        train = data_mod.load_preference_pairs(loaded.resolve_path(config.data.train), tokenizer, max_seq_len=config.max_seq_len)
+        evals = (
+            data_mod.load_preference_pairs(loaded.resolve_path(config.data.eval), tokenizer, max_seq_len=config.max_seq_len)
+            if config.data.eval
+            else None
+        )
+        return LoadedData(tokenizer, train, evals)
     kwargs = {"train_on": config.data.train_on, "max_seq_len": config.max_seq_len}
     train = data_mod.load_sft_examples(loaded.resolve_path(config.data.train), tokenizer, **kwargs)
     evals = (
@@ -108,7 +117,8 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
 
 def check_base_model(client: Any, base_model: str, max_seq_len: int, use_case: str) -> list[str]:
     """Ask the backend's capabilities whether the model is offered; return notes or raise."""
-    models = client.capabilities(use_case=use_case)
+    # The capabilities API knows sft and rl; DPO needs a sampler (to score the reference) as RL does.
+    models = client.capabilities(use_case="rl" if use_case == "dpo" else use_case)
     names = [m.model_name for m in models]
     match = next((m for m in models if m.model_name == base_model), None)
     if match is None:
@@ -145,6 +155,14 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
         avg_prompt = sum(len(p.tokens) for p in data.train) / len(data.train)
         sample_tokens = int(steps * per_step_prompts * config.sampling.max_tokens)
         train_tokens = int(steps * per_step_prompts * (avg_prompt + config.sampling.max_tokens))
+    elif isinstance(config, DPOConfig):
+        steps = sft_mod.total_steps(len(data.train), config)
+        pairs = data.train + (data.eval or [])
+        avg = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in data.train) / len(data.train)
+        train_tokens = int(steps * config.batch_size * avg)
+        # The reference scores every sequence once (a prefill each); nothing is sampled.
+        sample_tokens = 0
+        scored = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in pairs)
     else:
         steps = sft_mod.total_steps(len(data.train), config)
         avg = sum(len(e.tokens) for e in data.train) / len(data.train)
@@ -152,6 +170,8 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
         sample_tokens = 0
     train_rate, sample_rate, per_step = _rates(backend_kind, config.base_model)
     est = _STARTUP_S.get(backend_kind, 0.0) + steps * per_step + train_tokens / train_rate + sample_tokens / sample_rate
+    if isinstance(config, DPOConfig):
+        est += scored / train_rate / 3  # reference scoring: a forward pass, no backward
     cost = None
     if any(v is not None for v in (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour)):
         cost = (
@@ -166,6 +186,10 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
             notes.append("no cost estimate: set pricing.* in the config to get one")
     if config.max_steps and steps < config.max_steps:
         notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
+    if isinstance(config, DPOConfig):
+        notes.append(
+            f"before step 1 the reference ({config.reference}) scores {2 * len(pairs)} sequences (~{scored:,} tokens) once"
+        )
     return Plan(
         kind=config.kind,
         base_model=config.base_model,

@@ -5,6 +5,7 @@
     metrics.jsonl      one record per step (and eval records), appended and fsynced
     checkpoints.jsonl  one record per saved trainer state: the resume points
     samples.jsonl      RL rollouts with their rewards
+    reference_logprobs.jsonl  DPO: the reference policy's logprobs of each sequence, scored once
 
 Resume rule: the last line of checkpoints.jsonl is the truth. Steps after it are replayed, so
 their metrics are trimmed first; nothing is repeated or skipped.
@@ -82,6 +83,10 @@ class RunDir:
     def samples_file(self) -> Path:
         return self.path / "samples.jsonl"
 
+    @property
+    def reference_file(self) -> Path:
+        return self.path / "reference_logprobs.jsonl"
+
     def exists(self) -> bool:
         return self.state_file.exists()
 
@@ -124,14 +129,29 @@ class RunDir:
     def append_checkpoint(self, record: dict) -> None:
         self._append(self.checkpoints_file, record)
 
-    def append_samples(self, records: list[dict]) -> None:
+    def _append_many(self, path: Path, records: list[dict]) -> None:
         if not records:
             return
         text = "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in records)
-        with self.samples_file.open("a", encoding="utf-8") as fh:
+        with path.open("a", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+
+    def append_samples(self, records: list[dict]) -> None:
+        self._append_many(self.samples_file, records)
+
+    def append_references(self, records: list[dict]) -> None:
+        self._append_many(self.reference_file, records)
+
+    def references(self) -> list[dict]:
+        """The reference records scored so far. A torn tail (a kill mid-append) is cut off, so
+        the next append starts on a line of its own."""
+        records = read_jsonl(self.reference_file)
+        text = self.reference_file.read_text(encoding="utf-8") if self.reference_file.exists() else ""
+        if text and (not text.endswith("\n") or text.count("\n") != len(records)):
+            atomic_write(self.reference_file, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+        return records
 
     def metrics(self) -> list[dict]:
         return read_jsonl(self.metrics_file)

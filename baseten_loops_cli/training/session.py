@@ -134,35 +134,18 @@ class TrainingSession:
 
 
 def _create_run(client: Any, config: SFTConfig | RLConfig) -> Any:
-    """Create the run. Creating is not idempotent, so when a response is lost the session (new
-    and ours alone) is searched for the run before asking again: no duplicate, no orphan."""
-    from baseten_loops_cli.api.errors import ApiError, ConnectionFailedError
-
+    """Create the run in a session of its own. Creating is not idempotent: the client never
+    re-sends it blindly but looks for it in this session after a lost answer, and deactivates
+    a duplicate (``HttpClient.create``)."""
     session = client.sessions.create()
-    request = {
+    return client.runs.create({
         "session_id": session.id,
         "base_model": config.base_model,
         "name": config.name,
         "lora_rank": config.lora_rank,
         "max_seq_len": config.max_seq_len,
         "seed": config.seed,
-    }
-    attempts = 4
-    for attempt in range(attempts):
-        try:
-            return client.runs.create(request)
-        except (ConnectionFailedError, ApiError) as exc:
-            transient = isinstance(exc, ConnectionFailedError) or (getattr(exc, "status", 0) or 0) in (408, 429, 502, 503, 504)
-            if not transient or attempt == attempts - 1:
-                raise
-            time.sleep(min(8.0, 0.5 * 2**attempt))
-            try:
-                mine = [r for r in client.runs.list(base_model=config.base_model) if r.session_id == session.id]
-            except LoopsError:
-                mine = []
-            if mine:
-                return mine[0]
-    raise AssertionError("unreachable")  # pragma: no cover
+    })  # fmt: skip
 
 
 def open_session(

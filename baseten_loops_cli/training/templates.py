@@ -36,10 +36,6 @@ logging:
 # pricing:                      # optional: a cost line in the plan
 #   usd_per_million_train_tokens: 1.0
 #   usd_per_hour: 0.0
-
-# eval:                         # optional: when training ends, score the final checkpoint as `loops eval` does
-#   base: true                  # also score the base model (eval.json + eval.txt in the run directory)
-#   # data: data/eval.jsonl     # default: data.eval (SFT) or data.eval_prompts (RL)
 """
 
 SFT = """\
@@ -53,6 +49,9 @@ data:
   # eval: data/eval.jsonl       #    or: {{"prompt": "...", "completion": "..."}}
   train_on: last_assistant      # last_assistant | all_assistant | all
   shuffle: true
+# eval:                         # optional: when training ends, score the final checkpoint as `loops eval` does
+#   base: true                  # also score the base model (eval.json + eval.txt in the run directory)
+#   # data: data/eval.jsonl     # default: data.eval (SFT) or data.eval_prompts (RL)
 """
 
 RL = """\
@@ -82,10 +81,31 @@ sampling:
 
 max_steps_off_policy: 0         # 0 = synchronous; N >= 1 = sample the next batch while training this one
 # kl_penalty_coef: 0.0          # per-token KL penalty against the base model
+# eval:                         # optional: when training ends, score the final checkpoint as `loops eval` does
+#   base: true                  # also score the base model (eval.json + eval.txt in the run directory)
+#   # data: data/eval.jsonl     # default: data.eval (SFT) or data.eval_prompts (RL)
+"""
+
+DPO = """\
+# loops DPO config (preference pairs). Check it with `loops train validate FILE`.
+kind: dpo
+""" + _COMMON + """
+batch_size: 8                   # preference pairs per step
+
+data:
+  train: data/pairs.jsonl       # JSONL: {{"prompt": "...", "chosen": "...", "rejected": "..."}}
+  # eval: data/eval_pairs.jsonl #    or: {{"messages": [...], "chosen": "...", "rejected": "..."}}
+  shuffle: true                 #    or: {{"chosen": [messages], "rejected": [messages]}}
+
+beta: 0.1                       # how far the policy may move from the reference (higher = closer)
+label_smoothing: 0.0            # assumed fraction of mislabelled pairs (conservative DPO)
+reference: base                 # base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
 """
 
 
 def template(kind: str) -> str:
     if kind == "rl":
         return RL.format(name="my-rl", lr="4.0e-5", schedule="constant")
+    if kind == "dpo":
+        return DPO.format(name="my-dpo", lr="5.0e-5", schedule="linear")
     return SFT.format(name="my-sft", lr="2.0e-4", schedule="linear")

@@ -14,6 +14,7 @@ from baseten_loops_cli.api.errors import (
     UnknownOperationError,
 )
 from baseten_loops_cli.workers.sampler import SamplerClient, parse_completions, sample_many
+from baseten_loops_cli.workers.client import WorkerClient
 from baseten_loops_cli.workers.trainer import OpFuture, TrainerClient
 from baseten_loops_cli.workers.types import (
     AdamParams,
@@ -63,6 +64,7 @@ __all__ = [
     "TensorData",
     "TrainerClient",
     "UnknownOperationError",
+    "WorkerClient",
     "parse_completions",
     "sample_many",
 ]

@@ -17,27 +17,21 @@ import asyncio
 import random
 import time
 import uuid
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 from urllib.parse import quote
 
 import httpx
 
 from baseten_loops_cli.api.errors import (
+    ApiError,
     OperationTimeoutError,
     ProtocolError,
     RemoteOpError,
+    RequestTimeoutError,
     SampleTimeoutError,
-    ServerShutdownError,
 )
-from baseten_loops_cli.api.http import (
-    USER_AGENT,
-    auth_headers,
-    backoff_delay,
-    connection_error,
-    error_from_response,
-    get_with_retries,
-    retry_after_seconds,
-)
+from baseten_loops_cli.api.http import USER_AGENT, RetryPolicy, connection_error
+from baseten_loops_cli.workers.client import DEFAULT_GET_RETRIES, WorkerClient, json_body, require_dict
 from baseten_loops_cli.workers.types import ExternalRef, ModelInput, SampledSequence, SampleResult
 
 RUN_ID_HEADER = "X-Run-Id"
@@ -50,17 +44,8 @@ POLICY_VERSION_HEADER = "x-trainers-policy-version"
 
 DEFAULT_READY_TIMEOUT = 600.0
 # 408 = the sampler is behind X-Min-Policy-Version (or a gateway timeout); 5xx = proxy/cold start.
-_RETRY_STATUSES = frozenset({408, 502, 504})
-# Connection-level failures are retried (the Idempotency-Key makes a repeat safe, as in the
-# SDK); a read *timeout* is not: the generation is still running and a retry restarts it.
-_RETRYABLE_TRANSPORT = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.PoolTimeout,
-    httpx.ReadError,
-    httpx.WriteError,
-    httpx.RemoteProtocolError,
-)
+# A 500 is the engine failing on this request: raised, not retried for ten minutes.
+_SAMPLE_RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
 
 
 # ── response parsing (the SDK's _parse_completions) ─────────────────────────────────────────
@@ -212,10 +197,43 @@ def build_sample_body(
     return body
 
 
-class SamplerClient:
+class SampleChunk(NamedTuple):
+    """One streamed ``/sample`` chunk: a decoded token of sample ``index`` (its text delta,
+    possibly empty while held back), or that sample's end (``finish_reason`` set)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+def _stream_event(line: str) -> dict | None:
+    """The JSON of one server-sent ``data:`` line (None for other lines and ``[DONE]``)."""
+    import json
+
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return None
+    try:
+        payload = json.loads(data)
+    except ValueError as exc:
+        raise ProtocolError(f"/sample streamed a non-JSON event: {data[:200]}") from exc
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"/sample streamed an unexpected event: {data[:200]}")
+    return payload
+
+
+class SamplerClient(WorkerClient):
     """Client of one sampler (``sampler.base_url``), sync (:meth:`sample`) and async
     (:meth:`asample`). ``min_policy_version`` / ``checkpoint_path`` given here are defaults for
-    every call; a call's own arguments override them."""
+    every call; a call's own arguments override them.
+
+    A ``/sample`` is retried (same Idempotency-Key) until ``ready_timeout`` on connection
+    failures, 408/429/502/504 and 503 (at most ``max_unavailable_retries`` in a row without
+    Retry-After); a read timeout is not retried, since a retry restarts the generation."""
 
     def __init__(
         self,
@@ -230,64 +248,21 @@ class SamplerClient:
         ready_timeout: float = DEFAULT_READY_TIMEOUT,
         poll_hold_timeout: float = 35.0,
         max_unavailable_retries: int = 6,
+        get_retries: int = DEFAULT_GET_RETRIES,
         user_agent: str = USER_AGENT,
-        http: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
         rng: Callable[[], float] = random.random,
+        transport: httpx.BaseTransport | None = None,
     ):
-        self.base_url = base_url.rstrip("/")
-        self.run_id = run_id
+        super().__init__(base_url, api_key=api_key, run_id=run_id, timeout=timeout, get_retries=get_retries,
+                         user_agent=user_agent, sleep=sleep, rng=rng, transport=transport)  # fmt: skip
         self.sampler_id = sampler_id
         self.checkpoint_path = checkpoint_path
         self.min_policy_version = min_policy_version
         self.ready_timeout = ready_timeout
         self.poll_hold_timeout = poll_hold_timeout
-        self.max_unavailable_retries = max_unavailable_retries
-        self._api_key = api_key
-        self._timeout = httpx.Timeout(timeout, connect=10.0)
-        self._base_headers = auth_headers(api_key, user_agent)
-        self._sleep = sleep
-        self._rng = rng
-        self._owns_http = http is None
-        self._http = http or httpx.Client(timeout=self._timeout, headers=self._base_headers)
-        if http is not None:
-            http.headers.update(self._base_headers)
-        self._ahttp: httpx.AsyncClient | None = None
-        self._ahttp_loop: asyncio.AbstractEventLoop | None = None
-
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def close(self) -> None:
-        if self._owns_http:
-            self._http.close()
-        # An AsyncClient must be closed on its loop; drop it if that loop is gone.
-        self._ahttp = None
-
-    async def aclose(self) -> None:
-        if self._ahttp is not None:
-            await self._ahttp.aclose()
-            self._ahttp = None
-        self.close()
-
-    def __enter__(self) -> "SamplerClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> "SamplerClient":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def _async_client(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if self._ahttp is None or self._ahttp_loop is not loop:
-            limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
-            self._ahttp = httpx.AsyncClient(timeout=self._timeout, headers=self._base_headers, limits=limits)
-            self._ahttp_loop = loop
-        return self._ahttp
+        self._sample_policy = RetryPolicy(retry_statuses=_SAMPLE_RETRY_STATUSES, max_retries=None, deadline=ready_timeout,
+                                          unavailable_limit=max_unavailable_retries, retry_timeouts=False)  # fmt: skip
 
     # -- headers ---------------------------------------------------------------------------
 
@@ -362,34 +337,14 @@ class SamplerClient:
             checkpoint_path=checkpoint_path, prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs, affinity_key=affinity_key,
         )  # fmt: skip
-        url = f"{self.base_url}/sample"
         deadline = time.monotonic() + self.ready_timeout
-        attempt = 0
-        unavailable = 0  # consecutive 503s without Retry-After
-        while True:
-            try:
-                resp = self._http.post(url, json=body, headers=headers)
-            except httpx.ReadTimeout as exc:
-                raise self._sample_timeout() from exc
-            except _RETRYABLE_TRANSPORT as exc:
-                if time.monotonic() >= deadline:
-                    raise connection_error(exc, url, api_key=self._api_key) from exc
-                self._sleep(self._delay(attempt, None, deadline))
-                attempt += 1
-                continue
-            except httpx.TransportError as exc:
-                raise connection_error(exc, url, api_key=self._api_key) from exc
-            unavailable = unavailable + 1 if resp.status_code == 503 else 0
-            delay = self._retry_decision(resp, deadline, unavailable)
-            if delay is not None:
-                self._sleep(self._delay(attempt, delay, deadline))
-                attempt += 1
-                continue
-            if resp.status_code == 202:
-                payload = self._poll_queued(resp, headers, deadline)
-                return parse_completions(payload, None, prompt_token_ids=body["prompt"],
-                                         include_topk_prompt_logprobs=prompt_logprobs and topk_prompt_logprobs > 0)  # fmt: skip
-            return self._parse(resp, body, prompt_logprobs and topk_prompt_logprobs > 0)
+        try:
+            resp = self._http.send("POST", "sample", json=body, headers=headers, policy=self._sample_policy, repeatable=True)
+        except RequestTimeoutError as exc:
+            raise self._sample_timeout() from exc
+        if resp.status_code == 202:
+            return self._result(self._poll_queued(resp, headers, deadline), None, body, prompt_logprobs and topk_prompt_logprobs > 0)
+        return self._result(json_body(resp), resp.headers, body, prompt_logprobs and topk_prompt_logprobs > 0)
 
     async def asample(
         self,
@@ -408,55 +363,79 @@ class SamplerClient:
         topk_prompt_logprobs: int = 0,
         affinity_key: str | None = None,
     ) -> SampleResult:
-        """Async :meth:`sample` on an ``httpx.AsyncClient``; fan out with ``asyncio.gather``."""
+        """Async :meth:`sample` on the shared ``httpx.AsyncClient``; fan out with ``asyncio.gather``."""
         body, headers = self._prepare(
             prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, stop=stop, min_policy_version=min_policy_version,
             checkpoint_path=checkpoint_path, prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs, affinity_key=affinity_key,
         )  # fmt: skip
-        client = self._async_client()
-        url = f"{self.base_url}/sample"
         deadline = time.monotonic() + self.ready_timeout
-        attempt = 0
-        unavailable = 0  # consecutive 503s without Retry-After
-        while True:
-            try:
-                resp = await client.post(url, json=body, headers=headers)
-            except httpx.ReadTimeout as exc:
-                raise self._sample_timeout() from exc
-            except _RETRYABLE_TRANSPORT as exc:
-                if time.monotonic() >= deadline:
-                    raise connection_error(exc, url, api_key=self._api_key) from exc
-                await asyncio.sleep(self._delay(attempt, None, deadline))
-                attempt += 1
-                continue
-            except httpx.TransportError as exc:
-                raise connection_error(exc, url, api_key=self._api_key) from exc
-            unavailable = unavailable + 1 if resp.status_code == 503 else 0
-            delay = self._retry_decision(resp, deadline, unavailable)
-            if delay is not None:
-                await asyncio.sleep(self._delay(attempt, delay, deadline))
-                attempt += 1
-                continue
-            if resp.status_code == 202:
-                # Rare (serverless queue); poll on a worker thread with the sync client.
-                payload = await asyncio.to_thread(self._poll_queued, resp, headers, deadline)
-                return parse_completions(payload, None, prompt_token_ids=body["prompt"],
-                                         include_topk_prompt_logprobs=prompt_logprobs and topk_prompt_logprobs > 0)  # fmt: skip
-            return self._parse(resp, body, prompt_logprobs and topk_prompt_logprobs > 0)
+        try:
+            resp = await self._http.asend("POST", "sample", json=body, headers=headers, policy=self._sample_policy,
+                                          repeatable=True)  # fmt: skip
+        except RequestTimeoutError as exc:
+            raise self._sample_timeout() from exc
+        if resp.status_code == 202:
+            # Rare (serverless queue); poll on a worker thread with the sync client.
+            payload = await asyncio.to_thread(self._poll_queued, resp, headers, deadline)
+            return self._result(payload, None, body, prompt_logprobs and topk_prompt_logprobs > 0)
+        return self._result(json_body(resp), resp.headers, body, prompt_logprobs and topk_prompt_logprobs > 0)
+
+    def sample_stream(
+        self,
+        prompt_tokens: Sequence[int] | ModelInput,
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | Sequence[int] | None = None,
+        min_policy_version: int | None = None,
+        checkpoint_path: str | None = None,
+    ) -> Iterator[SampleChunk]:
+        """:meth:`sample` with ``stream: true``: chunks as the sampler decodes them (a
+        local-backend / vLLM extension; the hosted SDK does not stream). Retried as
+        :meth:`sample` until the stream starts; never after (a retry restarts generation)."""
+        body, headers = self._prepare(
+            prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, min_policy_version=min_policy_version,
+            checkpoint_path=checkpoint_path, affinity_key=None,
+        )  # fmt: skip
+        body["stream"] = True
+        try:
+            resp = self._http.send("POST", "sample", json=body, headers=headers, policy=self._sample_policy,
+                                   repeatable=True, stream=True)  # fmt: skip
+        except RequestTimeoutError as exc:
+            raise self._sample_timeout() from exc
+        try:
+            for line in resp.iter_lines():
+                event = _stream_event(line)
+                for choice in (event or {}).get("choices") or []:
+                    logprobs = choice.get("logprobs") or {}
+                    yield SampleChunk(int(choice.get("index") or 0), choice.get("text") or "",
+                                      [int(t) for t in choice.get("token_ids") or []],
+                                      list(logprobs.get("token_logprobs") or []), choice.get("finish_reason"))
+        except httpx.ReadTimeout as exc:
+            raise self._sample_timeout() from exc
+        except httpx.TransportError as exc:
+            raise connection_error(exc, resp.request.url, api_key=self._http.api_key) from exc
+        finally:
+            resp.close()
 
     # -- other routes ----------------------------------------------------------------------
 
     def models(self) -> list[dict]:
         """``GET /v1/models`` → ``[{id, parent}]`` (base: ``parent`` null; adapters: set)."""
-        body = self._get_json("/v1/models")
+        body = self._get_body("v1/models")
         data = body.get("data") if isinstance(body, dict) else None
         return list(data or [])
 
     def trainers_policy_version(self) -> int:
         """``GET /trainers_policy_version``: the adapter version the sampler serves now."""
-        body = self._get_json("/trainers_policy_version")
+        body = self._get_body("trainers_policy_version")
         try:
             return int(body["policy_version"])
         except (TypeError, KeyError, ValueError) as exc:
@@ -477,16 +456,11 @@ class SamplerClient:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _get_json(self, path: str) -> Any:
-        url = f"{self.base_url}{path}"
-        resp = get_with_retries(self._http, url, headers=self.request_headers(), sleep=self._sleep, rng=self._rng,
-                                api_key=self._api_key)  # fmt: skip
-        if resp.status_code >= 400:
-            raise error_from_response(resp, api_key=self._api_key)
-        try:
-            return resp.json()
-        except ValueError as exc:
-            raise ProtocolError(f"GET {path}: non-JSON answer (HTTP {resp.status_code})") from exc
+    def _get_body(self, path: str) -> Any:
+        _, body = self._get_json(path, headers=self.request_headers())
+        if body is None:
+            raise ProtocolError(f"GET {path}: non-JSON answer")
+        return body
 
     def _sample_timeout(self) -> SampleTimeoutError:
         return SampleTimeoutError(
@@ -494,35 +468,9 @@ class SamplerClient:
             hint="lower max_tokens or n, or raise the timeout; the request is not retried because it restarts generation",
         )
 
-    def _retry_decision(self, resp: httpx.Response, deadline: float, unavailable: int = 0) -> float | None:
-        """``None`` = do not retry (caller continues/raises); a number = wait that long (< 0 =
-        use backoff). Raises for statuses that end the call."""
-        status = resp.status_code
-        if status < 400:
-            return None
-        retry_after = retry_after_seconds(resp.headers)
-        can_wait = time.monotonic() < deadline
-        if can_wait and (status in _RETRY_STATUSES or (status in (429, 503) and retry_after is not None)):
-            return retry_after if retry_after is not None else -1.0
-        if status == 503 and retry_after is None:
-            # The SDK retries a dedicated sampler's 503 (cold start / proxy); bounded here.
-            if unavailable <= self.max_unavailable_retries and can_wait:
-                return -1.0
-            raise ServerShutdownError("the sampler is unavailable (HTTP 503)", url=self.base_url)
-        raise error_from_response(resp, api_key=self._api_key)
-
-    def _delay(self, attempt: int, requested: float | None, deadline: float) -> float:
-        wait = requested if requested is not None and requested >= 0 else backoff_delay(attempt, initial=0.5, maximum=10.0, rng=self._rng)
-        return max(0.0, min(wait, deadline - time.monotonic()))
-
-    def _parse(self, resp: httpx.Response, body: dict, with_topk: bool) -> SampleResult:
-        try:
-            payload = resp.json()
-        except ValueError as exc:
-            raise ProtocolError(f"/sample answered {resp.status_code} with a non-JSON body") from exc
-        if not isinstance(payload, dict):
-            raise ProtocolError(f"/sample answered an unexpected body: {str(payload)[:200]}")
-        return parse_completions(payload, resp.headers, prompt_token_ids=body["prompt"], include_topk_prompt_logprobs=with_topk)
+    def _result(self, payload: Any, headers: Mapping[str, str] | None, body: dict, with_topk: bool) -> SampleResult:
+        payload = require_dict(payload, "/sample")
+        return parse_completions(payload, headers, prompt_token_ids=body["prompt"], include_topk_prompt_logprobs=with_topk)
 
     def _poll_queued(self, accepted: httpx.Response, headers: Mapping[str, str], deadline: float) -> dict:
         """Poll ``/operations/{id}`` for a queued (202) sample, as the trainer protocol."""
@@ -530,33 +478,34 @@ class SamplerClient:
             op_id = accepted.json()["operation_id"]
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError("/sample answered 202 without an operation_id") from exc
-        url = f"{self.base_url}/operations/{quote(str(op_id), safe='')}"
+        path = f"operations/{quote(str(op_id), safe='')}"
         poll_headers = {k: v for k, v in headers.items() if k != IDEMPOTENCY_KEY_HEADER}
-        while time.monotonic() < deadline:
+        last: Exception | None = None
+        policy = self._sample_policy.replace(retry_statuses=_SAMPLE_RETRY_STATUSES - {408}, retry_timeouts=True)
+        while (remaining := deadline - time.monotonic()) > 0:
             try:
-                resp = self._http.get(url, headers=poll_headers, timeout=httpx.Timeout(self.poll_hold_timeout, connect=10.0))
-            except httpx.TransportError:
-                self._sleep(min(2.0, max(deadline - time.monotonic(), 0)))
-                continue
+                resp = self._http.send("GET", path, headers=poll_headers, policy=policy.replace(deadline=remaining),
+                                       timeout=httpx.Timeout(self.poll_hold_timeout, connect=10.0), accept={408})  # fmt: skip
+            except (RequestTimeoutError, ApiError) as exc:
+                if time.monotonic() < deadline:
+                    raise
+                last = exc
+                break
             if resp.status_code == 408:
-                continue
-            if resp.status_code in (502, 504):
-                self._sleep(min(2.0, max(deadline - time.monotonic(), 0)))
-                continue
-            if resp.status_code >= 400:
-                raise error_from_response(resp, api_key=self._api_key)
-            payload = resp.json()
+                continue  # still queued: the server's hold ran out
+            payload = require_dict(json_body(resp), f"GET /{path}")
             if payload.get("status") == "done":
                 return payload.get("result") or {}
             if payload.get("status") == "error":
                 raise RemoteOpError(str(payload.get("error") or "unknown error"), error_class=payload.get("error_class"),
                                     operation="sample", operation_id=str(op_id), run_id=self.run_id)  # fmt: skip
             self._sleep(min(0.5, max(deadline - time.monotonic(), 0)))
-        try:  # best effort: do not leave a queued generation running for nobody
-            self._http.post(f"{url}/cancel", headers=poll_headers)
-        except httpx.TransportError:
+        try:  # best effort, once: do not leave a queued generation running for nobody
+            self._http.send("POST", f"{path}/cancel", headers=poll_headers, policy=policy.replace(max_retries=0))
+        except Exception:  # noqa: BLE001 - the timeout below is what the caller needs to see
             pass
-        raise OperationTimeoutError(f"queued sample {op_id} did not finish within {self.ready_timeout:g}s")
+        raise OperationTimeoutError(f"queued sample {op_id} did not finish within {self.ready_timeout:g}s"
+                                    + (f"; last answer: {last}" if last is not None else ""))
 
 
 def sample_many(client: SamplerClient, prompts: Iterable[Sequence[int]], **kwargs: Any) -> list[SampleResult]:
@@ -566,9 +515,7 @@ def sample_many(client: SamplerClient, prompts: Iterable[Sequence[int]], **kwarg
         try:
             return list(await asyncio.gather(*(client.asample(p, **kwargs) for p in prompts)))
         finally:
-            if client._ahttp is not None:
-                await client._ahttp.aclose()
-                client._ahttp = None
+            await client._http.aclose()  # its AsyncClient belongs to this loop, which ends here
 
     return asyncio.run(_run())
 

@@ -36,19 +36,12 @@ from baseten_loops_cli.api.errors import (
     PolicyVersionUnavailableError,
     ProtocolError,
     RemoteOpError,
+    RequestTimeoutError,
     ServerShutdownError,
     UnknownOperationError,
 )
-from baseten_loops_cli.api.http import (
-    USER_AGENT,
-    auth_headers,
-    backoff_delay,
-    connection_error,
-    error_from_response,
-    get_with_retries,
-    is_permanent_rejection,
-    retry_after_seconds,
-)
+from baseten_loops_cli.api.http import USER_AGENT, RetryPolicy, is_permanent_rejection
+from baseten_loops_cli.workers.client import DEFAULT_GET_RETRIES, WorkerClient, json_body
 from baseten_loops_cli.workers.types import (
     AdamParams,
     Datum,
@@ -71,26 +64,12 @@ ACCEPTANCE_SCHEMA_VERSION = 1
 DEFAULT_SUBMIT_TIMEOUT = 600.0
 DEFAULT_UNREACHABLE_TIMEOUT = 45.0  # seconds of consecutive transport errors
 DEFAULT_RESULT_TIMEOUT = 3600.0
-# Pause before re-polling after a 502/504 or a lost poll response (SDK: 2 s).
-POLL_BACKOFF = 2.0
-SUBMIT_INITIAL_BACKOFF = 0.25
-SUBMIT_MAX_BACKOFF = 10.0
-
-# Transport errors after which a request is simply sent again (keys make submits safe).
-_RETRYABLE_TRANSPORT = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.ReadError,
-    httpx.ReadTimeout,
-    httpx.WriteError,
-    httpx.RemoteProtocolError,
-    httpx.PoolTimeout,
-)
-# Statuses a submit retries with backoff (408 = gateway/queue timeout; 5xx from proxies).
-_SUBMIT_RETRY_STATUSES = frozenset({408, 500, 502, 504})
 # Statuses that mean "not ready yet" only while the trainer has never accepted an op
 # (a cold dedicated trainer behind its proxy answers 400/404 until it is up).
 _COLD_START_STATUSES = frozenset({400, 404})
+# A poll's own answers: 408 = still pending (the server's hold ran out), 404 = unknown op,
+# 410 = result evicted. They are protocol states, never retried by the transport.
+_POLL_STATES = frozenset({404, 408, 410})
 
 
 def _jsonable_data(data: Iterable[Datum | Mapping[str, Any]]) -> list[dict]:
@@ -192,58 +171,25 @@ class OpFuture(Generic[T]):
     def _poll(self, budget: float) -> dict:
         c = self._client
         deadline = time.monotonic() + budget
-        unavailable = 0  # consecutive 503s without Retry-After
-        down_since: float | None = None  # start of the current run of transport errors
-        failures = 0  # consecutive failed polls (transport errors, 502/504)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise OperationTimeoutError(
-                    f"{self.op} {self._operation_id} did not finish within {budget:g}s (it may still be running)"
-                )
-            url = f"{c.base_url}/operations/{quote(self._operation_id, safe='')}"
+                raise self._timed_out(budget)
             # Read timeout just above the server's hold, so an idle poll gets the server's 408.
             read_timeout = min(c.poll_hold_timeout, max(remaining, 0.05))
             try:
-                resp = c._http.get(url, timeout=httpx.Timeout(read_timeout, connect=min(10.0, read_timeout)))
-            except httpx.ReadTimeout:
-                if read_timeout < c.poll_hold_timeout:
-                    continue  # our own budget cut the hold short; the loop head raises
-                failures += 1
-                c._sleep(min(c._poll_retry_delay(failures), max(deadline - time.monotonic(), 0)))
-                continue
-            except _RETRYABLE_TRANSPORT as exc:
-                down_since = down_since or time.monotonic()
-                if time.monotonic() - down_since > c.unreachable_timeout:
-                    raise connection_error(exc, url, api_key=c._api_key) from exc
-                failures += 1
-                c._sleep(min(c._poll_retry_delay(failures), max(deadline - time.monotonic(), 0)))
-                continue
-
-            down_since = None
+                resp = c._http.send(
+                    "GET", f"operations/{quote(self._operation_id, safe='')}",
+                    timeout=httpx.Timeout(read_timeout, connect=min(10.0, read_timeout)),
+                    policy=c._poll_policy.replace(deadline=remaining), accept=_POLL_STATES,
+                )  # fmt: skip
+            except (RequestTimeoutError, ApiError) as exc:
+                if time.monotonic() >= deadline:
+                    raise self._timed_out(budget, exc) from exc
+                raise
             status = resp.status_code
-            unavailable = unavailable + 1 if status == 503 else 0
-            if status not in (502, 504):
-                failures = 0
             if status == 408:
-                continue  # the normal "still pending": re-poll at once, no backoff
-            if status == 200:
-                body = _json(resp)
-                state = body.get("status") if isinstance(body, dict) else None
-                if state == "done":
-                    result = body.get("result")
-                    return result if isinstance(result, dict) else {"value": result}
-                if state == "error":
-                    raise RemoteOpError(
-                        str(body.get("error") or "unknown error"),
-                        error_class=body.get("error_class"),
-                        operation=self.op,
-                        operation_id=self._operation_id,
-                        run_id=c.run_id,
-                    )
-                # "pending"/"running" from a server that answers at once instead of holding.
-                c._sleep(min(0.5, max(deadline - time.monotonic(), 0)))
-                continue
+                continue  # the normal "still pending": re-poll at once
             if status == 404:
                 if self._resubmitted:
                     raise UnknownOperationError(
@@ -257,32 +203,39 @@ class OpFuture(Generic[T]):
                 continue
             if status == 410:
                 raise OperationExpiredError(f"the result of {self.op} {self._operation_id} expired on the trainer")
-            if status == 503:
-                delay = retry_after_seconds(resp.headers)
-                if delay is None:
-                    # The SDK treats this as shutdown at once; a proxy in front of the trainer
-                    # also answers 503 for a moment, so tolerate a few in a row first.
-                    if unavailable > c.max_unavailable_retries:
-                        raise ServerShutdownError(url=c.base_url)
-                    delay = c._backoff_delay(unavailable - 1)
-                c._sleep(min(delay, max(deadline - time.monotonic(), 0)))
-                continue
-            if status in (502, 504):
-                failures += 1
-                c._sleep(min(c._poll_retry_delay(failures), max(deadline - time.monotonic(), 0)))
-                continue
-            raise error_from_response(resp, api_key=c._api_key)
+            body = json_body(resp)
+            state = body.get("status") if isinstance(body, dict) else None
+            if state == "done":
+                result = body.get("result")
+                return result if isinstance(result, dict) else {"value": result}
+            if state == "error":
+                raise RemoteOpError(
+                    str(body.get("error") or "unknown error"),
+                    error_class=body.get("error_class"),
+                    operation=self.op,
+                    operation_id=self._operation_id,
+                    run_id=c.run_id,
+                )
+            # "pending"/"running" from a server that answers at once instead of holding.
+            c._sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+
+    def _timed_out(self, budget: float, last: Exception | None = None) -> OperationTimeoutError:
+        return OperationTimeoutError(
+            f"{self.op} {self._operation_id} did not finish within {budget:g}s (it may still be running)"
+            + (f"; last answer: {last}" if last is not None else "")
+        )
 
 
-def _json(resp: httpx.Response) -> Any:
-    try:
-        return resp.json()
-    except ValueError:
-        return None
+class TrainerClient(WorkerClient):
+    """Client of one run's trainer worker (``run.base_url``). Thread-safe; one per run.
 
-
-class TrainerClient:
-    """Client of one run's trainer worker (``run.base_url``). Thread-safe; one per run."""
+    ``submit_timeout``: how long a submit is retried (cold start, 502s); ``result_timeout``:
+    default wait of :meth:`OpFuture.result`; ``unreachable_timeout``: how long the trainer may
+    be unreachable before an op fails (a dead server ends a run with a clear message, not an
+    hour of retries); ``max_unavailable_retries``: consecutive 503s without Retry-After
+    tolerated before :class:`ServerShutdownError`; ``poll_backoff``: the longest pause between
+    failed polls (default: the transport's).
+    """
 
     def __init__(
         self,
@@ -291,89 +244,54 @@ class TrainerClient:
         api_key: str | None,
         run_id: str | None,
         base_model: str,
-        http: httpx.Client | None = None,
         poll_hold_timeout: float = 35.0,
         timeout: float = 60.0,
         submit_timeout: float = DEFAULT_SUBMIT_TIMEOUT,
         result_timeout: float = DEFAULT_RESULT_TIMEOUT,
-        poll_backoff: float = POLL_BACKOFF,
+        poll_backoff: float | None = None,
         max_unavailable_retries: int = 6,
         unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT,
-        get_retries: int = 8,
+        get_retries: int = DEFAULT_GET_RETRIES,
         user_agent: str = USER_AGENT,
         sleep: Callable[[float], None] = time.sleep,
         rng: Callable[[], float] = random.random,
+        transport: httpx.BaseTransport | None = None,
     ):
-        self.base_url = base_url.rstrip("/")
-        self.run_id = run_id
+        # The serverless gateway needs X-Run-Id on every request.
+        super().__init__(base_url, api_key=api_key, run_id=run_id, timeout=timeout,
+                         headers={RUN_ID_HEADER: run_id} if run_id else None, get_retries=get_retries,
+                         user_agent=user_agent, sleep=sleep, rng=rng, transport=transport)  # fmt: skip
         self.base_model = base_model
         self.poll_hold_timeout = poll_hold_timeout
         self.submit_timeout = submit_timeout
         self.result_timeout = result_timeout
-        self.poll_backoff = poll_backoff
-        # Consecutive 503s without Retry-After tolerated (with backoff) before ServerShutdownError.
-        self.max_unavailable_retries = max_unavailable_retries
-        # How long the trainer may be unreachable (connection refused, resets) before an op
-        # fails: a dead server should end a run with a clear message, not an hour of retries.
-        self.unreachable_timeout = unreachable_timeout
-        # Retries of the plain GETs (health, policy_version) on transport errors / 5xx / 408.
-        self.get_retries = get_retries
-        self._api_key = api_key
-        self._sleep = sleep
-        self._rng = rng
-        headers = auth_headers(api_key, user_agent)
-        if run_id:
-            headers[RUN_ID_HEADER] = run_id  # the serverless gateway needs it on every request
-        self._owns_http = http is None
-        if http is None:
-            limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-            http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=10.0), limits=limits)
-        else:
-            http.headers.update(headers)
-        self._http = http
+        # Submits carry an Idempotency-Key: every failure is retried until the deadline.
+        self._submit_policy = RetryPolicy(max_retries=None, deadline=submit_timeout, unavailable_limit=max_unavailable_retries,
+                                          unreachable_limit=unreachable_timeout)  # fmt: skip
+        self._poll_policy = self._submit_policy.replace(retry_statuses=frozenset({429, 502, 503, 504}))
+        if poll_backoff is not None:
+            self._poll_policy = self._poll_policy.replace(max_backoff=poll_backoff)
         # Held across seq_id assignment AND the POST: submit order == seq order on the wire.
         self._submit_lock = threading.Lock()
         self._next_seq = 1
         # Set after the first accepted op: from then on 400/404 are real errors, not cold start.
         self._warm = False
 
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def close(self) -> None:
-        if self._owns_http:
-            self._http.close()
-
-    def __enter__(self) -> "TrainerClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- plain routes ----------------------------------------------------------------------
 
     def health(self) -> dict:
         """``GET /health?base_model=...``; returns the JSON body, raises a typed error if not 2xx."""
-        url = f"{self.base_url}/health"
-        resp = get_with_retries(self._http, url, params={"base_model": self.base_model}, max_retries=self.get_retries,
-                                sleep=self._sleep, rng=self._rng, api_key=self._api_key)  # fmt: skip
-        if resp.status_code >= 400:
-            raise error_from_response(resp, api_key=self._api_key)
-        body = _json(resp)
+        _, body = self._get_json("health", params={"base_model": self.base_model})
         return body if isinstance(body, dict) else {}
 
     def policy_version(self) -> int:
         """``GET /policy_version`` = number of optim steps applied so far."""
-        url = f"{self.base_url}/policy_version"
-        resp = get_with_retries(self._http, url, max_retries=self.get_retries, sleep=self._sleep, rng=self._rng,
-                                api_key=self._api_key)  # fmt: skip
-        if resp.status_code == 501:
+        status, body = self._get_json("policy_version", accept={501})
+        if status == 501:
             raise PolicyVersionUnavailableError(
                 "this trainer does not expose its policy version (serverless trainer)",
                 hint="use the version returned by save_weights_for_sampler",
             )
-        if resp.status_code >= 400:
-            raise error_from_response(resp, api_key=self._api_key)
-        body = _json(resp)
         try:
             return int(body["policy_version"])
         except (TypeError, KeyError, ValueError) as exc:
@@ -441,55 +359,18 @@ class TrainerClient:
         return OpFuture(self, submission, operation_id, result_type)
 
     def _send_submission(self, sub: _Submission) -> str:
-        """POST one op (retrying with the same Idempotency-Key) and return its operation_id."""
-        url = f"{self.base_url}/{sub.op}"
-        headers = {IDEMPOTENCY_KEY_HEADER: sub.key}
-        deadline = time.monotonic() + self.submit_timeout
-        attempt = 0
-        unavailable = 0  # consecutive 503s without Retry-After
-        down_since: float | None = None  # start of the current run of transport errors
-        while True:
-            try:
-                resp = self._http.post(url, json=sub.body, headers=headers)
-            except _RETRYABLE_TRANSPORT as exc:
-                down_since = down_since or time.monotonic()
-                if time.monotonic() >= deadline or time.monotonic() - down_since > self.unreachable_timeout:
-                    raise connection_error(exc, url, api_key=self._api_key) from exc
-                self._backoff(attempt, deadline)
-                attempt += 1
-                continue
-            except httpx.TransportError as exc:
-                raise connection_error(exc, url, api_key=self._api_key) from exc
+        """POST one op (retried with the same Idempotency-Key) and return its operation_id."""
+        resp = self._http.send("POST", sub.op, json=sub.body, headers={IDEMPOTENCY_KEY_HEADER: sub.key},
+                               policy=self._submit_policy, repeatable=True, retry_if=self._cold)  # fmt: skip
+        self._warm = True
+        return self._operation_id(resp, sub)
 
-            down_since = None
-            status = resp.status_code
-            if 200 <= status < 300:
-                self._warm = True
-                return self._operation_id(resp, sub)
-            retry_after = retry_after_seconds(resp.headers)
-            retryable = (
-                status in _SUBMIT_RETRY_STATUSES
-                or (status in (429, 503) and retry_after is not None)
-                or (status in _COLD_START_STATUSES and not self._warm and not is_permanent_rejection(resp))
-            )
-            if status == 503 and retry_after is None:
-                unavailable += 1
-                if unavailable > self.max_unavailable_retries:
-                    raise ServerShutdownError(url=self.base_url)
-                retryable = True  # a few in a row are a proxy blip, not a shutdown
-            else:
-                unavailable = 0
-            if retryable and time.monotonic() < deadline:
-                if retry_after is not None:
-                    self._sleep(min(retry_after, max(deadline - time.monotonic(), 0)))
-                else:
-                    self._backoff(attempt, deadline)
-                attempt += 1
-                continue
-            raise error_from_response(resp, api_key=self._api_key)
+    def _cold(self, resp: httpx.Response) -> bool:
+        """A cold trainer's "not up yet" (until it has accepted an op)."""
+        return resp.status_code in _COLD_START_STATUSES and not self._warm and not is_permanent_rejection(resp)
 
     def _operation_id(self, resp: httpx.Response, sub: _Submission) -> str:
-        body = _json(resp)
+        body = json_body(resp)
         op_id = body.get("operation_id") if isinstance(body, dict) else None
         version = body.get("schema_version", ACCEPTANCE_SCHEMA_VERSION) if isinstance(body, dict) else None
         if not isinstance(op_id, str) or not op_id or version != ACCEPTANCE_SCHEMA_VERSION:
@@ -498,17 +379,6 @@ class TrainerClient:
                 hint="the trainer speaks a different protocol version than this client",
             )
         return op_id
-
-    def _poll_retry_delay(self, failures: int) -> float:
-        """A failed poll is retried quickly at first (a blip costs ~0.25 s, not the SDK's flat
-        2 s), backing off to ``poll_backoff`` while the failures continue."""
-        return backoff_delay(failures - 1, initial=0.25, maximum=self.poll_backoff, rng=self._rng)
-
-    def _backoff_delay(self, attempt: int) -> float:
-        return backoff_delay(attempt, initial=SUBMIT_INITIAL_BACKOFF, maximum=SUBMIT_MAX_BACKOFF, rng=self._rng)
-
-    def _backoff(self, attempt: int, deadline: float) -> None:
-        self._sleep(min(self._backoff_delay(attempt), max(deadline - time.monotonic(), 0)))
 
 
 __all__ = ["OpFuture", "TrainerClient", "RemoteOpError", "ServerShutdownError", "ApiError"]

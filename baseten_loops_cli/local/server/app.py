@@ -6,7 +6,8 @@ Routes (see DEVELOPERS.md, "Local backend URLs"):
 - trainers ``/trainers/<run_id>/*``, samplers ``/samplers/<sampler_id>/*``
 - presigned files ``/files/<checkpoint_pk>/<path>``
 - checkpoint deployments ``/deployments/<id>/v1/*``
-- ``/health`` (no auth), ``/v1/local/status``, ``/v1/local/usage``, and with
+- ``/health`` (no auth), ``/v1/local/status``, ``/v1/local/usage``,
+  ``/v1/local/models/pull`` (streamed progress), and with
   ``enable_fault_hooks`` the test-only ``/v1/local/faults``
 
 Lifespan: at startup, ops left unfinished by the previous process are failed and active
@@ -35,12 +36,19 @@ from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.server import (
     control_plane,
     deployments,
+    model_routes,
     sampler_routes,
     trainer_routes,
 )
 from baseten_loops_cli.local.server.auth import TokenAuthMiddleware
-from baseten_loops_cli.local.server.compute import Engine
-from baseten_loops_cli.local.server.context import ServerConfig, ServerContext, get_ctx
+from baseten_loops_cli.local.server.checkpoints import CheckpointFiles
+from baseten_loops_cli.local.server.compute import ComputePool, Engine
+from baseten_loops_cli.local.server.context import (
+    ModelCatalog,
+    ServerConfig,
+    ServerContext,
+    get_ctx,
+)
 from baseten_loops_cli.local.server.errors import (
     ApiError,
     api_error_handler,
@@ -53,7 +61,13 @@ from baseten_loops_cli.local.server.faults import (
     FaultMiddleware,
     faults_endpoint,
 )
-from baseten_loops_cli.local.server.files import file_response, safe_relative_path
+from baseten_loops_cli.local.server.files import (
+    Presigner,
+    file_response,
+    load_or_create_secret,
+    safe_relative_path,
+)
+from baseten_loops_cli.local.server.operations import OperationRegistry
 from baseten_loops_cli.local.server.runs import RunManager
 from baseten_loops_cli.local.server.samplers import SamplerService
 
@@ -127,8 +141,8 @@ async def _janitor(ctx: ServerContext) -> None:
                 ctx.files.remove(cp.storage_dir)
                 run = ctx.store.get_run(cp.run_id)
                 if run is not None:
-                    ctx.log(run.deployment_id, f"Checkpoint {cp.bt_path} expired (TTL) and was "
-                                               "deleted.")
+                    ctx.store.append_log(run.deployment_id, f"Checkpoint {cp.bt_path} expired "
+                                                            "(TTL) and was deleted.")
         except Exception:  # keep sweeping; a failure here is logged, not fatal
             log.exception("janitor tick failed")
 
@@ -143,9 +157,20 @@ def create_app(
     """Build the app. ``config`` overrides :class:`ServerConfig` fields (e.g.
     ``op_poll_hold_s=1`` in tests)."""
     cfg = ServerConfig(data_dir=Path(data_dir), token=token, **config)
-    ctx = ServerContext(cfg, engine)
-    ctx.runs = RunManager(ctx)
-    ctx.samplers = SamplerService(ctx)
+    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    store = st.Store(cfg.data_dir / "loops.db")
+    engine = engine or Engine()
+    pool = ComputePool(engine)
+    files = CheckpointFiles(cfg.data_dir)
+    ops = OperationRegistry(store, result_ttl_s=cfg.op_result_ttl_s,
+                            idempotency_window_s=cfg.idempotency_window_s)
+    models = ModelCatalog(engine)
+    samplers = SamplerService(cfg, store, pool, files, models)
+    ctx = ServerContext(
+        config=cfg, store=store, engine=engine, pool=pool,
+        presigner=Presigner(load_or_create_secret(cfg.data_dir), cfg.link_ttl_s),
+        files=files, ops=ops, models=models, samplers=samplers,
+        runs=RunManager(cfg, store, pool, files, ops, models, samplers))
     faults = FaultInjector()
 
     @contextlib.asynccontextmanager
@@ -178,12 +203,14 @@ def create_app(
         *trainer_routes.routes(),
         *sampler_routes.routes(),
         *deployments.routes(),
+        *model_routes.routes(),
     ]
     middleware = [Middleware(TokenAuthMiddleware, token=token)]
     if cfg.enable_fault_hooks:
         routes.append(Route(FAULTS_PATH, faults_endpoint, methods=["GET", "POST", "DELETE"]))
         middleware.append(Middleware(FaultMiddleware, injector=faults))
         ctx.pool.before_job = faults.before_job
+        ctx.pool.after_token = faults.after_token
     app = Starlette(
         routes=routes,
         middleware=middleware,

@@ -110,8 +110,10 @@ class Engine:
         except LookupError:  # UnknownModelError
             return None
 
-    def pull(self, name: str) -> Any:
-        return self._load()["registry"].pull_model(name)
+    def pull(self, name: str, progress: Any = None) -> Any:
+        """Fetch and convert ``name`` into the cache (``loops server pull-model``); each step
+        is reported to ``progress``. On a worker thread."""
+        return self._load()["model_zoo"].pull_model(name, progress)
 
     def load_base(self, name: str) -> Any:
         return self._load()["registry"].load_base(name)
@@ -136,25 +138,14 @@ class Engine:
     def new_sampler(self, base: Any) -> Any:
         return self._load()["sampler"].SamplerEngine(base)
 
-    def sample(self, sampler: Any, jobs: list[Any]) -> list[Any]:
-        """Run ``SampleJob``s (samplers.py) through ``SamplerEngine.sample``; returns one
-        ``SampleOutput`` or exception per job. On a compute thread.
+    def sample(self, sampler: Any, requests: list[Any]) -> list[Any]:
+        """Run ``SampleRequest``s through ``SamplerEngine.sample``; returns one
+        ``SampleResult`` or exception per request. On a compute thread.
 
         The engine validates a whole batch before generating, so one bad request (say,
         an adapter whose files are corrupt) would fail every request it was batched with;
         when a batch fails, each request is retried alone so only the bad one errors.
         """
-        from baseten_loops_cli.local.server.samplers import SampledSequence, SampleOutput
-
-        module = self._load()["sampler"]
-        requests = [module.SampleRequest(
-            prompt=job.prompt, n=job.n, max_tokens=job.max_tokens,
-            temperature=job.temperature, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
-            stop_token_ids=list(job.stop_token_ids), stop=list(job.stop),
-            prompt_logprobs=job.prompt_logprobs,
-            adapter=job.adapter.key if job.adapter else None,
-            adapter_path=str(job.adapter.path) if job.adapter else None,
-        ) for job in jobs]
         try:
             results: list[Any] = sampler.sample(requests)
         except self.input_error:
@@ -162,29 +153,23 @@ class Engine:
                 raise
             results = []
             for request in requests:
+                # A streamed request may have sent tokens from the failed batch already; the
+                # rerun only delivers its final result (the stream ends with that).
+                request.on_token = None
                 try:
                     results.append(sampler.sample([request])[0])
                 except Exception as exc:  # delivered to that request's caller only
                     results.append(exc)
 
-        def convert(job: Any, result: Any) -> Any:
-            if isinstance(result, BaseException):
+        def with_token_text(request: Any, result: Any) -> Any:
+            if isinstance(result, BaseException) or result.prompt_logprobs is None:
                 return result
-            token_text: dict[int, str] = {}
-            if result.prompt_logprobs is not None:  # vLLM reports each token's text too
-                ids = set(job.prompt) | {t for entry in result.prompt_logprobs if entry
-                                         for t, _ in entry.top}
-                token_text = {t: sampler.tokenizer.decode([t]) for t in ids}
-            return SampleOutput(
-                sequences=[SampledSequence(list(s.tokens), list(s.logprobs), s.finish_reason,
-                                           s.text) for s in result.sequences],
-                prompt_logprobs=[None if e is None else (e.logprob, e.rank, list(e.top))
-                                 for e in result.prompt_logprobs]
-                if result.prompt_logprobs is not None else None,
-                token_text=token_text,
-            )
+            ids = set(request.prompt) | {t for entry in result.prompt_logprobs if entry
+                                     for t, _ in entry.top}
+            result.token_text = {t: sampler.tokenizer.decode([t]) for t in ids}
+            return result
 
-        return [convert(job, result) for job, result in zip(jobs, results)]
+        return [with_token_text(r, result) for r, result in zip(requests, results)]
 
 
 def _spec(info: Any) -> ModelSpec:
@@ -293,6 +278,8 @@ class ComputePool:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.before_job: Callable[[str], None] | None = None
+        # Test hook (fault injection): runs on a worker thread after each streamed token.
+        self.after_token: Callable[[], None] | None = None
         self._workers: dict[str, ModelWorker] = {}
         self._lock = threading.Lock()
 

@@ -1,10 +1,10 @@
-"""The server's configuration and the one object every route reaches its services through."""
+"""The server's configuration, its model catalog, and the record of the services routes use."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,7 @@ from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.server.checkpoints import CheckpointFiles
 from baseten_loops_cli.local.server.compute import ComputePool, Engine, ModelSpec
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, choices
-from baseten_loops_cli.local.server.files import Presigner, load_or_create_secret
+from baseten_loops_cli.local.server.files import Presigner
 from baseten_loops_cli.local.server.operations import OperationRegistry
 
 if TYPE_CHECKING:
@@ -57,25 +57,14 @@ class ServerConfig:
     preload_engine: bool = True
 
 
-class ServerContext:
-    def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
-        self.config = config
-        self.version = __version__
-        self.started_at = time.time()
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = st.Store(config.data_dir / "loops.db")
-        self.engine = engine or Engine()
-        self.pool = ComputePool(self.engine)
-        self.presigner = Presigner(load_or_create_secret(config.data_dir), config.link_ttl_s)
-        self.files = CheckpointFiles(config.data_dir)
-        self.ops = OperationRegistry(self.store, result_ttl_s=config.op_result_ttl_s,
-                                     idempotency_window_s=config.idempotency_window_s)
-        # Wired by the app factory (they need the context themselves).
-        self.runs: RunManager
-        self.samplers: SamplerService
+class ModelCatalog:
+    """The engine's models by name, for routes and services (the first look imports torch,
+    off the event loop)."""
 
-    async def models(self) -> dict[str, ModelSpec]:
-        """The engine's models (the first call imports torch, off the event loop)."""
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def all(self) -> dict[str, ModelSpec]:
         try:
             return await asyncio.to_thread(self.engine.models)
         except ImportError as exc:
@@ -83,9 +72,9 @@ class ServerContext:
                                 "the local extra: pip install 'baseten-loops-cli[local]'.",
                            "EngineUnavailable") from None
 
-    async def model_spec(self, name: str) -> ModelSpec:
+    async def spec(self, name: str) -> ModelSpec:
         """A model by name (or local model directory); 400 listing the available ones."""
-        models = await self.models()
+        models = await self.all()
         spec = models.get(name) or await asyncio.to_thread(self.engine.spec, name)
         if spec is None:
             raise bad_request(
@@ -95,10 +84,24 @@ class ServerContext:
             )
         return spec
 
-    def log(self, deployment_id: str, message: str, level: str = "INFO",
-            request_id: str | None = None) -> None:
-        """A line in a deployment's logs (``/v1/loops/deployments/{id}/logs``)."""
-        self.store.append_log(deployment_id, message, level=level, request_id=request_id)
+
+@dataclass(frozen=True)
+class ServerContext:
+    """The server's services, each built once by the app factory (``app.create_app``), which
+    passes every service the others it needs; routes reach them through ``get_ctx``."""
+
+    config: ServerConfig
+    store: st.Store
+    engine: Engine
+    pool: ComputePool
+    presigner: Presigner
+    files: CheckpointFiles
+    ops: OperationRegistry
+    models: ModelCatalog
+    samplers: SamplerService
+    runs: RunManager
+    started_at: float = field(default_factory=time.time)
+    version: str = __version__
 
 
 def get_ctx(request: "Request") -> ServerContext:

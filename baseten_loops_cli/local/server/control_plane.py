@@ -8,7 +8,6 @@ Lists are unpaginated envelopes (``{"runs": [...]}``), newest first.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Awaitable, Callable
 
@@ -268,9 +267,10 @@ async def deploy_checkpoints(request: Request) -> Response:
     dep = ctx.store.create_inference_deployment(
         name=req.model_name or f"loops-{cps[0].run_id}", base_model=models.pop(),
         checkpoint_pks=[cp.pk for cp in cps])
-    ctx.log(dep.id, f"Deployed {', '.join(cp.bt_path for cp in cps)} on {dep.base_model}. "
-                    f"Serve: {base_url_of(request)}/deployments/{dep.id}/v1/chat/completions "
-                    "with model=<checkpoint name>.")
+    served = ", ".join(cp.bt_path for cp in cps)
+    ctx.store.append_log(dep.id, f"Deployed {served} on {dep.base_model}. Serve: "
+                                 f"{base_url_of(request)}/deployments/{dep.id}/v1/chat/completions "
+                                 "with model=<checkpoint name>.")
     return JSONResponse({"model_id": dep.model_id, "deployment_id": dep.id})
 
 
@@ -407,7 +407,7 @@ async def capabilities(request: Request) -> Response:
         raise bad_request(f"use_case must be 'rl' or 'sft', got {use_case!r}.", "InvalidQuery")
     wanted = request.query_params.get("model")
     max_seq = query_int(request, "max_seq_len", 0, minimum=0) or None
-    models = await ctx.models()
+    models = await ctx.models.all()
     out = []
     for spec in models.values():
         if wanted and spec.name != wanted:
@@ -430,13 +430,7 @@ async def capabilities(request: Request) -> Response:
 async def user_config(request: Request) -> Response:
     ctx = get_ctx(request)
     if request.method == "PATCH":
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError:
-            raise bad_request("Request body is not valid JSON.", "InvalidJson") from None
-        if not isinstance(body, dict):
-            raise bad_request("Send an object with trainer_accelerator_priority and/or "
-                              "sampler_accelerator_priority.", "InvalidRequest")
+        body = await parse_body(request, optional=True)
         unknown = sorted(set(body) - set(USER_CONFIG_KEYS))
         if unknown:
             raise bad_request(f"Unknown user_config field(s): {', '.join(unknown)}. Accepted: "
@@ -500,10 +494,7 @@ async def model_deployment_logs(request: Request) -> Response:
     deployment_id, _ = _model_deployment(ctx, request)
     params: dict[str, Any] = dict(request.query_params)
     if request.method == "POST":
-        try:
-            params.update(json.loads(await request.body() or b"{}"))
-        except (ValueError, TypeError):
-            raise bad_request("Request body is not a JSON object.", "InvalidJson") from None
+        params.update(await parse_body(request, optional=True))
     return _logs_response(ctx, deployment_id, params)
 
 
@@ -514,7 +505,7 @@ async def model_deployment_deactivate(request: Request) -> Response:
         ctx.samplers.deactivate(ctx.samplers.get(body["sampler_id"]))
     else:
         ctx.store.set_deployment_status(deployment_id, st.SAMPLER_INACTIVE, "deactivated")
-        ctx.log(deployment_id, "Deployment deactivated.")
+        ctx.store.append_log(deployment_id, "Deployment deactivated.")
     return JSONResponse({"success": True})
 
 

@@ -27,20 +27,26 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.server import trainer_ops
 from baseten_loops_cli.local.server.checkpoints import (
+    CheckpointFiles,
     CheckpointRef,
     parse_bt_path,
     require_bt_path,
     validate_name,
 )
-from baseten_loops_cli.local.server.context import ServerContext
+from baseten_loops_cli.local.server.compute import ComputePool
+from baseten_loops_cli.local.server.context import ModelCatalog, ServerConfig
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, conflict
+from baseten_loops_cli.local.server.operations import OperationRegistry
 from baseten_loops_cli.local.server.schemas import CreateRunRequest
 from baseten_loops_cli.local.server.validation import validate_adam, validate_forward
+
+if TYPE_CHECKING:
+    from baseten_loops_cli.local.server.samplers import SamplerService
 
 log = logging.getLogger("loops.server.runs")
 
@@ -81,12 +87,12 @@ def run_inactive_error(run: st.RunRow) -> ApiError:
 
 
 class RunExecutor:
-    def __init__(self, ctx: ServerContext, run: st.RunRow) -> None:
-        self.ctx = ctx
+    def __init__(self, manager: RunManager, run: st.RunRow) -> None:
+        self.manager = manager
         self.run_id = run.id
         self.base_model = run.base_model
         self.deployment_id = run.deployment_id
-        self.worker = ctx.pool.worker(run.base_model)
+        self.worker = manager.pool.worker(run.base_model)
         self.loaded = False
         self.running = asyncio.Event()  # set while the trainer is in memory (RUNNING)
         self.last_snapshot = time.monotonic()
@@ -97,7 +103,7 @@ class RunExecutor:
     # ── state ──
 
     def run(self) -> st.RunRow:
-        run = self.ctx.store.get_run(self.run_id)
+        run = self.manager.store.get_run(self.run_id)
         assert run is not None
         return run
 
@@ -106,10 +112,10 @@ class RunExecutor:
         return self._outstanding == 0
 
     def _set_status(self, status: str, reason: str | None = None) -> None:
-        self.ctx.store.set_deployment_status(self.deployment_id, status, reason)
+        self.manager.store.set_deployment_status(self.deployment_id, status, reason)
 
     def _log(self, message: str, level: str = "INFO", op_id: str | None = None) -> None:
-        self.ctx.log(self.deployment_id, message, level, op_id)
+        self.manager.store.append_log(self.deployment_id, message, level=level, request_id=op_id)
 
     # ── queue ──
 
@@ -154,9 +160,9 @@ class RunExecutor:
                 if item.done is not None and not item.done.done():
                     item.done.set_result(None)
                 if item.kind == "op":  # ...nor leave a poller waiting forever
-                    row = self.ctx.ops.find(self.run_id, item.op_id)
+                    row = self.manager.ops.find(self.run_id, item.op_id)
                     if row is not None and row.status not in st.FINISHED_OP_STATUSES:
-                        self.ctx.ops.finish(
+                        self.manager.ops.finish(
                             self.run_id, item.op_id, error=f"Internal error in the local "
                             f"server ({type(exc).__name__}: {exc}); see `loops server logs`.",
                             error_class="InternalServerError")
@@ -169,21 +175,21 @@ class RunExecutor:
         if self.loaded:
             return
         run = self.run()
-        dep = self.ctx.store.get_deployment(self.deployment_id)
+        dep = self.manager.store.get_deployment(self.deployment_id)
         assert dep is not None
         if run.status != st.RUN_ACTIVE or dep.status in st.TERMINAL_DEPLOY_STATUSES:
             reason = f": {dep.status_reason}" if dep.status_reason else ""
             raise OpFailed(f"Run {run.id}'s trainer deployment is {dep.status}{reason}. "
                            "Start a new run (from a checkpoint if you have one).",
                            "DeploymentNotRunning")
-        live_dir = self.ctx.files.live_state_dir(run.id)
+        live_dir = self.manager.files.live_state_dir(run.id)
         waking = dep.status == st.DEPLOY_SCALED_TO_ZERO
         restore: Path | None = None
         with_optimizer = True
         if live_dir.is_dir():
             restore = live_dir
         elif run.init_path:
-            restore, with_optimizer = self.ctx.files.absolute(run.init_path), False
+            restore, with_optimizer = self.manager.files.absolute(run.init_path), False
         self._set_status(st.DEPLOY_DEPLOYING)
         self._log("Waking from scale to zero: restoring the saved state." if waking else
                   f"Deploying trainer: {run.base_model}, LoRA rank {run.lora_rank}"
@@ -207,13 +213,13 @@ class RunExecutor:
             self._log(f"Restored state is at step {step} but the run had reached step "
                       f"{run.policy_version}; the steps in between were lost in an unclean "
                       f"shutdown. Continuing from step {step}.", "WARNING")
-            self.ctx.store.update_run(run.id, policy_version=step)
+            self.manager.store.update_run(run.id, policy_version=step)
         self._set_status(st.DEPLOY_RUNNING)
         self.running.set()
         self._log(f"Trainer running at step {step} (ready in {time.monotonic() - started:.1f}s).")
 
     async def _save_live_state(self) -> None:
-        live_dir = self.ctx.files.live_state_dir(self.run_id)
+        live_dir = self.manager.files.live_state_dir(self.run_id)
         await self.worker.run(f"snapshot {self.run_id}",
                               lambda: trainer_ops.save_live_state(self.worker, self.run_id,
                                                                   live_dir))
@@ -223,9 +229,9 @@ class RunExecutor:
         # Re-checked here: ops may have arrived between the janitor's check and now.
         run = self.run()
         if (not self.loaded or self._outstanding > 1 or run.status != st.RUN_ACTIVE
-                or run.pending_grad_ops or not self.ctx.runs.is_idle_long_enough(run)):
+                or run.pending_grad_ops or not self.manager.is_idle_long_enough(run)):
             return
-        live_dir = self.ctx.files.live_state_dir(self.run_id)
+        live_dir = self.manager.files.live_state_dir(self.run_id)
         await self.worker.run(f"scale-to-zero {self.run_id}",
                               lambda: trainer_ops.hibernate(self.worker, self.run_id, live_dir))
         self.loaded = False
@@ -237,7 +243,7 @@ class RunExecutor:
     async def _stop(self, hibernate: bool) -> None:
         if not self.loaded:
             return
-        live_dir = self.ctx.files.live_state_dir(self.run_id)
+        live_dir = self.manager.files.live_state_dir(self.run_id)
         if hibernate:
             await self.worker.run(f"shutdown {self.run_id}",
                                   lambda: trainer_ops.hibernate(self.worker, self.run_id,
@@ -251,7 +257,7 @@ class RunExecutor:
     # ── ops ──
 
     async def _run_op(self, item: _Item) -> None:
-        ops = self.ctx.ops
+        ops = self.manager.ops
         row = ops.find(self.run_id, item.op_id)
         if row is None or row.status != st.OP_PENDING:
             return  # failed meanwhile (run deactivated)
@@ -261,7 +267,7 @@ class RunExecutor:
             if run.status != st.RUN_ACTIVE:
                 raise OpFailed(run_inactive_error(run).detail, "RunInactive")
             if item.op == "optim_step" and run.gradients_lost:
-                self.ctx.store.update_run(run.id, gradients_lost=0, pending_grad_ops=0)
+                self.manager.store.update_run(run.id, gradients_lost=0, pending_grad_ops=0)
                 raise OpFailed(
                     "The gradients accumulated by forward_backward before the server "
                     "restarted were lost, so this optim_step would apply nothing. Redo the "
@@ -273,14 +279,14 @@ class RunExecutor:
             job = self._job(run, item)
             outcome = await self.worker.run(
                 f"{item.op} {self.run_id}",
-                lambda: trainer_ops.execute(self.worker, job, self.ctx.files))
+                lambda: trainer_ops.execute(self.worker, job, self.manager.files))
         except OpFailed as exc:
             ops.finish(self.run_id, item.op_id, error=str(exc), error_class=exc.error_class)
             self._log(f"{item.op} failed: {exc}", "ERROR", item.op_id)
             return
         except Exception as exc:
             error_class = getattr(exc, "error_class", None)
-            if self.ctx.engine.is_input_error(exc) and error_class:
+            if self.manager.engine.is_input_error(exc) and error_class:
                 message = str(exc)
             else:
                 log.exception("run %s: %s crashed", self.run_id, item.op)
@@ -292,14 +298,15 @@ class RunExecutor:
             return
         finally:
             elapsed = time.monotonic() - started
-            self.ctx.store.add_usage(self.run_id, "run", compute_seconds=elapsed, operations=1)
-            self.ctx.store.touch_run(self.run_id)
+            self.manager.store.add_usage(self.run_id, "run", compute_seconds=elapsed, operations=1)
+            self.manager.store.touch_run(self.run_id)
         self._apply(run, item, outcome)
         ops.finish(self.run_id, item.op_id, result=outcome.result)
         self._log(_describe(item, outcome, time.monotonic() - started), op_id=item.op_id)
         if (item.op in ("optim_step", "load_state", "load_state_with_optimizer",
                         "init_trainer_server")
-                and time.monotonic() - self.last_snapshot >= self.ctx.config.snapshot_interval_s):
+                and time.monotonic() - self.last_snapshot
+                >= self.manager.config.snapshot_interval_s):
             await self._save_live_state()
 
     def _job(self, run: st.RunRow, item: _Item) -> trainer_ops.TrainerJob:
@@ -330,7 +337,7 @@ class RunExecutor:
                            "load_state needs trainer state: "
                            f"bt://loops:{ref.run_id}/weights/<name> (saved with save_state).",
                            "WrongCheckpointTarget")
-        cp = self.ctx.store.find_checkpoint(ref.run_id, ref.target, ref.name)
+        cp = self.manager.store.find_checkpoint(ref.run_id, ref.target, ref.name)
         if cp is None:
             raise OpFailed(f"No checkpoint {path}. List them with "
                            f"GET /v1/loops/checkpoints?run_id={ref.run_id}.", "CheckpointNotFound")
@@ -341,10 +348,10 @@ class RunExecutor:
             raise OpFailed(f"{path} has LoRA rank {cp.lora_rank}, but this run uses rank "
                            f"{run.lora_rank}. Create the run with lora_rank={cp.lora_rank}.",
                            "LoraRankMismatch")
-        return self.ctx.files.absolute(cp.storage_dir)
+        return self.manager.files.absolute(cp.storage_dir)
 
     def _apply(self, run: st.RunRow, item: _Item, outcome: trainer_ops.OpOutcome) -> None:
-        store = self.ctx.store
+        store = self.manager.store
         fields: dict[str, Any] = {"policy_version": outcome.step}
         if outcome.lora_rank != run.lora_rank:
             fields["lora_rank"] = outcome.lora_rank
@@ -366,7 +373,7 @@ class RunExecutor:
                 storage_dir=saved.storage_dir, manifest=saved.manifest,
                 expires_at=time.time() + ttl if ttl else None)
             if item.op == "save_weights_for_sampler" and item.params.get("bump_version"):
-                self.ctx.samplers.publish(run.id, cp)
+                self.manager.samplers.publish(run.id, cp)
 
 
 def _describe(item: _Item, outcome: trainer_ops.OpOutcome, elapsed: float) -> str:
@@ -388,15 +395,25 @@ def _describe(item: _Item, outcome: trainer_ops.OpOutcome, elapsed: float) -> st
 
 
 class RunManager:
-    def __init__(self, ctx: ServerContext) -> None:
-        self.ctx = ctx
+    def __init__(self, config: ServerConfig, store: st.Store, pool: ComputePool,
+                 files: CheckpointFiles, ops: OperationRegistry, models: ModelCatalog,
+                 samplers: SamplerService) -> None:
+        self.config = config
+        self.store = store
+        self.pool = pool
+        self.engine = pool.engine
+        self.files = files
+        self.ops = ops
+        self.models = models
+        self.samplers = samplers
+        self.log = store.append_log  # a line in a deployment's logs
         self._executors: dict[str, RunExecutor] = {}
         self._submit_locks: dict[str, asyncio.Lock] = {}
 
     def executor(self, run: st.RunRow) -> RunExecutor:
         executor = self._executors.get(run.id)
         if executor is None:
-            executor = self._executors[run.id] = RunExecutor(self.ctx, run)
+            executor = self._executors[run.id] = RunExecutor(self, run)
         return executor
 
     def loaded_runs(self) -> list[str]:
@@ -405,25 +422,28 @@ class RunManager:
     # ── startup / shutdown ──
 
     def recover_after_restart(self) -> None:
-        """Every run that was active comes back scaled to zero: it wakes on its next op
-        from the state saved at shutdown (or its last snapshot)."""
-        store = self.ctx.store
+        """After a restart or crash nothing is in memory: every active run's trainer (and
+        every live sampler) comes back scaled to zero, waking on its next op from the state
+        saved at shutdown (or its last snapshot); whatever a crash left of a deactivation
+        is finished. Every route then reports the same state (store.reconcile_after_restart)."""
+        store = self.store
         for run in store.list_runs(status=st.RUN_ACTIVE):
-            dep = store.get_deployment(run.deployment_id)
-            if dep is None or dep.status in st.TERMINAL_DEPLOY_STATUSES:
-                continue
             if run.pending_grad_ops:
                 store.update_run(run.id, pending_grad_ops=0, gradients_lost=1)
-            if dep.status != st.DEPLOY_SCALED_TO_ZERO:
-                store.set_deployment_status(dep.id, st.DEPLOY_SCALED_TO_ZERO)
-                self.ctx.log(dep.id, "Server restarted: trainer scaled to zero; the next op "
-                                     "wakes it from its last saved state.")
+        for deployment_id, status in store.reconcile_after_restart():
+            self.log(deployment_id, {
+                st.DEPLOY_SCALED_TO_ZERO: "Server restarted: scaled to zero; the next request "
+                                          "wakes it (a trainer from its last saved state).",
+                st.DEPLOY_STOPPED: "Server restarted: the run was deactivated; trainer stopped.",
+                st.SAMPLER_INACTIVE: "Server restarted: the run was deactivated; sampler "
+                                     "deactivated.",
+            }[status])
 
     async def shutdown(self, timeout_s: float = 60.0) -> None:
         """Save every loaded trainer so the runs resume after a restart."""
         executors = list(self._executors.values())
         for executor in executors:
-            self.ctx.ops.fail_pending(
+            self.ops.fail_pending(
                 executor.run_id, "The local loops server shut down before this operation "
                 "ran. Resubmit it after restarting the server.", "ServerShutdown")
         if executors:
@@ -434,15 +454,14 @@ class RunManager:
                 log.warning("shutdown: saving trainers timed out after %.0fs", timeout_s)
         for executor in executors:
             if not executor.loaded and executor.run().status == st.RUN_ACTIVE:
-                self.ctx.store.set_deployment_status(executor.deployment_id,
+                self.store.set_deployment_status(executor.deployment_id,
                                                      st.DEPLOY_SCALED_TO_ZERO)
         self._executors.clear()
 
     # ── create / deactivate ──
 
     async def create(self, req: CreateRunRequest, team_id: str | None) -> st.RunRow:
-        ctx = self.ctx
-        session = ctx.store.get_session(req.session_id)
+        session = self.store.get_session(req.session_id)
         if session is None:
             raise bad_request(f"Unknown session_id {req.session_id!r}. Create one with "
                               "POST /v1/loops/sessions.", "SessionNotFound")
@@ -450,7 +469,7 @@ class RunManager:
             raise bad_request("base_checkpoint (hf://...) needs a download from Hugging Face, "
                               "which the local backend does not do. Use a model from "
                               "GET /v1/loops/capabilities.", "Unsupported")
-        spec = await ctx.model_spec(req.base_model)
+        spec = await self.models.spec(req.base_model)
         max_seq_len = req.max_seq_len or spec.max_seq_len
         if max_seq_len > spec.max_seq_len:
             raise bad_request(f"max_seq_len {max_seq_len} exceeds {spec.name}'s maximum of "
@@ -458,7 +477,7 @@ class RunManager:
         init_path = None
         if req.path is not None:
             ref = require_bt_path(req.path, what="path")
-            cp = ctx.store.find_checkpoint(ref.run_id, ref.target, ref.name)
+            cp = self.store.find_checkpoint(ref.run_id, ref.target, ref.name)
             if cp is None or ref.target != st.TARGET_TRAINER:
                 raise bad_request(f"path {req.path!r} is not a saved trainer checkpoint "
                                   "(bt://loops:<run>/weights/<name>).", "CheckpointNotFound")
@@ -469,38 +488,38 @@ class RunManager:
                 raise bad_request(f"path {req.path} has LoRA rank {cp.lora_rank}; create the "
                                   f"run with lora_rank={cp.lora_rank}.", "LoraRankMismatch")
             init_path = cp.storage_dir
-        run = ctx.store.create_run(
+        run = self.store.create_run(
             session_id=session.id, team_id=team_id, name=req.name or spec.name,
             base_model=spec.name, lora_rank=req.lora_rank, max_seq_len=max_seq_len,
             seed=req.seed, scale_down_delay_seconds=req.scale_down_delay_seconds,
             availability_model=req.availability_model, replicas=req.replicas,
             init_path=init_path)
-        ctx.log(run.deployment_id, f"Created run {run.id} ({spec.name}, LoRA rank "
-                                   f"{run.lora_rank}, max_seq_len {max_seq_len}).")
+        self.log(run.deployment_id, f"Created run {run.id} ({spec.name}, LoRA rank "
+                                    f"{run.lora_rank}, max_seq_len {max_seq_len}).")
         if req.replicas > 1:
-            ctx.log(run.deployment_id, f"replicas={req.replicas} requested; the local backend "
-                                       "runs a single replica.", "WARNING")
+            self.log(run.deployment_id, f"replicas={req.replicas} requested; the local backend "
+                                        "runs a single replica.", level="WARNING")
         if req.reuse_from_run_id or req.reuse_from_session_id:
-            ctx.log(run.deployment_id, "Reuse was requested; local trainers start in seconds, "
-                                       "so a fresh one was started.")
+            self.log(run.deployment_id, "Reuse was requested; local trainers start in seconds, "
+                                        "so a fresh one was started.")
         self.executor(run).enqueue_deploy()
         return run
 
     async def deactivate(self, run: st.RunRow) -> None:
-        ctx = self.ctx
         if run.status == st.RUN_INACTIVE:
             return
-        ctx.store.update_run(run.id, status=st.RUN_INACTIVE, deactivated_at=time.time())
-        ctx.store.set_deployment_status(run.deployment_id, st.DEPLOY_STOPPED, "deactivated")
-        ctx.ops.fail_pending(run.id, f"Run {run.id} was deactivated before this operation "
-                             "ran.", "RunInactive")
-        ctx.samplers.deactivate_paired(run.id)
-        ctx.log(run.deployment_id, "Run deactivated; trainer stopped. Checkpoints are kept.")
+        paired = self.store.paired_sampler(run.id)
+        self.store.deactivate_run(run.id, run.deployment_id)
+        self.ops.fail_pending(run.id, f"Run {run.id} was deactivated before this operation "
+                              "ran.", "RunInactive")
+        if paired is not None:
+            self.samplers.released(paired)
+        self.log(run.deployment_id, "Run deactivated; trainer stopped. Checkpoints are kept.")
         executor = self._executors.pop(run.id, None)
         self._submit_locks.pop(run.id, None)
         if executor is not None:
             await executor.stop(hibernate=False)
-        shutil.rmtree(ctx.files.live_state_dir(run.id).parent, ignore_errors=True)
+        shutil.rmtree(self.files.live_state_dir(run.id).parent, ignore_errors=True)
 
     # ── ops ──
 
@@ -514,16 +533,15 @@ class RunManager:
         """
         lock = self._submit_locks.setdefault(run.id, asyncio.Lock())
         async with lock:
-            ctx = self.ctx
             if idempotency_key:
-                existing = ctx.ops.find(run.id, idempotency_key)
+                existing = self.ops.find(run.id, idempotency_key)
                 if existing is not None:
                     if existing.op != op:
                         raise conflict(f"Idempotency-Key {idempotency_key!r} was already used "
                                        f"for {existing.op} on this run; use a fresh key per "
                                        "operation.", "IdempotencyKeyReused")
                     return existing
-            run = ctx.store.get_run(run.id) or run
+            run = self.store.get_run(run.id) or run
             if run.status != st.RUN_ACTIVE:
                 raise run_inactive_error(run)
             model = body.get("model")
@@ -532,15 +550,15 @@ class RunManager:
                                   f"model {model!r}.", "BaseModelMismatch")
             params = await self._validate(run, op, body)
             seq_id = body.get("seq_id") if isinstance(body.get("seq_id"), int) else None
-            row = ctx.ops.create(run.id, op, idempotency_key, seq_id)
-            ctx.store.touch_run(run.id)
+            row = self.ops.create(run.id, op, idempotency_key, seq_id)
+            self.store.touch_run(run.id)
             self.executor(run).enqueue_op(row.id, op, params)
             return row
 
     async def _validate(self, run: st.RunRow, op: str, body: dict[str, Any]) -> dict[str, Any]:
         if op in ("forward", "forward_backward"):
-            spec = await self.ctx.model_spec(run.base_model)
-            req = await validate_forward(self.ctx.engine, body, spec, run.max_seq_len)
+            spec = await self.models.spec(run.base_model)
+            req = await validate_forward(self.engine, body, spec, run.max_seq_len)
             return {"data": req.data, "loss_fn": req.loss_fn, "loss_fn_config": req.loss_fn_config,
                     "top_k_logprobs": req.top_k_logprobs, "token_count": req.token_count}
         if op == "optim_step":
@@ -580,7 +598,7 @@ class RunManager:
         for run_id, executor in list(self._executors.items()):
             if not executor.loaded or not executor.idle:
                 continue
-            run = self.ctx.store.get_run(run_id)
+            run = self.store.get_run(run_id)
             if run is None or run.status != st.RUN_ACTIVE:
                 continue
             if run.pending_grad_ops:

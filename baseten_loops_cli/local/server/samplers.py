@@ -15,6 +15,10 @@ Weight sync follows the dedicated-sampler protocol (loops-protocol.md §1.4, §3
 Concurrent ``/sample`` requests are batched: requests arriving within a few milliseconds
 of each other go to the engine as one call (one padded batch on the model's compute
 thread instead of N serial generations).
+
+Streaming (:meth:`SamplerService.stream`): the engine calls the job's ``on_token`` on the
+compute thread after every decoded token; the callback hands the token to the request's
+event loop through a queue, so the HTTP response sends it while the batch keeps decoding.
 """
 
 from __future__ import annotations
@@ -22,14 +26,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from baseten_loops_cli.local import store as st
-from baseten_loops_cli.local.server.checkpoints import parse_bt_path, require_bt_path
-from baseten_loops_cli.local.server.compute import ModelWorker
-from baseten_loops_cli.local.server.context import ServerContext
+from baseten_loops_cli.local.engine.sample_types import SampleRequest, SampleResult
+from baseten_loops_cli.local.server.checkpoints import (
+    CheckpointFiles,
+    parse_bt_path,
+    require_bt_path,
+)
+from baseten_loops_cli.local.server.compute import ComputePool, ModelWorker
+from baseten_loops_cli.local.server.context import ModelCatalog, ServerConfig
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, conflict, not_found
 from baseten_loops_cli.local.server.schemas import DEFAULT_SCALE_DOWN_DELAY_S, CreateSamplerRequest
 
@@ -48,36 +57,7 @@ class Adapter:
     key: str
 
 
-@dataclass
-class SampleJob:
-    prompt: list[int]
-    n: int
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop_token_ids: list[int]
-    stop: list[str]
-    prompt_logprobs: int | None  # None = not requested; k = also the top-k alternatives
-    adapter: Adapter | None
-
-
-@dataclass
-class SampledSequence:
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-    text: str
-
-
-@dataclass
-class SampleOutput:
-    sequences: list[SampledSequence]
-    # Per prompt position: None (position 0) or (logprob of the actual token, rank,
-    # [(token_id, logprob), ...] top-k alternatives).
-    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] | None = None
-    token_text: dict[int, str] = field(default_factory=dict)
+_STREAM_END = object()
 
 
 class SampleBatcher:
@@ -93,13 +73,13 @@ class SampleBatcher:
         self.worker = worker
         self.window_s = window_s
         self.max_batch = max_batch
-        self._pending: list[tuple[SampleJob, asyncio.Future]] = []
+        self._pending: list[tuple[SampleRequest, asyncio.Future]] = []
         self._flush_handle: asyncio.TimerHandle | None = None
         self._in_flight: asyncio.Task | None = None
         self.batches = 0
         self.largest_batch = 0
 
-    async def submit(self, job: SampleJob) -> SampleOutput:
+    async def submit(self, job: SampleRequest) -> SampleResult:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((job, future))
         if len(self._pending) >= self.max_batch:
@@ -123,7 +103,7 @@ class SampleBatcher:
                              lambda: worker.engine.sample(worker.sampler(), jobs))
         self._in_flight = asyncio.get_running_loop().create_task(self._deliver(done, batch))
 
-    async def _deliver(self, done, batch: list[tuple[SampleJob, asyncio.Future]]) -> None:
+    async def _deliver(self, done, batch: list[tuple[SampleRequest, asyncio.Future]]) -> None:
         try:
             outputs = await asyncio.wrap_future(done)
         except Exception as exc:
@@ -141,8 +121,15 @@ class SampleBatcher:
 
 
 class SamplerService:
-    def __init__(self, ctx: ServerContext) -> None:
-        self.ctx = ctx
+    def __init__(self, config: ServerConfig, store: st.Store, pool: ComputePool,
+                 files: CheckpointFiles, models: ModelCatalog) -> None:
+        self.config = config
+        self.store = store
+        self.pool = pool
+        self.engine = pool.engine
+        self.files = files
+        self.models = models
+        self.log = store.append_log  # a line in a deployment's logs
         self._batchers: dict[str, SampleBatcher] = {}
         # Set (and replaced) whenever a sampler's live adapter changes, waking requests
         # that hold for X-Min-Policy-Version.
@@ -151,19 +138,44 @@ class SamplerService:
     def batcher(self, base_model: str) -> SampleBatcher:
         batcher = self._batchers.get(base_model)
         if batcher is None:
-            cfg = self.ctx.config
+            cfg = self.config
             batcher = self._batchers[base_model] = SampleBatcher(
-                self.ctx.pool.worker(base_model), cfg.sample_batch_window_s, cfg.max_sample_batch)
+                self.pool.worker(base_model), cfg.sample_batch_window_s, cfg.max_sample_batch)
         return batcher
 
-    async def generate(self, base_model: str, job: SampleJob) -> SampleOutput:
+    async def generate(self, base_model: str, job: SampleRequest) -> SampleResult:
         """Sample through the batcher; the engine's input errors become 400s."""
         try:
             return await self.batcher(base_model).submit(job)
         except Exception as exc:
-            if self.ctx.engine.is_input_error(exc):
+            if self.engine.is_input_error(exc):
                 raise bad_request(str(exc), getattr(exc, "error_class", "InvalidInput")) from None
             raise
+
+    async def stream(self, base_model: str, job: SampleRequest) -> AsyncIterator[Any]:
+        """Sample ``job`` token by token: yields the engine's ``TokenEvent`` for every token
+        as it is decoded, then the complete ``SampleResult`` (errors raise as in
+        :meth:`generate`). A client that goes away stops waiting; the batch it was in
+        still finishes (other requests share it)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        pause_hook = self.pool.after_token  # test fault hook (pauses decoding)
+
+        def on_token(event: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+            if pause_hook is not None:
+                pause_hook()
+
+        job.on_token = on_token
+        done = asyncio.ensure_future(self.generate(base_model, job))
+        # Queued after every token: the engine hands them over before its result.
+        done.add_done_callback(lambda _: events.put_nowait(_STREAM_END))
+        try:
+            while (event := await events.get()) is not _STREAM_END:
+                yield event
+            yield done.result()
+        finally:
+            done.cancel()
 
     def stats(self) -> dict[str, Any]:
         return {name: {"batches": b.batches, "largest_batch": b.largest_batch}
@@ -172,7 +184,7 @@ class SamplerService:
     # ── create / lookup ──
 
     async def create(self, req: CreateSamplerRequest, team_id: str | None) -> st.SamplerRow:
-        store = self.ctx.store
+        store = self.store
         if store.get_session(req.session_id) is None:
             raise bad_request(f"Unknown session_id {req.session_id!r}. Create one with "
                               "POST /v1/loops/sessions.", "SessionNotFound")
@@ -193,7 +205,7 @@ class SamplerService:
             cp = store.find_checkpoint(ref.run_id, ref.target, ref.name)
             if cp is None:
                 raise bad_request(f"No checkpoint {req.model_path}.", "CheckpointNotFound")
-            spec = await self.ctx.model_spec(cp.base_model)
+            spec = await self.models.spec(cp.base_model)
             self._check_length(req.max_seq_length, spec)
             sampler = store.create_sampler(
                 session_id=req.session_id, team_id=team_id, run_id=None, base_model=cp.base_model,
@@ -201,14 +213,14 @@ class SamplerService:
                 num_replicas=req.num_replicas, scale_down_delay_seconds=DEFAULT_SCALE_DOWN_DELAY_S,
                 policy_version=cp.policy_version)
         else:
-            spec = await self.ctx.model_spec(req.base_model or "")
+            spec = await self.models.spec(req.base_model or "")
             self._check_length(req.max_seq_length, spec)
             sampler = store.create_sampler(
                 session_id=req.session_id, team_id=team_id, run_id=None, base_model=spec.name,
                 model_path=None, checkpoint_pk=None, max_seq_length=req.max_seq_length,
                 num_replicas=req.num_replicas, scale_down_delay_seconds=DEFAULT_SCALE_DOWN_DELAY_S)
-        self.ctx.log(sampler.deployment_id, f"Sampler {sampler.id} serving "
-                                            f"{sampler.model_path or sampler.base_model}.")
+        self.log(sampler.deployment_id, f"Sampler {sampler.id} serving "
+                                        f"{sampler.model_path or sampler.base_model}.")
         return sampler
 
     @staticmethod
@@ -220,7 +232,7 @@ class SamplerService:
     async def ensure_paired(self, run_id: str, req: CreateSamplerRequest | None,
                             team_id: str | None) -> st.SamplerRow:
         """The run's paired sampler, created on first request (idempotent per run)."""
-        store = self.ctx.store
+        store = self.store
         run = store.get_run(run_id)
         if run is None:
             raise bad_request(f"Unknown run_id {run_id!r}.", "RunNotFound")
@@ -242,12 +254,12 @@ class SamplerService:
             num_replicas=req.num_replicas if req else None,
             scale_down_delay_seconds=run.scale_down_delay_seconds,
             policy_version=run.published_version)
-        self.ctx.log(sampler.deployment_id, f"Paired sampler {sampler.id} for run {run.id}.")
-        self.ctx.log(run.deployment_id, f"Paired sampler {sampler.id} created.")
+        self.log(sampler.deployment_id, f"Paired sampler {sampler.id} for run {run.id}.")
+        self.log(run.deployment_id, f"Paired sampler {sampler.id} created.")
         return sampler
 
     def get(self, sampler_id: str) -> st.SamplerRow:
-        sampler = self.ctx.store.get_sampler(sampler_id)
+        sampler = self.store.get_sampler(sampler_id)
         if sampler is None:
             raise not_found("sampler", sampler_id, "List samplers with GET /v1/loops/samplers.")
         return sampler
@@ -255,31 +267,31 @@ class SamplerService:
     def deactivate(self, sampler: st.SamplerRow) -> None:
         if sampler.status == st.SAMPLER_INACTIVE:
             return
-        self.ctx.store.update_sampler(sampler.id, status=st.SAMPLER_INACTIVE,
-                                      deactivated_at=time.time())
-        self._release_adapter(sampler)
-        self.ctx.log(sampler.deployment_id, "Sampler deactivated.")
-        self._notify(sampler.id)
+        self.store.update_sampler(sampler.id, status=st.SAMPLER_INACTIVE,
+                                  deactivated_at=time.time())
+        self.released(sampler)
 
-    def deactivate_paired(self, run_id: str) -> None:
-        sampler = self.ctx.store.paired_sampler(run_id)
-        if sampler is not None:
-            self.deactivate(sampler)
+    def released(self, sampler: st.SamplerRow) -> None:
+        """``sampler`` was just deactivated (alone, or with its run): free its adapter and
+        wake requests waiting on it (they then answer 409)."""
+        self._release_adapter(sampler)
+        self.log(sampler.deployment_id, "Sampler deactivated.")
+        self._notify(sampler.id)
 
     # ── weight sync ──
 
     def publish(self, run_id: str, cp: st.CheckpointRow) -> None:
         """``save_weights_for_sampler(bump_version=True)`` finished: the paired sampler now
         serves ``cp`` at version ``cp.policy_version``."""
-        store = self.ctx.store
+        store = self.store
         store.update_run(run_id, published_checkpoint_pk=cp.pk,
                          published_version=cp.policy_version)
         sampler = store.paired_sampler(run_id)
         if sampler is not None:
             store.update_sampler(sampler.id, live_checkpoint_pk=cp.pk,
                                  policy_version=cp.policy_version)
-            self.ctx.log(sampler.deployment_id, f"Hot-swapped to {cp.bt_path} (policy version "
-                                                f"{cp.policy_version}).")
+            self.log(sampler.deployment_id, f"Hot-swapped to {cp.bt_path} (policy version "
+                                            f"{cp.policy_version}).")
             self._notify(sampler.id)
 
     def _notify(self, sampler_id: str) -> None:
@@ -295,7 +307,7 @@ class SamplerService:
             pass
 
     def adapter(self, cp: st.CheckpointRow) -> Adapter:
-        return Adapter(cp.pk, cp.name, self.ctx.files.absolute(cp.storage_dir),
+        return Adapter(cp.pk, cp.name, self.files.absolute(cp.storage_dir),
                        cp.policy_version, f"{cp.pk}@{cp.created_at:.6f}")
 
     async def choose_adapter(
@@ -305,9 +317,9 @@ class SamplerService:
 
         Raises 408 while a floor is above the live adapter and no pin can stand in.
         """
-        hold_until = time.monotonic() + self.ctx.config.min_version_hold_s
+        hold_until = time.monotonic() + self.config.min_version_hold_s
         while True:
-            sampler = self.ctx.store.get_sampler(sampler.id) or sampler
+            sampler = self.store.get_sampler(sampler.id) or sampler
             if sampler.status == st.SAMPLER_INACTIVE:
                 raise conflict(f"Sampler {sampler.id} was deactivated.", "SamplerInactive")
             live_version = sampler.policy_version
@@ -331,7 +343,7 @@ class SamplerService:
             return None
         if sampler.run_id is not None and sampler.policy_version == 0:
             return None  # version 0: nothing trained yet, the base model serves
-        cp = self.ctx.store.get_checkpoint(sampler.live_checkpoint_pk)
+        cp = self.store.get_checkpoint(sampler.live_checkpoint_pk)
         return self.adapter(cp) if cp is not None else None
 
     def _pinned(self, sampler: st.SamplerRow, pin: str) -> tuple[Adapter | None, int]:
@@ -339,7 +351,7 @@ class SamplerService:
         if ref is None or ref.target != st.TARGET_SAMPLER:
             raise bad_request(f"X-Checkpoint-Path {pin!r} must be a sampler checkpoint: "
                               "bt://loops:<run>/sampler_weights/<name>.", "InvalidCheckpointPath")
-        cp = self.ctx.store.find_checkpoint(ref.run_id, ref.target, ref.name)
+        cp = self.store.find_checkpoint(ref.run_id, ref.target, ref.name)
         if cp is None:
             raise bad_request(f"No checkpoint {pin}.", "CheckpointNotFound")
         if cp.base_model != sampler.base_model:
@@ -350,14 +362,14 @@ class SamplerService:
     # ── scale to zero ──
 
     def sweep(self, now: float) -> None:
-        store = self.ctx.store
+        store = self.store
         for sampler in store.list_samplers():
             if (sampler.status == st.SAMPLER_ACTIVE
                     and now - sampler.last_active_at >= sampler.scale_down_delay_seconds):
                 store.update_sampler(sampler.id, status=st.SAMPLER_SCALED_TO_ZERO)
                 self._release_adapter(sampler)
-                self.ctx.log(sampler.deployment_id, "Idle: scaled to zero (the next request "
-                                                    "or POST /wake brings it back).")
+                self.log(sampler.deployment_id, "Idle: scaled to zero (the next request "
+                                                "or POST /wake brings it back).")
 
     def _release_adapter(self, sampler: st.SamplerRow) -> None:
         """Unload the idle sampler's adapter from the engine (it reloads on the next
@@ -365,15 +377,15 @@ class SamplerService:
         adapter = self.live_adapter(sampler)
         if adapter is None:
             return
-        worker = self.ctx.pool.worker(sampler.base_model)
+        worker = self.pool.worker(sampler.base_model)
         worker.submit(f"unload {adapter.key}", lambda: worker.unload_sampler_adapter(adapter.key))
 
     def wake(self, sampler: st.SamplerRow) -> st.SamplerRow:
         if sampler.status == st.SAMPLER_INACTIVE:
             raise conflict(f"Sampler {sampler.id} was deactivated; create a new one.",
                            "SamplerInactive")
-        self.ctx.store.update_sampler(sampler.id, status=st.SAMPLER_ACTIVE,
+        self.store.update_sampler(sampler.id, status=st.SAMPLER_ACTIVE,
                                       last_active_at=time.time())
         if sampler.status == st.SAMPLER_SCALED_TO_ZERO:
-            self.ctx.log(sampler.deployment_id, "Woken up.")
-        return self.ctx.store.get_sampler(sampler.id)  # type: ignore[return-value]
+            self.log(sampler.deployment_id, "Woken up.")
+        return self.store.get_sampler(sampler.id)  # type: ignore[return-value]

@@ -12,7 +12,7 @@ the client used to reach us, so ``localhost`` vs ``127.0.0.1`` both round-trip.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -102,18 +102,41 @@ class MetricsRequest(_Request):
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
+@overload
 async def parse_body(request: Request, model: type[ModelT], *, optional: bool = False) -> ModelT:
-    """Read and validate a JSON body; any problem is a 400 naming the bad fields."""
+    ...
+
+
+@overload
+async def parse_body(request: Request, model: None = None, *,
+                     optional: bool = False) -> dict[str, Any]:
+    ...
+
+
+async def parse_body(request: Request, model: type[ModelT] | None = None, *,
+                     optional: bool = False) -> ModelT | dict[str, Any]:
+    """Every route's JSON body, read one way: any problem is a 400 (``InvalidJson`` for a
+    body that is not a JSON object, ``ValidationError`` naming every bad field of ``model``).
+
+    Without ``model`` the object comes back as a dict, for routes whose fields are checked
+    by hand (trainer ops, sampling). An empty body is refused unless ``optional``, which
+    gives the model's defaults (or ``{}``).
+    """
     raw = await request.body()
     if not raw.strip():
         if optional:
-            return model()
-        raise bad_request(f"This route needs a JSON body ({model.__name__}).", "InvalidJson")
+            return model() if model is not None else {}
+        what = model.__name__ if model is not None else "a JSON object"
+        raise bad_request(f"This route needs a JSON body ({what}).", "InvalidJson")
     try:
         payload = json.loads(raw)
     except ValueError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}.", "InvalidJson") from None
-    return validate(model, payload)
+    if model is not None:
+        return validate(model, payload)
+    if not isinstance(payload, dict):
+        raise bad_request("Request body must be a JSON object.", "InvalidJson")
+    return payload
 
 
 def validate(model: type[ModelT], payload: Any) -> ModelT:

@@ -11,7 +11,6 @@ The eight ops are in ``runs.TRAINER_OPS``. A submit is validated before it is ac
 
 from __future__ import annotations
 
-import json
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,7 +18,8 @@ from starlette.routing import BaseRoute, Route
 
 from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.server.context import ServerContext, get_ctx
-from baseten_loops_cli.local.server.errors import ApiError, bad_request, not_found
+from baseten_loops_cli.local.server.errors import ApiError, not_found
+from baseten_loops_cli.local.server.schemas import parse_body
 from baseten_loops_cli.local.server.runs import TRAINER_OPS, run_inactive_error
 
 OPERATION_SCHEMA_VERSION = 1
@@ -75,12 +75,7 @@ async def submit(request: Request) -> Response:
     if op not in TRAINER_OPS:
         raise ApiError(404, f"No trainer op {op!r}. Ops: {', '.join(TRAINER_OPS)}.",
                        "RouteNotFound")
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}.", "InvalidJson") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object.", "InvalidJson")
+    body = await parse_body(request, optional=True)
     key = request.headers.get("idempotency-key") or None
     row = await ctx.runs.submit(run, op, body, key)
     location = f"/trainers/{run.id}/operations/{row.id}"

@@ -1,4 +1,4 @@
-"""Turn what users type into the objects commands work on: runs, checkpoints, samplers.
+"""Turn what users type into the models commands work on: runs, checkpoints, samplers.
 
 A **run** is named by its id. An unknown id fails with one line and, when a known id is close
 (a typo, a prefix), a "did you mean" hint.
@@ -15,13 +15,14 @@ The API has no "get checkpoint by id" route: an id is looked up among the checkp
 caller's runs, one listing per base model. Commands that only need the id (``files``,
 ``download``) skip that lookup.
 
-Everything returned is plain JSON (dicts): the shapes of loops-protocol.md §2.3, whatever the
-client's models are.
+Everything returned is a model of ``api.models`` (``LoopsRun``, ``LoopsCheckpoint``,
+``LoopsSampler``); the output sink serialises them.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, NoReturn
 
@@ -29,46 +30,36 @@ from baseten_loops_cli.errors import LoopsError, UsageError
 
 if TYPE_CHECKING:
     from baseten_loops_cli.api.client import LoopsClient
+    from baseten_loops_cli.api.models import LoopsCheckpoint, LoopsRun, LoopsSampler
 
 TARGETS = ("sampler", "trainer")
 _FOLDER_OF = {"trainer": "weights", "sampler": "sampler_weights"}
 _TARGET_OF = {v: k for k, v in _FOLDER_OF.items()}
 
-# Run statuses (§2.4)
-RUN_ACTIVE = "ACTIVE"
-# Trainer deployment statuses
-TRAINER_LIVE = frozenset({"CREATED", "DEPLOYING", "RUNNING"})
+# Trainer deployment statuses that end a trainer, and those of them that are failures (the
+# live/terminal sets of api.models, plus the failure subset commands exit 5 on).
 TRAINER_TERMINAL = frozenset({"FAILED", "STOPPED", "PREEMPTED"})
 TRAINER_FAILED = frozenset({"FAILED", "PREEMPTED"})
-# Sampler (DeploymentStatusV1) statuses
-SAMPLER_LIVE = frozenset({"ACTIVE", "BUILDING", "DEPLOYING", "LOADING_MODEL", "UPDATING", "WAKING_UP"})
-SAMPLER_TERMINAL = frozenset(
-    {"DEPLOY_FAILED", "UNHEALTHY", "BUILD_FAILED", "BUILD_STOPPED", "DEACTIVATING", "INACTIVE", "FAILED"}
-)
 
 
 class NotFound(LoopsError):
     """A run, checkpoint, sampler or deployment the user named does not exist."""
 
 
-def as_dict(value: Any) -> Any:
-    """Plain JSON of a client result (pydantic model, dict or list)."""
-    from baseten_loops_cli.output.sink import to_jsonable
-
-    return to_jsonable(value)
-
-
-def status_name(obj: dict | None) -> str | None:
-    """``status.name`` of a run/sampler/deployment (``status`` may also be a bare string)."""
-    if not obj:
-        return None
-    status = obj.get("status")
-    if isinstance(status, dict):
-        return status.get("name")
-    return status
+def extra(model: Any, key: str, default: Any = None) -> Any:
+    """A field the backend sent that the protocol's model does not declare (the local backend
+    adds ``policy_version``, ``lora_rank``, ``path``, ...); ``default`` when absent."""
+    value = (getattr(model, "model_extra", None) or {}).get(key)
+    return default if value is None else value
 
 
-def suggest(name: str, candidates: Iterable[str], *, n: int = 3) -> list[str]:
+def sampler_is_terminal(sampler: "LoopsSampler | None") -> bool:
+    from baseten_loops_cli.api.models import SamplerDeploymentStatus
+
+    return sampler is None or SamplerDeploymentStatus.is_terminal(sampler.status_name)
+
+
+def suggest(name: str, candidates: Iterable[str | None], *, n: int = 3) -> list[str]:
     """Close matches for ``name``: ids that start with it first, then difflib's."""
     pool = sorted({c for c in candidates if c})
     prefixed = [c for c in pool if c.startswith(name) or name.startswith(c)]
@@ -92,31 +83,26 @@ def did_you_mean(matches: list[str]) -> str:
 # ── runs ──────────────────────────────────────────────────────────────────────────────────
 
 
-def _list_runs_quietly(client: "LoopsClient", **kwargs: Any) -> list[dict]:
-    try:
-        return as_dict(client.runs.list(**kwargs)) or []
-    except LoopsError:
-        return []
-
-
 def run_not_found(client: "LoopsClient", run_id: str) -> NotFound:
-    ids = [r.get("id") for r in _list_runs_quietly(client)]
+    try:
+        ids = [r.id for r in client.runs.list()]
+    except LoopsError:
+        ids = []
     return NotFound(
         f"no run {run_id!r}",
         hint=f"{did_you_mean(suggest(run_id, ids))}List runs with `loops runs list --all`.",
     )
 
 
-def get_run(client: "LoopsClient", run_id: str) -> dict:
-    """The run (``LoopsRun`` JSON, with its paired sampler), or :class:`NotFound` with a
-    suggestion."""
+def get_run(client: "LoopsClient", run_id: str) -> "LoopsRun":
+    """The run (with its paired sampler), or :class:`NotFound` with a suggestion."""
     from baseten_loops_cli.api.errors import NotFoundError
 
     run_id = run_id.strip()
     if not run_id:
         raise UsageError("a run id is empty")
     try:
-        return as_dict(client.runs.get(run_id))
+        return client.runs.get(run_id)
     except NotFoundError:
         raise run_not_found(client, run_id) from None
 
@@ -135,24 +121,24 @@ class CheckpointRef:
     name: str | None = None
     target: str | None = None
 
-    @property
-    def uri(self) -> str | None:
-        if self.run_id and self.name and self.target:
-            return checkpoint_uri(self.run_id, self.target, self.name)
-        return None
-
 
 def checkpoint_uri(run_id: str, target: str, name: str) -> str:
     return f"bt://loops:{run_id}/{_FOLDER_OF[target]}/{name}"
 
 
-def uri_of(cp: dict) -> str | None:
-    """The bt:// URI of a checkpoint JSON object."""
-    if cp.get("path") and str(cp["path"]).startswith("bt://"):
-        return cp["path"]
-    if cp.get("run_id") and cp.get("checkpoint_id") and cp.get("target") in _FOLDER_OF:
-        return checkpoint_uri(cp["run_id"], cp["target"], cp["checkpoint_id"])
+def uri_of(cp: "LoopsCheckpoint") -> str | None:
+    """The bt:// URI of a checkpoint (the backend's ``path`` when it sends one)."""
+    path = extra(cp, "path")
+    if path and str(path).startswith("bt://"):
+        return str(path)
+    if cp.run_id and cp.checkpoint_id and cp.target in _FOLDER_OF:
+        return checkpoint_uri(cp.run_id, cp.target, cp.checkpoint_id)
     return None
+
+
+def display_name(cp: "LoopsCheckpoint") -> str:
+    """``RUN:NAME`` of a checkpoint (what people type back)."""
+    return f"{cp.run_id}:{cp.checkpoint_id}"
 
 
 def parse_target(target: str | None) -> str | None:
@@ -172,15 +158,17 @@ def parse_checkpoint_ref(text: str, target: str | None = None) -> CheckpointRef:
     if not text:
         raise UsageError("empty checkpoint reference", hint="Name it by id, bt:// URI or RUN:NAME.")
     if text.startswith(("bt://", "abt://")):
-        run_id, folder, name = _split_uri(text)
-        uri_target = _TARGET_OF[folder]
+        from baseten_loops_cli.api.uri import CheckpointUri
+
+        parsed = CheckpointUri.parse(text)
+        uri_target = _TARGET_OF[parsed.directory]
         if target and target != uri_target:
             raise UsageError(
                 f"--target {target} contradicts {text} (a {uri_target} checkpoint)",
                 hint="Drop --target: the URI's folder already says which checkpoint it is.",
             )
-        canonical = checkpoint_uri(run_id, uri_target, name)
-        return CheckpointRef(canonical, "uri", run_id=run_id, name=name, target=uri_target)
+        canonical = checkpoint_uri(parsed.run_id, uri_target, parsed.name)
+        return CheckpointRef(canonical, "uri", run_id=parsed.run_id, name=parsed.name, target=uri_target)
     if "://" in text:
         raise UsageError(
             f"unsupported checkpoint URI {text!r}",
@@ -199,97 +187,80 @@ def parse_checkpoint_ref(text: str, target: str | None = None) -> CheckpointRef:
     return CheckpointRef(text, "id", id=text, target=target)
 
 
-def _split_uri(text: str) -> tuple[str, str, str]:
-    """``bt://loops:<run>/<folder>/<name>`` -> (run, folder, name); a malformed URI is a usage
-    error naming the expected form."""
-    from baseten_loops_cli.api.uri import CheckpointUri
-
-    parsed = CheckpointUri.parse(text)
-    return parsed.run_id, parsed.directory, parsed.name
-
-
-
-
-def list_checkpoints(client: "LoopsClient", **filters: Any) -> list[dict]:
-    return as_dict(client.checkpoints.list(**filters)) or []
-
-
-def checkpoints_of_run(client: "LoopsClient", run_id: str) -> list[dict]:
+def checkpoints_of_run(client: "LoopsClient", run_id: str) -> "list[LoopsCheckpoint]":
     """The run's checkpoints; an unknown run is :class:`NotFound` with a suggestion (the
     listing itself returns an empty list for it)."""
-    cps = list_checkpoints(client, run_id=run_id)
+    cps = client.checkpoints.list(run_id=run_id)
     if not cps:
         get_run(client, run_id)  # raises NotFound for a typo
     return cps
 
 
-def all_checkpoints(client: "LoopsClient", *, scope: str | None = None) -> list[dict]:
+def all_checkpoints(client: "LoopsClient", *, scope: str | None = None) -> "list[LoopsCheckpoint]":
     """Every checkpoint of the caller's runs: one listing per base model (the API filters by
     exactly one of run, base model or URI)."""
-    runs = as_dict(client.runs.list(scope=scope) if scope else client.runs.list()) or []
-    models = sorted({r.get("base_model") for r in runs if r.get("base_model")})
-    seen: dict[str, dict] = {}
+    runs = client.runs.list(scope=scope) if scope else client.runs.list()
+    models = sorted({r.base_model for r in runs if r.base_model})
+    seen: dict[str, LoopsCheckpoint] = {}
     for model in models:
-        for cp in list_checkpoints(client, base_model=model):
-            seen.setdefault(cp.get("id"), cp)
+        for cp in client.checkpoints.list(base_model=model):
+            seen.setdefault(cp.id, cp)
     # Runs whose base model listing missed them (older backends scope by owner): by run.
     if not models:
         for r in runs:
-            for cp in list_checkpoints(client, run_id=r["id"]):
-                seen.setdefault(cp.get("id"), cp)
+            for cp in client.checkpoints.list(run_id=r.id):
+                seen.setdefault(cp.id, cp)
     return list(seen.values())
 
 
-def resolve_checkpoint(client: "LoopsClient", text: str, target: str | None = None, *, prefer: str | None = None) -> dict:
-    """The checkpoint JSON named by ``text``, or :class:`NotFound` / :class:`UsageError`.
+def checkpoint_by_uri(client: "LoopsClient", uri: str) -> "LoopsCheckpoint | None":
+    from baseten_loops_cli.api.errors import NotFoundError
+
+    try:
+        found = client.checkpoints.list(checkpoint_path=uri)
+    except NotFoundError:
+        return None
+    return found[0] if found else None
+
+
+def resolve_checkpoint(
+    client: "LoopsClient", text: str, target: str | None = None, *, prefer: str | None = None
+) -> "LoopsCheckpoint":
+    """The checkpoint named by ``text``, or :class:`NotFound` / :class:`UsageError`.
 
     ``prefer`` (a target) settles a RUN:NAME shared by a trainer and a sampler checkpoint
     without --target (e.g. ``deploy`` and ``sample`` mean the sampler one)."""
     ref = parse_checkpoint_ref(text, target)
     if ref.kind == "uri":
-        found = list_checkpoints_by_uri(client, ref.text)
+        found = checkpoint_by_uri(client, ref.text)
         if found:
             return found
         _not_found_in_run(client, ref)
     if ref.kind == "name":
         return _by_name(client, ref, prefer)
-    # an id
     cps = all_checkpoints(client)
     for cp in cps:
-        if cp.get("id") == ref.id:
-            if ref.target and cp.get("target") != ref.target:
-                raise UsageError(f"checkpoint {ref.id} is a {cp.get('target')} checkpoint, not {ref.target}")
+        if cp.id == ref.id:
+            if ref.target and cp.target != ref.target:
+                raise UsageError(f"checkpoint {ref.id} is a {cp.target} checkpoint, not {ref.target}")
             return cp
-    # An id the caller cannot list (another user's run in the org): try it as a run:name miss.
-    ids = [c.get("id") for c in cps]
-    hint = did_you_mean(suggest(ref.id or "", ids))
+    hint = did_you_mean(suggest(ref.id or "", [c.id for c in cps]))
     raise NotFound(
         f"no checkpoint {ref.id!r}",
         hint=f"{hint}Name a checkpoint by id, bt:// URI or RUN:NAME; list them with `loops checkpoints list`.",
     )
 
 
-def list_checkpoints_by_uri(client: "LoopsClient", uri: str) -> dict | None:
-    from baseten_loops_cli.api.errors import NotFoundError
-
-    try:
-        found = list_checkpoints(client, checkpoint_path=uri)
-    except NotFoundError:
-        return None
-    return found[0] if found else None
-
-
-def _by_name(client: "LoopsClient", ref: CheckpointRef, prefer: str | None = None) -> dict:
+def _by_name(client: "LoopsClient", ref: CheckpointRef, prefer: str | None = None) -> "LoopsCheckpoint":
     cps = checkpoints_of_run(client, ref.run_id or "")
-    in_target = [c for c in cps if ref.target is None or c.get("target") == ref.target]
-    matches = [c for c in in_target if c.get("checkpoint_id") == ref.name]
+    in_target = [c for c in cps if ref.target is None or c.target == ref.target]
+    matches = [c for c in in_target if c.checkpoint_id == ref.name]
     if len(matches) > 1 and prefer:
-        preferred = [c for c in matches if c.get("target") == prefer]
-        matches = preferred or matches
+        matches = [c for c in matches if c.target == prefer] or matches
     if len(matches) == 1:
         return matches[0]
     if matches:
-        listed = ", ".join(f"{c.get('id')} ({c.get('target')})" for c in matches)
+        listed = ", ".join(f"{c.id} ({c.target})" for c in matches)
         raise UsageError(
             f"{len(matches)} checkpoints of run {ref.run_id} are named {ref.name!r}: {listed}",
             hint="Pick one with --target sampler|trainer, or name it by id.",
@@ -297,100 +268,63 @@ def _by_name(client: "LoopsClient", ref: CheckpointRef, prefer: str | None = Non
     _not_found_in_run(client, ref, cps)
 
 
-def _not_found_in_run(client: "LoopsClient", ref: CheckpointRef, cps: list[dict] | None = None) -> NoReturn:
+def _not_found_in_run(client: "LoopsClient", ref: CheckpointRef, cps: "list[LoopsCheckpoint] | None" = None) -> NoReturn:
     if cps is None:
         cps = checkpoints_of_run(client, ref.run_id or "")
-    in_target = [c for c in cps if ref.target is None or c.get("target") == ref.target]
-    names = [c.get("checkpoint_id") for c in in_target]
+    in_target = [c for c in cps if ref.target is None or c.target == ref.target]
     scope = f" {ref.target}" if ref.target else ""
-    other = [c for c in cps if c.get("checkpoint_id") == ref.name and c not in in_target]
+    other = [c for c in cps if c.checkpoint_id == ref.name and c not in in_target]
     suffixed = _suffixed_saves(ref.name or "", in_target)
     if other:
-        hint = f"There is a {other[0].get('target')} checkpoint of that name (--target {other[0].get('target')}). "
+        hint = f"There is a {other[0].target} checkpoint of that name (--target {other[0].target}). "
     elif suffixed:
         hint = f"Serverless saves get a unique suffix; newest under that name: {', '.join(suffixed)}. "
     else:
-        hint = did_you_mean(suggest(ref.name or "", names))
+        hint = did_you_mean(suggest(ref.name or "", [c.checkpoint_id for c in in_target]))
     raise NotFound(
         f"no{scope} checkpoint named {ref.name!r} in run {ref.run_id}",
         hint=f"{hint}List them with `loops checkpoints list --run-id {ref.run_id}`.",
     )
 
 
-def _suffixed_saves(name: str, cps: list[dict], limit: int = 3) -> list[str]:
+def _suffixed_saves(name: str, cps: "list[LoopsCheckpoint]", limit: int = 3) -> list[str]:
     """Names ``{name}-<32 hex>`` (serverless publishes), newest first."""
-    import re
-
     pattern = re.compile(r"(?:-[0-9a-f]{32})+")
-    saves = [
-        c for c in cps
-        if str(c.get("checkpoint_id", "")).startswith(name)
-        and pattern.fullmatch(str(c.get("checkpoint_id"))[len(name):])
-    ]
-    saves.sort(key=lambda c: c.get("created_at") or "", reverse=True)
-    return [f"{c.get('run_id')}:{c.get('checkpoint_id')}" for c in saves[:limit]]
+    saves = [c for c in cps if c.checkpoint_id.startswith(name) and pattern.fullmatch(c.checkpoint_id[len(name):])]
+    saves.sort(key=created_key, reverse=True)
+    return [display_name(c) for c in saves[:limit]]
 
 
-def checkpoint_id_of(client: "LoopsClient", text: str, target: str | None = None) -> tuple[str, dict | None]:
-    """The id of the checkpoint ``text`` names, and its JSON when it had to be looked up (an id
-    is used as is: the files route reports an unknown one)."""
+def checkpoint_id_of(client: "LoopsClient", text: str, target: str | None = None) -> "tuple[str, LoopsCheckpoint | None]":
+    """The id of the checkpoint ``text`` names, and the checkpoint when it had to be looked up
+    (an id is used as is: the files route reports an unknown one)."""
     ref = parse_checkpoint_ref(text, target)
     if ref.kind == "id":
         return ref.id or "", None
     cp = resolve_checkpoint(client, text, target)
-    return cp["id"], cp
+    return cp.id, cp
 
 
-def display_name(cp: dict) -> str:
-    """``RUN:NAME`` of a checkpoint JSON (what people type back)."""
-    return f"{cp.get('run_id')}:{cp.get('checkpoint_id')}"
+def created_key(model: Any) -> float:
+    """Sort key: ``created_at`` as epoch seconds; a model without it counts as the oldest."""
+    created = getattr(model, "created_at", None)
+    return created.timestamp() if created is not None else float("-inf")
 
 
 # ── samplers ─────────────────────────────────────────────────────────────────────────────
 
 
-def get_sampler(client: "LoopsClient", sampler_id: str) -> dict:
+def get_sampler(client: "LoopsClient", sampler_id: str) -> "LoopsSampler":
     from baseten_loops_cli.api.errors import NotFoundError
 
     try:
-        return as_dict(client.samplers.get(sampler_id))
+        return client.samplers.get(sampler_id)
     except NotFoundError:
         try:
-            ids = [s.get("id") for s in as_dict(client.samplers.list()) or []]
+            ids = [s.id for s in client.samplers.list()]
         except LoopsError:
             ids = []
         raise NotFound(
             f"no sampler {sampler_id!r}",
             hint=f"{did_you_mean(suggest(sampler_id, ids))}List samplers with `loops samplers list --all`.",
         ) from None
-
-
-# ── small shared checks ──────────────────────────────────────────────────────────────────
-
-
-def exactly_one(**options: Any) -> tuple[str, Any] | None:
-    """The one option given among ``options`` (None when none is); two or more is a usage
-    error naming them."""
-    given = [(k, v) for k, v in options.items() if v not in (None, False, "")]
-    if len(given) > 1:
-        names = " and ".join("--" + k.replace("_", "-") for k, _ in given)
-        raise UsageError(
-            f"{names} cannot be used together",
-            hint=f"Pass one of {', '.join('--' + k.replace('_', '-') for k in options)}.",
-        )
-    return given[0] if given else None
-
-
-def confirm(out: Any, question: str, *, yes: bool, action: str) -> None:
-    """Ask ``question`` unless ``yes``. Without a terminal to ask on, cancel (exit 3) with a
-    short message naming ``action`` ("deactivating run abc1234") and the flag to pass."""
-    from baseten_loops_cli.errors import CancelledError
-
-    if yes:
-        return
-    if not out.streams.stdin_tty:
-        raise CancelledError(
-            f"not {action} without confirmation (stdin is not a terminal)",
-            hint="Pass --yes to confirm non-interactively.",
-        )
-    out.confirm(question, yes=False)

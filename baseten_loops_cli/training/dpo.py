@@ -1,0 +1,274 @@
+"""The preference-tuning (DPO) loop.
+
+Before step 1, every sequence (each pair's chosen and rejected conversation, train and eval) is
+scored once by the reference policy, the way the SDK's ``helpers.datum.attach_reference_logprobs``
+does it: a sampler's prompt logprobs, shifted onto the trainer's positions. The reference is
+the policy as the run starts (``reference: base``; published to the run's sampler as
+``dpo-reference`` before any optimizer step, the SDK's recipe) or a sampler checkpoint. The
+scores go to ``reference_logprobs.jsonl`` in the run directory as they arrive, keyed by the
+sequence's tokens, so a resumed run reuses them and trains on exactly the same numbers.
+
+Per step: the batch's pairs as interleaved (chosen, rejected) datums, ``forward_backward`` with
+the ``dpo`` loss (``beta``, ``label_smoothing``) and ``optim_step`` pipelined as in SFT. The
+step's DPO loss, reward margin and preference accuracy are computed here from the logprobs the
+trainer returns, so they mean the same on every backend. The eval split is scored with
+``forward`` (no gradient) before training, every ``eval_every`` steps and at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+from typing import Any
+
+from baseten_loops_cli.errors import ConfigError, LoopsError
+from baseten_loops_cli.training.data import PreferencePair, batches_for_step, dpo_datum, reference_logprobs_field
+from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint
+from baseten_loops_cli.training.sft import total_steps
+
+# A pair whose policy-vs-reference log-ratio gap is within this many nats is a tie and counts
+# half: an untrained policy scores 0.5 whatever the float noise between trainer and sampler.
+# (The local engine's dpo loss uses the same rule: local/engine/losses.py DPO_TIE_NATS.)
+TIE_NATS = 1e-3
+REFERENCE_CHECKPOINT = "dpo-reference"
+_SCORES_IN_FLIGHT = 32  # reference-scoring requests at once (a local sampler batches them)
+_SCORES_PER_APPEND = 64  # and made durable in chunks of this many
+
+__all__ = ["check_reference", "evaluate", "preference_metrics", "run_dpo", "total_steps"]
+
+
+def sequence_key(tokens: list[int]) -> str:
+    """What a reference score is filed under: the sequence's tokens, so edits to the data
+    never pair a sequence with another one's logprobs."""
+    return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()[:32]
+
+
+def loss_config(config: Any) -> dict:
+    return {"beta": config.beta, "label_smoothing": config.label_smoothing}
+
+
+def check_reference(client: Any, loaded: Any) -> None:
+    """A checkpoint reference must exist and share the base model: checked before provisioning."""
+    config = loaded.config
+    if config.reference == "base":
+        return
+    found = [c for c in client.checkpoints.list(checkpoint_path=config.reference) if c.target in (None, "sampler")]
+    where = loaded.where("reference")
+    if not found:
+        run_id = config.reference.split("bt://loops:", 1)[-1].split("/", 1)[0]
+        raise ConfigError(
+            f"{where}: reference: no checkpoint {config.reference}",
+            hint=f"List that run's checkpoints with `loops checkpoints list --run-id {run_id}`, or use `reference: base`.",
+        )
+    if found[0].base_model and found[0].base_model != config.base_model:
+        raise ConfigError(
+            f"{where}: reference: {config.reference} was trained on {found[0].base_model}, not on base_model {config.base_model}"
+        )
+
+
+# ------------------------------------------------------------------ the reference's logprobs
+def _reference_sampler(session: TrainingSession) -> tuple[Any, str | None]:
+    """The sampler client that scores the reference, and the checkpoint to pin on it."""
+    config = session.config
+    if config.reference != "base":
+        return session.new_sampler_client(), config.reference
+    if session.start_step == 0:
+        # The SDK's recipe: snapshot the policy before any optimizer step (a fresh LoRA adds
+        # exactly zero, so this is the base model) and score with the run's own sampler.
+        saved = session.trainer.save_weights_for_sampler(
+            REFERENCE_CHECKPOINT, ttl_seconds=config.checkpointing.ttl_seconds
+        ).result()
+        return session.new_sampler_client(), saved["path"]
+    # Scores lost after training began (reference_logprobs.jsonl deleted): the base model.
+    return session.new_base_sampler_client(), None
+
+
+def reference_logprobs(session: TrainingSession, pairs: list[PreferencePair], sink: Any) -> dict[str, list[float]]:
+    """Every sequence's ``ref_logprobs`` by :func:`sequence_key`: those in the run directory,
+    plus any missing ones, scored now and appended as they arrive."""
+    config = session.config
+    rundir = session.rundir
+    scores = {r["key"]: r["ref_logprobs"] for r in rundir.references()}
+    todo: dict[str, list[int]] = {}
+    for pair in pairs:
+        for example in (pair.chosen, pair.rejected):
+            key = sequence_key(example.tokens)
+            if key not in scores:
+                todo.setdefault(key, example.tokens)
+    if not todo:
+        return scores
+    sink.message(f"Scoring {len(todo)} sequences with the reference policy ({config.reference})...")
+    started = time.monotonic()
+    sampler, pin = _reference_sampler(session)
+    items = list(todo.items())
+
+    async def score_all() -> None:
+        gate = asyncio.Semaphore(_SCORES_IN_FLIGHT)
+
+        async def score(tokens: list[int]) -> list[float]:
+            async with gate:
+                result = await sampler.asample(
+                    tokens, n=1, max_tokens=1, temperature=0.0, prompt_logprobs=True, checkpoint_path=pin
+                )  # the SDK's SamplingClient.compute_logprobs
+            logprobs = result.prompt_logprobs or []
+            if len(logprobs) != len(tokens):
+                raise LoopsError(
+                    f"the reference sampler returned {len(logprobs)} prompt logprobs for a {len(tokens)}-token sequence"
+                )
+            return reference_logprobs_field(logprobs)
+
+        try:
+            for start in range(0, len(items), _SCORES_PER_APPEND):
+                chunk = items[start : start + _SCORES_PER_APPEND]
+                results = await asyncio.gather(*(score(tokens) for _, tokens in chunk))
+                records = [{"key": key, "ref_logprobs": lps} for (key, _), lps in zip(chunk, results)]
+                rundir.append_references(records)
+                scores.update((r["key"], r["ref_logprobs"]) for r in records)
+        finally:
+            await sampler.aclose()
+            sampler.close()
+
+    asyncio.run(score_all())
+    sink.message(f"Scored the reference in {time.monotonic() - started:.1f}s.")
+    return scores
+
+
+def pair_datums(pairs: list[PreferencePair], scores: dict[str, list[float]]) -> list[dict]:
+    """The interleaved rows the ``dpo`` loss pairs positionally: chosen even, rejected odd."""
+    return [
+        dpo_datum(example, scores[sequence_key(example.tokens)])
+        for pair in pairs
+        for example in (pair.chosen, pair.rejected)
+    ]
+
+
+# ------------------------------------------------------------------ metrics
+def _logsigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+def preference_metrics(datums: list[dict], outputs: list[dict], beta: float, label_smoothing: float) -> dict:
+    """The DPO loss and its diagnostics, means over pairs, from the trainer's per-row logprobs:
+
+    - ``loss``: ``-(1 - eps) * logsigmoid(z) - eps * logsigmoid(-z)``, with
+      ``z = beta * ((sum w*(lp - ref)) of chosen - (sum w*(lp - ref)) of rejected)``
+    - ``reward_margin``: z, the chosen reply's implicit reward minus the rejected one's
+    - ``chosen_reward`` / ``rejected_reward``: ``beta * sum w*(lp - ref)`` of each side
+    - ``preference_accuracy``: the fraction of pairs with z > 0 (ties within TIE_NATS count half)
+    """
+    ratios = []  # per row: sum over the reply of w * (policy logprob - reference logprob)
+    for datum, out in zip(datums, outputs):
+        inputs = datum["loss_fn_inputs"]
+        weights, refs = inputs["weights"]["data"], inputs["ref_logprobs"]["data"]
+        logprobs = out["logprobs"]["data"]
+        ratios.append(sum(w * (lp - ref) for w, lp, ref in zip(weights, logprobs, refs) if w and lp is not None))
+    pairs = list(zip(ratios[0::2], ratios[1::2]))
+    if not pairs:
+        return {}
+    losses, margins, wins = [], [], []
+    for chosen, rejected in pairs:
+        z = beta * (chosen - rejected)
+        losses.append(-(1 - label_smoothing) * _logsigmoid(z) - label_smoothing * _logsigmoid(-z))
+        margins.append(z)
+        gap = chosen - rejected
+        wins.append(1.0 if gap > TIE_NATS else 0.5 if abs(gap) <= TIE_NATS else 0.0)
+    n = len(pairs)
+    return {
+        "loss": sum(losses) / n,
+        "reward_margin": sum(margins) / n,
+        "preference_accuracy": sum(wins) / n,
+        "chosen_reward": beta * sum(c for c, _ in pairs) / n,
+        "rejected_reward": beta * sum(r for _, r in pairs) / n,
+    }
+
+
+def evaluate(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]]) -> dict:
+    """The eval split's DPO metrics under the current policy (``forward``: no gradient),
+    prefixed ``eval_``."""
+    config = session.config
+    datums, outputs = [], []
+    for start in range(0, len(pairs), config.batch_size):
+        batch = pair_datums(pairs[start : start + config.batch_size], scores)
+        out = session.trainer.forward(batch, "dpo", loss_config(config)).result()
+        datums += batch
+        outputs += out["loss_fn_outputs"]
+    metrics = preference_metrics(datums, outputs, config.beta, config.label_smoothing)
+    return {f"eval_{k}": v for k, v in metrics.items()}
+
+
+# ------------------------------------------------------------------ the loop
+def run_dpo(
+    session: TrainingSession,
+    train: list[PreferencePair],
+    eval_pairs: list[PreferencePair] | None,
+    sink: Any,
+    stop: StopRequested,
+) -> str:
+    """Train to the end ("completed") or until Ctrl-C ("interrupted"); records go to ``sink``
+    (see :func:`baseten_loops_cli.training.sft.run_sft`)."""
+    config = session.config
+    steps = total_steps(len(train), config)
+    opt = config.optimizer
+    sink.start(steps, session.start_step, "loss")
+    scores = reference_logprobs(session, train + (eval_pairs or []), sink)
+    baseline = None
+    if eval_pairs:
+        before = [r for r in session.rundir.metrics() if r.get("step") == 0 and "eval_loss" in r]
+        if before:
+            baseline = before[0]
+        elif session.start_step == 0:
+            # Where the policy starts (0.5 accuracy: it is the reference), for the final comparison.
+            baseline = {"step": 0, **evaluate(session, eval_pairs, scores)}
+            sink.step(baseline)
+    started = time.monotonic()
+    step = session.start_step
+    while step < steps:
+        if stop.requested:
+            save_checkpoint(session, step)
+            return "interrupted"
+        step_started = time.monotonic()
+        indices = batches_for_step(len(train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
+        datums = pair_datums([train[i] for i in indices], scores)
+        lr = learning_rate(opt, step, steps)
+        fb = session.trainer.forward_backward(datums, "dpo", loss_config(config))
+        optim = session.trainer.optim_step(adam_params(opt, lr))
+        fb_result = fb.result()
+        optim_result = optim.result()
+        tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
+        step += 1
+        elapsed = time.monotonic() - step_started
+        record = {
+            "step": step,
+            **preference_metrics(datums, fb_result["loss_fn_outputs"], config.beta, config.label_smoothing),
+            "learning_rate": lr,
+            "pairs": len(indices),
+            "tokens": tokens,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+            "step_time_s": elapsed,
+            "time_s": time.monotonic() - started,
+            "policy_version": step,
+            "progress": step / steps,
+        }
+        grad_norm = (optim_result.get("metrics") or {}).get("grad_norm")
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        if eval_pairs and config.eval_every and step % config.eval_every == 0:
+            record.update(evaluate(session, eval_pairs, scores))
+        sink.step(record)
+        if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
+            save_checkpoint(session, step)
+    if eval_pairs:
+        last = next((r for r in reversed(session.rundir.metrics()) if r.get("step") == steps and "eval_loss" in r), None)
+        if last is None:
+            last = {"step": steps, **evaluate(session, eval_pairs, scores)}
+            sink.final(last)
+        start = f"{baseline['eval_preference_accuracy']:.0%} -> " if baseline else ""
+        sink.message(
+            f"Eval: preference accuracy {start}{last['eval_preference_accuracy']:.0%}, "
+            f"reward margin {last['eval_reward_margin']:.3f}, loss {last['eval_loss']:.4f}"
+        )
+    record = save_checkpoint(session, steps, final=True)
+    sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
+    return "completed"

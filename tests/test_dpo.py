@@ -1,0 +1,358 @@
+"""`kind: dpo`: preference pairs, the SDK's datum layout, the local engine's dpo loss against an
+independent torch computation, the tiny example learning a held-out preference, bad input
+refused before anything is provisioned, a checkpoint as the reference, and SIGKILL + resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from baseten_loops_cli.errors import ConfigError
+from baseten_loops_cli.training.config import load_config
+from baseten_loops_cli.training.data import dpo_datum, load_preference_pairs, reference_logprobs_field
+from tests.cli_support import cli_env, loops_subprocess, one_line_error, seeded  # noqa: F401 - fixture
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+TINY = "loops-local/tiny"
+TRAIN = EXAMPLES / "data" / "tiny_dpo_train.jsonl"
+
+
+def tokenizer():
+    from baseten_loops_cli.tokenization import get_tokenizer
+
+    return get_tokenizer(TINY)
+
+
+def write_rows(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def dpo_config(tmp: Path, train: Path, *, extra: str = "", steps: int = 4) -> Path:
+    path = tmp / "dpo.yaml"
+    path.write_text(
+        f"""kind: dpo
+name: test-dpo
+base_model: {TINY}
+lora_rank: 4
+max_seq_len: 64
+seed: 3
+batch_size: 4
+epochs: 2
+max_steps: {steps}
+optimizer:
+  learning_rate: 3.0e-3
+checkpointing:
+  save_every: 2
+data:
+  train: {train}
+{extra}""",
+        encoding="utf-8",
+    )
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# ── rows, config and datums (no server) ────────────────────────────────────────────────────
+
+
+def test_every_row_shape_renders_the_same_pair(tmp_path):
+    user = {"role": "user", "content": "What is 2+1?"}
+    rows = [
+        {"prompt": "What is 2+1?", "chosen": "ANSWER: 3", "rejected": "3"},
+        {"messages": [user], "chosen": "ANSWER: 3", "rejected": "3"},
+        {"prompt": [user], "chosen": [{"role": "assistant", "content": "ANSWER: 3"}],
+         "rejected": {"role": "assistant", "content": "3"}},
+        {"chosen": [user, {"role": "assistant", "content": "ANSWER: 3"}],
+         "rejected": [user, {"role": "assistant", "content": "3"}]},
+    ]  # fmt: skip
+    pairs = load_preference_pairs(write_rows(tmp_path / "p.jsonl", rows), tokenizer(), max_seq_len=64)
+    assert len({(tuple(p.chosen.tokens), tuple(p.rejected.tokens)) for p in pairs}) == 1
+    chosen = pairs[0].chosen
+    reply = tokenizer().encode("ANSWER: 3") + tokenizer().encode("<|im_end|>")
+    assert [t for t, w in zip(chosen.tokens, chosen.weights) if w] == reply  # only the reply is trained
+
+
+def test_datum_is_laid_out_as_the_sdk_builds_it():
+    pair = load_preference_pairs(TRAIN, tokenizer(), max_seq_len=64)[0]
+    tokens = pair.chosen.tokens
+    # The sampler's prompt logprobs: [i] scores token i, [0] is None (nothing precedes it).
+    prompt_logprobs = [None] + [-0.5 - i / 100 for i in range(1, len(tokens))]
+    ref = reference_logprobs_field(prompt_logprobs)
+    datum = dpo_datum(pair.chosen, ref)
+    n = len(tokens)
+    inputs = datum["loss_fn_inputs"]
+    assert datum["model_input"]["chunks"][0]["tokens"] == tokens  # the whole sequence, as scored
+    assert inputs["target_tokens"]["data"][:-1] == tokens[1:] and inputs["target_tokens"]["shape"] == [n]
+    # ref_logprobs[i] is the logprob of target i = token i+1; the last position is padded.
+    assert inputs["ref_logprobs"]["data"] == prompt_logprobs[1:] + [0.0]
+    assert inputs["weights"]["data"] == pair.chosen.weights[1:] + [0.0]
+
+
+def test_dpo_config_defaults_and_reference_errors(tmp_path):
+    config = load_config(dpo_config(tmp_path, TRAIN)).config
+    assert (config.kind, config.beta, config.label_smoothing, config.reference) == ("dpo", 0.1, 0.0, "base")
+    path = dpo_config(tmp_path, TRAIN, extra="reference: bt://loops:abc1234/weights/step-2\n")
+    with pytest.raises(ConfigError, match=r"dpo\.yaml:16: reference: .*trainer state.*sampler_weights/step-2"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"dpo\.yaml:16: label_smoothing"):
+        load_config(dpo_config(tmp_path, TRAIN, extra="label_smoothing: 0.5\n"))
+
+
+BAD_ROWS = [
+    ({"prompt": "What is 1+1?", "chosen": "ANSWER: 2"}, "missing key 'rejected'"),
+    ({"prompt": "What is 1+1?", "rejected": "2"}, "missing key 'chosen'"),
+    ({"prompt": "What is 1+1?", "chosen": "ANSWER: 2", "rejected": "ANSWER: 2"}, "'chosen' and 'rejected' are identical"),
+    ({"prompt": "What is 1+1?", "chosen": "ANSWER: 2", "rejected": "x" * 80}, "'rejected' is 113 tokens with its prompt, over max_seq_len 64"),
+    ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+      "rejected": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}, "differ before their final reply"),
+    ({"prompt": "hi", "chosen": [{"role": "user", "content": "b"}], "rejected": "c"}, "'chosen' must end with an assistant message"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row,message", BAD_ROWS, ids=["no-rejected", "no-chosen", "identical", "too-long", "other-prompt", "no-reply"])
+def test_bad_rows_name_file_line_and_key(tmp_path, row, message):
+    good = {"prompt": "What is 2+1?", "chosen": "ANSWER: 3", "rejected": "3"}
+    path = write_rows(tmp_path / "p.jsonl", [good, "", row])
+    with pytest.raises(ConfigError) as err:
+        load_preference_pairs(path, tokenizer(), max_seq_len=64)
+    assert str(err.value.message).startswith(f"{path}:3: ") and message in err.value.message
+
+
+# ── the local engine's dpo loss ────────────────────────────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def engine():
+    pytest.importorskip("peft")
+    from baseten_loops_cli.local.engine import registry
+    from baseten_loops_cli.local.engine.sampler import SamplerEngine
+
+    base = registry.load_base(TINY)
+    return base, SamplerEngine(base)
+
+
+def _reference_datums(engine, pairs) -> list[dict]:
+    """Datums whose ref_logprobs are the base model's, scored by the sampler engine with prompt
+    logprobs (the SDK's ``compute_logprobs``) and shifted as the SDK does."""
+    from baseten_loops_cli.local.engine.sampler import SampleRequest
+
+    examples = [e for p in pairs for e in (p.chosen, p.rejected)]
+    results = engine[1].sample([SampleRequest(e.tokens, max_tokens=1, temperature=0.0, prompt_logprobs=0) for e in examples])
+    return [
+        dpo_datum(e, reference_logprobs_field([None if x is None else x.logprob for x in r.prompt_logprobs]))
+        for e, r in zip(examples, results)
+    ]
+
+
+@pytest.mark.local
+def test_dpo_loss_and_gradient_match_an_independent_torch_computation(engine):
+    import torch
+    import torch.nn.functional as F
+
+    from baseten_loops_cli.local.engine.trainer import LoraTrainer
+    from baseten_loops_cli.training.data import sft_datum
+    from baseten_loops_cli.training.dpo import preference_metrics
+
+    base, _ = engine
+    pairs = load_preference_pairs(TRAIN, tokenizer(), max_seq_len=64)[:4]
+    datums = _reference_datums(engine, pairs)
+    trainer = LoraTrainer(base, "test-dpo-independent", 4, seed=1)
+    try:
+        # Move the policy off the reference first, so the margins (and gradients) are not trivial.
+        trainer.forward_backward([sft_datum(p.chosen) for p in pairs], "cross_entropy")
+        trainer.optim_step({"learning_rate": 2e-2})
+        beta, smoothing = 0.3, 0.1
+        out = trainer.forward_backward(datums, "dpo", {"beta": beta, "label_smoothing": smoothing})
+        params = [p for _, p in base.adapter_parameters(trainer.adapter_name)]
+        engine_grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+
+        # Independently: one unpadded forward per sequence, log_softmax, the DPO objective.
+        with base.activate(trainer.adapter_name) as model:
+            sums = []
+            for datum in datums:
+                tokens = datum["model_input"]["chunks"][0]["tokens"]
+                logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1].float()
+                lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
+                weights = torch.tensor(datum["loss_fn_inputs"]["weights"]["data"][:-1])
+                ref = torch.tensor(datum["loss_fn_inputs"]["ref_logprobs"]["data"][:-1])
+                sums.append((weights * (lp - ref)).sum())
+            chosen, rejected = torch.stack(sums[0::2]), torch.stack(sums[1::2])
+            z = beta * (chosen - rejected)
+            pair_losses = -(1 - smoothing) * F.logsigmoid(z) - smoothing * F.logsigmoid(-z)
+            pair_losses.sum().backward()
+        assert abs(out["metrics"]["loss:sum"] - pair_losses.sum().item()) < 1e-5
+        assert (z.abs() > 1e-3).all(), z  # a real test: the policy has moved
+        for got, want in zip(engine_grads, (p.grad for p in params)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+        # The engine's metrics, the loop's (computed from the returned logprobs) and torch agree.
+        m = out["metrics"]
+        loop = preference_metrics(datums, out["loss_fn_outputs"], beta, smoothing)
+        expected = {"loss": pair_losses.mean().item(), "reward_margin": z.mean().item(),
+                    "chosen_reward": beta * chosen.mean().item(), "rejected_reward": beta * rejected.mean().item(),
+                    "preference_accuracy": (z > 0).float().mean().item()}  # fmt: skip
+        for key, value in expected.items():
+            assert abs(loop[key] - value) < 1e-5, key
+            assert abs(m[f"dpo_{key}" if key != "loss" else "dpo_loss"] - value) < 1e-5, key
+    finally:
+        trainer.release()
+
+
+@pytest.mark.local
+def test_untrained_policy_is_its_own_reference(engine):
+    """Sampler-scored ref_logprobs line up with the trainer's target logprobs position by
+    position, so at step 0 every margin is ~0 and preference accuracy is exactly 0.5."""
+    from baseten_loops_cli.local.engine.trainer import LoraTrainer
+    from baseten_loops_cli.training.dpo import preference_metrics
+
+    base, _ = engine
+    pairs = load_preference_pairs(TRAIN, tokenizer(), max_seq_len=64)[:4]
+    datums = _reference_datums(engine, pairs)
+    trainer = LoraTrainer(base, "test-dpo-untrained", 4, seed=2)
+    try:
+        out = trainer.forward(datums, "dpo")
+    finally:
+        trainer.release()
+    for datum, row in zip(datums, out["loss_fn_outputs"]):
+        ref, lp = datum["loss_fn_inputs"]["ref_logprobs"]["data"], row["logprobs"]["data"]
+        assert max(abs(a - b) for a, b in zip(ref[:-1], lp[:-1])) < 1e-4
+    assert out["metrics"]["dpo_preference_accuracy"] == 0.5
+    assert out["metrics"]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert preference_metrics(datums, out["loss_fn_outputs"], 0.1, 0.0)["preference_accuracy"] == 0.5
+
+
+# ── end to end against the local server ────────────────────────────────────────────────────
+
+
+@pytest.mark.local
+def test_tiny_dpo_example_raises_heldout_preference_accuracy(local_server, tmp_path):
+    run_dir = tmp_path / "dpo"
+    result = loops_subprocess(local_server, "train", "run", str(EXAMPLES / "tiny-dpo.yaml"), "--run-dir", str(run_dir),
+                              "-o", "jsonl", timeout=600)
+    assert result.code == 0, result
+    records = metrics(run_dir)
+    baseline, steps = records[0], [r for r in records if "loss" in r]
+    # Before training the policy is its own reference: accuracy 0.5, loss log 2.
+    assert baseline["step"] == 0 and baseline["eval_preference_accuracy"] == 0.5
+    assert baseline["eval_loss"] == pytest.approx(math.log(2), abs=1e-3)
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert {"loss", "reward_margin", "preference_accuracy", "chosen_reward", "rejected_reward"} <= set(steps[0])
+    final = steps[-1]
+    assert final["eval_preference_accuracy"] >= 0.9 and final["eval_reward_margin"] > 0.5, final
+    assert final["eval_loss"] < 0.5 * math.log(2)
+    assert "preference accuracy 50% -> " in result.stderr
+    # Every sequence was scored once by the reference and kept in the run directory.
+    refs = [json.loads(line) for line in (run_dir / "reference_logprobs.jsonl").read_text().splitlines()]
+    assert len(refs) == len({r["key"] for r in refs}) == 2 * (48 + 16)
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["status"] == "completed" and state["step"] == 12
+    plot = loops_subprocess(local_server, "train", "plot", str(run_dir), "-m", "preference_accuracy", "-m", "loss")
+    assert plot.code == 0 and "preference_accuracy" in plot.stdout, plot
+
+
+@pytest.mark.local
+def test_init_dpo_template_validates(local_server, tmp_path):
+    init = loops_subprocess(local_server, "train", "init", "--kind", "dpo", "-O", str(tmp_path / "my-dpo.yaml"))
+    assert init.code == 0, init
+    (tmp_path / "data").mkdir()
+    write_rows(tmp_path / "data" / "pairs.jsonl", [{"prompt": "hi", "chosen": "hello!", "rejected": "go away"}] * 8)
+    check = loops_subprocess(local_server, "train", "validate", str(tmp_path / "my-dpo.yaml"))
+    assert check.code == 0, check
+    assert "8 pairs, 1 steps" in check.stderr and "scores 16 sequences" in check.stderr
+
+
+def _run_ids(server) -> set[str]:
+    with server.client() as c:
+        return {r["id"] for r in c.get("/v1/loops/runs").json()["runs"]}
+
+
+@pytest.mark.local
+@pytest.mark.parametrize("row,message", BAD_ROWS[:4], ids=["no-rejected", "no-chosen", "identical", "too-long"])
+def test_bad_pairs_fail_before_anything_is_provisioned(local_server, tmp_path, row, message):
+    train = write_rows(tmp_path / "pairs.jsonl", [{"prompt": "What is 2+1?", "chosen": "ANSWER: 3", "rejected": "3"}, row])
+    before = _run_ids(local_server)
+    result = loops_subprocess(local_server, "train", "run", str(dpo_config(tmp_path, train)), "--run-dir", str(tmp_path / "r"))
+    one_line_error(result, 1, f"{train}:2: ", message)
+    assert _run_ids(local_server) == before and not (tmp_path / "r").exists()
+
+
+@pytest.mark.local
+def test_missing_reference_checkpoint_fails_before_anything_is_provisioned(local_server, tmp_path):
+    missing = "bt://loops:nope123/sampler_weights/final"
+    config = dpo_config(tmp_path, TRAIN, extra=f"reference: {missing}\n")
+    before = _run_ids(local_server)
+    for args in (["run", str(config), "--run-dir", str(tmp_path / "r")], ["validate", str(config)]):
+        result = loops_subprocess(local_server, "train", *args)
+        one_line_error(result, 1, f"{config}:16: reference: no checkpoint {missing}", "loops checkpoints list --run-id nope123")
+    assert _run_ids(local_server) == before and not (tmp_path / "r").exists()
+
+
+@pytest.mark.local
+def test_a_sampler_checkpoint_can_be_the_reference(local_server, seeded, tmp_path, engine):
+    """The reference is scored with the checkpoint pinned on the run's sampler: its logprobs
+    are the fine-tuned adapter's, not the base model's."""
+    reference = f"bt://loops:{seeded.run_id}/sampler_weights/s2"
+    train = write_rows(tmp_path / "pairs.jsonl", [json.loads(line) for line in TRAIN.read_text().splitlines()[:4]])
+    run_dir = tmp_path / "run"
+    result = loops_subprocess(local_server, "train", "run", str(dpo_config(tmp_path, train, extra=f"reference: {reference}\n", steps=1)),
+                              "--run-dir", str(run_dir), timeout=300)
+    assert result.code == 0, result
+    assert f"reference policy ({reference})" in result.stderr
+    scored = {r["key"]: r["ref_logprobs"] for r in map(json.loads, (run_dir / "reference_logprobs.jsonl").read_text().splitlines())}
+    from baseten_loops_cli.training.dpo import sequence_key
+
+    pairs = load_preference_pairs(train, tokenizer(), max_seq_len=64)
+    base_refs = _reference_datums(engine, pairs)
+    gaps = [max(abs(a - b) for a, b in zip(scored[sequence_key(d["model_input"]["chunks"][0]["tokens"])],
+                                           d["loss_fn_inputs"]["ref_logprobs"]["data"])) for d in base_refs]
+    assert len(scored) == 8 and min(gaps) > 1e-2, gaps
+
+
+# ── SIGKILL, then resume ───────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.local
+def test_dpo_killed_mid_run_then_resumed_gives_the_same_adapter(server_factory, tmp_path):
+    from tests.test_reliability_faults import adapter_tensors, assert_same_adapter, loops, run_dir_result
+    from tests.test_reliability_faults import cli_env as kill_env
+    from tests.test_reliability_kills import _metrics, _sigkill, _start
+
+    # One request per sampler batch: the clean and the killed run must score the reference
+    # bit for bit alike (a padded batch sums floats in another order than a lone sequence).
+    server = server_factory(max_sample_batch=1)
+    train = write_rows(tmp_path / "pairs.jsonl", [json.loads(line) for line in TRAIN.read_text().splitlines()[:16]])
+    config = dpo_config(tmp_path, train, steps=6)
+    env = kill_env(server)
+    clean = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "clean")], env, tmp_path)
+    assert clean.returncode == 0, clean.stderr
+
+    run_dir = tmp_path / "killed"
+    proc = _start(["train", "run", str(config), "--run-dir", str(run_dir)], env, tmp_path)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len([m for m in _metrics(run_dir) if "loss" in m]) >= 3:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "finished before the kill"
+    _sigkill(proc)
+    resumed = loops(["train", "resume", str(run_dir)], env, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resuming at step" in resumed.stderr and "Scoring" not in resumed.stderr  # references reused
+    assert [m["step"] for m in _metrics(run_dir) if "loss" in m] == [1, 2, 3, 4, 5, 6]
+    steps, run_id, name = run_dir_result(run_dir)
+    clean_steps, clean_run, clean_name = run_dir_result(tmp_path / "clean")
+    assert steps == clean_steps == 6
+    assert_same_adapter(adapter_tensors(server, clean_run, clean_name), adapter_tensors(server, run_id, name))
+
