@@ -351,6 +351,13 @@ class Output:
             return TransferBar(self.err_console, label)
         return SilentProgress()
 
+    def count_progress(self, label: str):
+        """A bar of items done out of a total (with the time left) on stderr for a person at a
+        terminal, silent otherwise; ``start(total)``/``advance(n)``, a context manager."""
+        from baseten_loops_cli.output.progress import CountBar
+
+        return CountBar(self.err_console if (self.streams.stderr_tty and not self.quiet) else None, label)
+
     # ------------------------------------------------------------------ renderers
     def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None) -> None:
         headers = [h for h, _ in columns]
