@@ -108,6 +108,20 @@ def test_dpo_config_defaults_and_reference_errors(tmp_path):
         load_config(dpo_config(tmp_path, TRAIN, extra="label_smoothing: 0.5\n"))
 
 
+def test_reference_scores_survive_a_torn_append(tmp_path):
+    """A kill mid-append leaves a torn last line: it is dropped, and the next scores append on
+    a line of their own (read back whole, nothing lost after the tear)."""
+    from baseten_loops_cli.training.rundir import RunDir
+
+    rundir = RunDir(tmp_path)
+    rundir.append_references([{"key": "a", "ref_logprobs": [-1.5, 0.0]}])
+    with rundir.reference_file.open("a") as fh:
+        fh.write('{"key": "b", "ref_log')
+    assert [r["key"] for r in rundir.references()] == ["a"]
+    rundir.append_references([{"key": "b", "ref_logprobs": [-0.25, 0.0]}])
+    assert rundir.references() == [{"key": "a", "ref_logprobs": [-1.5, 0.0]}, {"key": "b", "ref_logprobs": [-0.25, 0.0]}]
+
+
 BAD_ROWS = [
     ({"prompt": "What is 1+1?", "chosen": "ANSWER: 2"}, "missing key 'rejected'"),
     ({"prompt": "What is 1+1?", "rejected": "2"}, "missing key 'chosen'"),
