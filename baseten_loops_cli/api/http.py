@@ -628,6 +628,22 @@ class HttpClient:
             timeout = self.timeout
         return client.build_request(method, self.url(path), params=clean, json=json, headers=merged, timeout=timeout)
 
+    def open(self, method: str, url: str, *, json: Any = None, headers: Mapping[str, str] | None = None,
+             timeout: Any = httpx.USE_CLIENT_DEFAULT, follow_redirects: bool = False) -> httpx.Response:
+        """One attempt, streamed (the caller reads and closes the body): for a transfer whose
+        retries depend on what arrived (``api.download`` decides with :func:`decide`) or a
+        stream of events. Raises the httpx transport error as is."""
+        request = self._build(self._client, method, url, params=None, json=json, headers=headers, timeout=timeout)
+        self._log_request(request, 0)
+        started = time.monotonic()
+        try:
+            resp = self._client.send(request, stream=True, follow_redirects=follow_redirects)
+        except httpx.TransportError as exc:
+            self._log_outcome(request, exc, time.monotonic() - started)
+            raise
+        self._log_outcome(request, resp, time.monotonic() - started)
+        return resp
+
     def send(
         self,
         method: str,
@@ -641,13 +657,15 @@ class HttpClient:
         repeatable: bool | None = None,
         accept: Iterable[int] = (),
         retry_if: Callable[[httpx.Response], bool] | None = None,
+        stream: bool = False,
     ) -> httpx.Response:
         """Send one request, retried as :func:`decide` says; return the response it accepts
         (2xx/3xx and the ``accept`` statuses) or raise the typed error of the last outcome.
 
         ``repeatable``: whether the request may be sent again after the server may have
         received it; defaults to the method being idempotent (pass True for a body keyed by an
-        Idempotency-Key)."""
+        Idempotency-Key). ``stream``: the accepted response's body is not read yet (iterate
+        it, then close it); error bodies are read for the decision as usual."""
         method = method.upper()
         policy = policy or self.policy
         repeat = method in IDEMPOTENT_METHODS if repeatable is None else repeatable
@@ -657,12 +675,17 @@ class HttpClient:
             self._log_request(request, state.attempt)
             started = time.monotonic()
             try:
-                outcome: httpx.Response | httpx.TransportError = self._client.send(request)
+                outcome: httpx.Response | httpx.TransportError = self._client.send(request, stream=stream)
+                if stream and outcome.status_code >= 400:
+                    outcome.read()
+                    outcome.close()
             except httpx.TransportError as exc:
                 outcome = exc
             decision, state = self._decide(policy, outcome, state, request, started, repeat, accept, retry_if)
             if decision.action == "return":
                 return outcome  # type: ignore[return-value]
+            if stream and isinstance(outcome, httpx.Response):
+                outcome.close()
             if decision.action == "raise":
                 raise self._error(request, outcome, decision, state) from (outcome if isinstance(outcome, BaseException) else None)
             self._sleep(decision.delay)

@@ -13,14 +13,15 @@ def pull_model_events(base_url: str, api_key: str, model: str) -> Iterator[dict[
     ``local/server/model_routes.py``); an ``error`` event raises LoopsError."""
     import httpx
 
-    from baseten_loops_cli.api.http import auth_headers, connection_error, error_from_response
+    from baseten_loops_cli.api.http import HttpClient, connection_error, error_from_response
 
-    url = f"{base_url.rstrip('/')}/v1/local/models/pull"
-    # No read timeout: a conversion is silent between heartbeats only for a second.
-    timeout = httpx.Timeout(30.0, read=60.0)
-    try:
-        with httpx.Client(headers=auth_headers(api_key), timeout=timeout) as http, \
-                http.stream("POST", url, json={"model": model}) as resp:
+    # No retries (a pull is one long conversion); the read timeout only spans heartbeats.
+    with HttpClient(base_url, api_key, timeout=httpx.Timeout(30.0, read=60.0)) as http:
+        try:
+            resp = http.open("POST", "/v1/local/models/pull", json={"model": model})
+        except httpx.TransportError as exc:
+            raise connection_error(exc, http.url("/v1/local/models/pull"), api_key=api_key) from exc
+        try:
             if resp.status_code >= 400:
                 resp.read()
                 raise error_from_response(resp, api_key=api_key)
@@ -32,5 +33,7 @@ def pull_model_events(base_url: str, api_key: str, model: str) -> Iterator[dict[
                     raise LoopsError(f"Pulling {model} failed: {event.get('detail')}",
                                      hint="See `loops server logs` for the server's side.")
                 yield event
-    except httpx.TransportError as exc:
-        raise connection_error(exc, url, api_key=api_key) from exc
+        except httpx.TransportError as exc:
+            raise connection_error(exc, http.url("/v1/local/models/pull"), api_key=api_key) from exc
+        finally:
+            resp.close()

@@ -64,7 +64,8 @@ def _debug() -> bool:
 
 
 def ensure_local_server(announce: Callable[[str], None] = _stderr) -> str:
-    """Start the local server unless it runs (or autostart is off); its URL."""
+    """The local server's URL, starting it (and saying so) unless it runs; with
+    LOOPS_NO_AUTOSTART=1 a server that is not running is an error."""
     from baseten_loops_cli.local.daemon import ensure_running
 
     return ensure_running(announce=announce).url
@@ -84,27 +85,33 @@ def local_server_connection(announce: Callable[[str], None] = _stderr) -> tuple[
 
 
 def connect(profile_flag: str | None = None, *, base_url_flag: str | None = None,
-            announce: Callable[[str], None] = _stderr, autostart: bool = True) -> Connection:
+            announce: Callable[[str], None] = _stderr) -> Connection:
     """The profile's connection, starting the local server first when it needs one."""
     from baseten_loops_cli.settings.profiles import resolve_profile
 
-    if autostart and os.environ.get("LOOPS_NO_AUTOSTART", "") not in {"1", "true"}:
+    if os.environ.get("LOOPS_NO_AUTOSTART", "") not in {"1", "true"}:
         if needs_local_server(resolve_profile(profile_flag, base_url_flag)):
             ensure_local_server(announce)
     return resolve_connection(profile_flag, base_url_flag=base_url_flag)
+
+
+def open_client(base_url: str, api_key: str, *, team: str | None = None,
+                debug_log: Callable[[str], None] | None = None) -> "LoopsClient":
+    """The control-plane client every command uses (LOOPS_DEBUG logs requests, keys redacted)."""
+    from baseten_loops_cli.api.client import LoopsClient
+
+    if debug_log is None and _debug():
+        debug_log = _stderr
+    return LoopsClient(base_url, api_key, team=team, debug_log=debug_log)
 
 
 def open_backend(profile_flag: str | None = None, *, base_url_flag: str | None = None,
                  announce: Callable[[str], None] = _stderr,
                  debug_log: Callable[[str], None] | None = None) -> Backend:
     connection = connect(profile_flag, base_url_flag=base_url_flag, announce=announce)
-    from baseten_loops_cli.api.client import LoopsClient
-
-    if debug_log is None and _debug():
-        debug_log = _stderr
-    client = LoopsClient(connection.base_url, connection.api_key,
-                         team=connection.profile.profile.team, debug_log=debug_log)
-    return Backend(connection, client)
+    return Backend(connection, open_client(connection.base_url, connection.api_key,
+                                           team=connection.profile.profile.team,
+                                           debug_log=debug_log))
 
 
 def open_backend_if_reachable(profile_flag: str | None = None) -> Backend | None:
@@ -115,8 +122,5 @@ def open_backend_if_reachable(profile_flag: str | None = None) -> Backend | None
         connection = resolve_connection(profile_flag)
     except LoopsError:
         return None
-    from baseten_loops_cli.api.client import LoopsClient
-
-    client = LoopsClient(connection.base_url, connection.api_key,
-                         team=connection.profile.profile.team)
-    return Backend(connection, client)
+    return Backend(connection, open_client(connection.base_url, connection.api_key,
+                                           team=connection.profile.profile.team))

@@ -147,7 +147,16 @@ def _fetch_runs(profile_flag: str | None, _arg: str) -> list[Item]:
 def _fetch_checkpoints(profile_flag: str | None, run_id: str) -> list[Item]:
     cps = _get_json(profile_flag, "/v1/loops/checkpoints", {"run_id": run_id}).get("checkpoints") or []
     cps.sort(key=lambda c: c.get("created_at") or "", reverse=True)
-    return [(str(c["checkpoint_id"]), f"{c.get('target', '')} · {c.get('id', '')}") for c in cps]
+    # A trainer and a sampler checkpoint saved under one name (``final``) are one RUN:NAME to
+    # type: offer the name once, saying what it names.
+    by_name: dict[str, list[dict]] = {}
+    for c in cps:
+        by_name.setdefault(str(c["checkpoint_id"]), []).append(c)
+    return [
+        (name, " + ".join(f"{c.get('target', '')} {c.get('id', '')}" for c in group))
+        if len(group) > 1 else (name, f"{group[0].get('target', '')} · {group[0].get('id', '')}")
+        for name, group in by_name.items()
+    ]
 
 
 def _fetch_samplers(profile_flag: str | None, _arg: str) -> list[Item]:

@@ -1,7 +1,5 @@
 """`loops auth`: store, inspect and remove the API key of a profile (never printing it)."""
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated, Optional
 
@@ -74,9 +72,9 @@ def login(
         profile.base_url = base_url.rstrip("/")
     url = profile.base_url or BASETEN_DEFAULT_URL
     if verify:
-        from baseten_loops_cli.api.client import LoopsClient
+        from baseten_loops_cli.cli._backend import open_client
 
-        client = LoopsClient(url, key)
+        client = open_client(url, key)
         try:
             client.get_user_config()  # cheap, authenticated, side-effect free
         finally:

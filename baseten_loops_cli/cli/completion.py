@@ -13,8 +13,6 @@ Both run when this module is imported (``cli.main`` imports it at top level); bo
 idempotent, so ``main()`` may call them too, which it must if this module is ever loaded lazily.
 """
 
-from __future__ import annotations
-
 import os
 import re
 import shutil
@@ -368,5 +366,4 @@ def install_command(
     elif result.get("note"):  # the user's own rc lines: remind them of the one pitfall
         out.hint(result["note"])
     out.hint(f"Restart your shell or run `{result['activate']}` to use it.")
-    if not out.human:
-        out.emit(record, id_key="script")
+    out.emit(record, id_key="script", text=[])

@@ -1,7 +1,5 @@
 """`loops config`: list, read, change and switch profiles in config.toml."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer
@@ -79,10 +77,8 @@ def get(ctx: typer.Context, key: Annotated[str, typer.Argument(help=KEYS_HELP + 
         value = resolved.base_url if key == "base_url" else getattr(resolved.profile, key)
     else:
         raise UsageError(f"unknown setting {key!r}", hint=f"Settings: {KEYS_HELP}, active.")
-    if state.output.human:
-        typer.echo("" if value is None else value)  # bare, like `git config --get`
-    else:
-        state.output.emit({"key": key, "value": value}, id_key="value")
+    # the table view is the bare value, like `git config --get`
+    state.output.emit({"key": key, "value": value}, id_key="value", text=["" if value is None else str(value)])
 
 
 @app.command("set")

@@ -10,8 +10,6 @@ of the workspace), so ``deploy list`` shows the deployments this machine created
 ``describe`` and ``stop`` also take any ``MODEL_ID/DEPLOYMENT_ID``.
 """
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer
@@ -147,7 +145,7 @@ def list_deployments(
             ("MODEL", "model_id"),
             ("NAME", "model_name"),
             ("STATUS", "status"),
-            ("CHECKPOINTS", lambda r: ", ".join(str(c.get("name") or c.get("checkpoint_id")) for c in r["checkpoints"]) or None),
+            ("CHECKPOINTS", lambda r: ", ".join(r.checkpoint_names) or None),
             ("CREATED", "created_at"),
         ],
         id_key="deployment_id",

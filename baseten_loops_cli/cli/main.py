@@ -5,8 +5,6 @@ tab completion must stay fast, so httpx, pydantic, yaml, keyring and torch are i
 command bodies. ``main()`` is the one place where errors become messages and exit codes.
 """
 
-from __future__ import annotations
-
 import os
 import sys
 from typing import Annotated, Optional
@@ -16,6 +14,7 @@ import typer
 from baseten_loops_cli import __version__
 from baseten_loops_cli.cli import (
     _complete,
+    _help,
     auth,
     checkpoints,
     completion,
@@ -78,6 +77,7 @@ app.add_typer(auth.app, name="auth", rich_help_panel=SETUP)
 app.add_typer(config.app, name="config", rich_help_panel=SETUP)
 app.add_typer(server.app, name="server", rich_help_panel=SETUP)
 app.add_typer(completion.app, name="completion", rich_help_panel=SETUP)
+_help.reflow_tree(app)
 
 
 def _version_callback(value: bool) -> None:

@@ -4,23 +4,18 @@ A run is a trainer (a LoRA adapter being trained on a base model) plus, usually,
 sampler serving its latest weights. Names, columns, messages and JSON shapes follow the Go
 `baseten loops run` commands (loops-protocol.md §4.2): `runs list -o json` is `{"runs": [...]}`
 of LoopsRun objects, `runs describe -o json` is the LoopsRun with `deployment`,
-`latest_checkpoints` and `usage` added.
+`latest_checkpoints` and `usage` added. The work is done by :mod:`baseten_loops_cli.services.runs`.
 """
-
-from __future__ import annotations
 
 import re
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from baseten_loops_cli.cli import _complete
 from baseten_loops_cli.cli._state import get_state
-
-if TYPE_CHECKING:
-    from baseten_loops_cli.output.sink import Output
 
 app = typer.Typer(
     help="Create, list, inspect, follow and deactivate Loops runs (a trainer plus its paired sampler).",
@@ -36,126 +31,23 @@ SORT_KEYS = ("created", "name", "base-model", "status")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_LOG_WINDOW_S = 7 * 24 * 3600
 DEFAULT_LOG_WINDOW_S = 30 * 60
-LOG_PAGE_SIZE = 1000
-TAIL_POLL_S = 2.0
-STATUS_POLL_S = 5.0
-
-
-# ── shared helpers ────────────────────────────────────────────────────────────────────────
 
 
 def run_columns(org: bool, named: bool) -> list:
-    from baseten_loops_cli.cli._resolve import status_name
-
     cols: list = [("ID", "id")]
     if named:
         cols.append(("NAME", "name"))
     if org:
         cols.append(("OWNER", "user.email"))
-    cols += [("BASE MODEL", "base_model"), ("STATUS", lambda r: status_name(r)), ("CREATED", "created_at")]
+    cols += [("BASE MODEL", "base_model"), ("STATUS", "status.name"), ("CREATED", "created_at")]
     return cols
 
 
-def _sort_runs(runs: list[dict], sort: str, reverse: bool) -> list[dict]:
-    from baseten_loops_cli.cli._resolve import status_name
-
-    keys: dict[str, Callable[[dict], Any]] = {
-        "created": lambda r: r.get("created_at") or "",
-        "name": lambda r: (r.get("name") or "").lower(),
-        "base-model": lambda r: (r.get("base_model") or "").lower(),
-        "status": lambda r: status_name(r) or "",
-    }
-    # Newest first by default (the Go CLI's --direction desc); names and models A→Z.
-    descending = sort == "created"
-    ordered = sorted(runs, key=lambda r: r.get("created_at") or "", reverse=True)
-    ordered = sorted(ordered, key=keys[sort], reverse=descending)
-    return list(reversed(ordered)) if reverse else ordered
-
-
-def _deployment(client, deployment_id: str | None) -> dict | None:
-    """The run's trainer deployment, or None (serverless runs have none; older backends may
-    not know the route)."""
-    from baseten_loops_cli.api.errors import ApiError
-    from baseten_loops_cli.cli._resolve import as_dict
-
-    if not deployment_id:
-        return None
-    try:
-        return as_dict(client.deployments.get(deployment_id))
-    except ApiError:
-        return None
-
-
-def _run_usage(backend, run_id: str) -> dict | None:
-    """Tokens and compute the backend reports for a run (the local backend does), or None."""
-    if backend.kind != "local":
-        return None
-    client = backend.client
-    try:
-        rows = client.local_usage(run_id=run_id)
-    except Exception:  # noqa: BLE001 - a backend without the route reports nothing
-        return None
-    from baseten_loops_cli.cli._resolve import as_dict
-
-    for row in as_dict(rows) or []:
-        if row.get("owner_id") == run_id:
-            return row
-    return None
-
-
-def _policy_version(client_state, run: dict) -> int | None:
-    """The trainer's policy version (= optimizer steps): from the run when the backend reports
-    it, else from a dedicated trainer's ``/policy_version``."""
-    if isinstance(run.get("policy_version"), int):
-        return run["policy_version"]
-    if not run.get("deployment_id") or not run.get("base_url"):
-        return None
-    from baseten_loops_cli.errors import LoopsError
-    from baseten_loops_cli.workers.trainer import TrainerClient
-
-    backend = client_state.backend()
-    try:
-        with TrainerClient(
-            run["base_url"], api_key=backend.api_key, run_id=run["id"], base_model=run.get("base_model")
-        ) as tc:
-            return tc.policy_version()
-    except LoopsError:
-        return None
-
-
-def wait_for_trainer(out: "Output", client, run: dict, *, timeout: float | None = None, interval: float = 2.0) -> dict:
-    """Poll until the run's trainer is RUNNING; :class:`RunFailedError` if it fails first."""
-    from baseten_loops_cli.cli._resolve import TRAINER_FAILED, TRAINER_TERMINAL, get_run, status_name
-    from baseten_loops_cli.errors import LoopsError, RunFailedError
-
-    deadline = None if timeout is None else time.monotonic() + timeout
-    last = None
-    while True:
-        run = get_run(client, run["id"])
-        if status_name(run) != "ACTIVE":
-            raise RunFailedError(f"run {run['id']} was deactivated while waiting for its trainer")
-        dep = _deployment(client, run.get("deployment_id"))
-        status = status_name(dep) if dep else None
-        if status != last and status:
-            out.info(f"Trainer {status}...")
-            last = status
-        if dep is None and not run.get("deployment_id"):
-            return run  # serverless: nothing to provision
-        if status in ("RUNNING", "SCALED_TO_ZERO"):
-            return run
-        if status in TRAINER_TERMINAL:
-            reason = (dep or {}).get("status_reason")
-            exc = RunFailedError if status in TRAINER_FAILED else LoopsError
-            raise exc(
-                f"run {run['id']}'s trainer is {status}" + (f": {reason}" if reason else ""),
-                hint=f"See its logs: loops runs logs {run['id']}",
-            )
-        if deadline is not None and time.monotonic() > deadline:
-            raise LoopsError(
-                f"run {run['id']}'s trainer is still {status or 'starting'} after {timeout:.0f}s",
-                hint=f"It keeps coming up in the background; check with `loops runs watch {run['id']}`.",
-            )
-        time.sleep(interval)
+def hidden_hint(hidden: int, what: str, *, recent: bool = False) -> str:
+    """``N inactive runs hidden; pass --all to show them.``"""
+    plural = hidden != 1
+    older = "older " if recent else ""
+    return f"{hidden} {older}{what}{'s' if plural else ''} hidden; pass --all to show {'them' if plural else 'it'}."
 
 
 # ── create ────────────────────────────────────────────────────────────────────────────────
@@ -198,8 +90,9 @@ def create(
 
       loops runs create -m Qwen/Qwen3-8B --from abc1234:step-400
     """
-    from baseten_loops_cli.cli._resolve import as_dict, get_run, resolve_checkpoint, uri_of
     from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.services.resolve import get_run, resolve_checkpoint, uri_of
+    from baseten_loops_cli.services.runs import trainer_deployment, wait_for_trainer
 
     state = get_state(ctx)
     out = state.output
@@ -207,20 +100,20 @@ def create(
     path = None
     if from_checkpoint:
         cp = resolve_checkpoint(client, from_checkpoint, prefer="trainer")
-        if cp.get("target") != "trainer":
+        if cp.target != "trainer":
             raise UsageError(
                 f"{from_checkpoint} holds sampler weights; --from needs trainer state (a weights/ checkpoint)",
                 hint="Use a checkpoint saved with save_state; list them with "
-                f"`loops checkpoints list --run-id {cp.get('run_id')} --target trainer`.",
+                f"`loops checkpoints list --run-id {cp.run_id} --target trainer`.",
             )
-        if cp.get("base_model") and cp["base_model"] != base_model:
+        if cp.base_model and cp.base_model != base_model:
             raise UsageError(
-                f"{from_checkpoint} was trained on {cp['base_model']}, not {base_model}",
-                hint=f"Pass --base-model {cp['base_model']}.",
+                f"{from_checkpoint} was trained on {cp.base_model}, not {base_model}",
+                hint=f"Pass --base-model {cp.base_model}.",
             )
         path = uri_of(cp)
-        rank = (cp.get("lora_adapter_config") or {}).get("r")
-        if isinstance(rank, int):
+        rank = cp.lora_rank
+        if rank is not None:
             if lora_rank is None:
                 lora_rank = rank  # the run must match the checkpoint's adapter
             elif lora_rank != rank:
@@ -230,17 +123,16 @@ def create(
                 )
     if reuse_from:
         prior = get_run(client, reuse_from)
-        if prior.get("base_model") != base_model:
+        if prior.base_model != base_model:
             raise UsageError(
-                f"--reuse-from {reuse_from} runs {prior.get('base_model')}, not {base_model}",
+                f"--reuse-from {reuse_from} runs {prior.base_model}, not {base_model}",
                 hint="Warm reuse needs the same base model.",
             )
         if replicas and replicas > 1:
             out.warn("--replicas > 1 always provisions fresh capacity; --reuse-from is ignored by the backend.")
     out.info(f"Provisioning Loops run and sampler for {base_model}...")
-    session = client.sessions.create()
     request = {
-        "session_id": session.id,
+        "session_id": client.sessions.create().id,
         "base_model": base_model,
         "name": name,
         "lora_rank": lora_rank,
@@ -249,28 +141,20 @@ def create(
         "path": path,
         "reuse_from_run_id": reuse_from,
     }
-    run = as_dict(client.runs.create({k: v for k, v in request.items() if v is not None}))
+    run = client.runs.create({k: v for k, v in request.items() if v is not None})
     _complete.invalidate("runs")
     if wait:
-        out.info(f"Created Loops run {run['id']} for {base_model}. Waiting for its trainer...")
+        out.info(f"Created Loops run {run.id} for {base_model}. Waiting for its trainer...")
         try:
-            run = wait_for_trainer(out, client, run)
+            run = wait_for_trainer(client, run, on_status=lambda status: out.info(f"Trainer {status}..."))
         except KeyboardInterrupt:
-            out.info(f"Stopped waiting. Run {run['id']} keeps coming up; follow it with `loops runs watch {run['id']}`.")
+            out.info(f"Stopped waiting. Run {run.id} keeps coming up; follow it with `loops runs watch {run.id}`.")
             raise typer.Exit(130) from None
-        out.success(f"Run {run['id']} is ready.")
+        out.success(f"Run {run.id} is ready.")
     else:
-        out.success(
-            f"Created Loops run {run['id']} for {base_model}. "
-            "The trainer and sampler finish coming up in the background."
-        )
-        out.hint(f"Follow it with `loops runs watch {run['id']}`.")
-    if out.human:
-        dep = _deployment(client, run.get("deployment_id"))
-        out.emit(run, fields=_describe_fields(run, dep, [], None, None))
-    else:
-        out.emit(run)
-
+        out.success(f"Created Loops run {run.id} for {base_model}. The trainer and sampler finish coming up in the background.")
+        out.hint(f"Follow it with `loops runs watch {run.id}`.")
+    out.emit(run, fields=describe_fields(run, trainer_deployment(client, run.deployment_id), [], None, None))
 
 # ── list ──────────────────────────────────────────────────────────────────────────────────
 
@@ -278,17 +162,18 @@ def create(
 @app.command("list")
 def list_runs(
     ctx: typer.Context,
-    all_: Annotated[bool, typer.Option("--all", "-a", help="Include INACTIVE runs.")] = False,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Every run, INACTIVE ones included.")] = False,
     org: Annotated[bool, typer.Option("--org", help="Runs of the whole organization (adds OWNER).")] = False,
     base_model: Annotated[Optional[str], typer.Option("--base-model", "-m", help="Only runs of this base model.")] = None,
     sort: Annotated[str, typer.Option("--sort", help=f"Sort by {', '.join(SORT_KEYS)}.")] = "created",
     reverse: Annotated[bool, typer.Option("--reverse", "-r", help="Reverse the order (default: newest first).")] = False,
     limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="Show at most N runs (0 = all).")] = 0,
 ) -> None:
-    """List your Loops runs, newest first. INACTIVE runs are hidden unless --all.
+    """List your Loops runs, newest first: the active ones, or every run with --all.
 
-    -o json prints {"runs": [...]} (LoopsRun objects, filtered and sorted), as `baseten loops
-    run list` does; -q prints the ids.
+    When none of your runs is active (`loops train run` deactivates its run when it ends), the runs created in the last 24 hours are listed instead, whatever their status, so the runs you just made show up. Whenever runs were left out, a hint on stderr says how many and names --all (in every output format; -q prints no hints).
+
+    -o json prints {"runs": [...]} (LoopsRun objects, filtered and sorted), as `baseten loops run list` does; -q prints the ids.
 
     Examples:
 
@@ -298,75 +183,68 @@ def list_runs(
 
       loops runs list -q --limit 1          # the newest active run's id
     """
-    from baseten_loops_cli.cli._resolve import as_dict, status_name
     from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.services.runs import list_runs as list_service
 
     if sort not in SORT_KEYS:
         raise UsageError(f"--sort must be one of {', '.join(SORT_KEYS)}, got {sort!r}")
     state = get_state(ctx)
     out = state.output
-    client = state.backend().client
-    runs = as_dict(client.runs.list(base_model=base_model, scope="org" if org else None)) or []
-    hidden = 0
-    if not all_:
-        shown = [r for r in runs if status_name(r) == "ACTIVE"]
-        hidden = len(runs) - len(shown)
-        runs = shown
-    runs = _sort_runs(runs, sort, reverse)
-    total = len(runs)
-    if limit:
-        runs = runs[:limit]
-    named = any(r.get("name") and r.get("name") != r.get("base_model") for r in runs)
-    if all_:
-        empty = "No Loops runs found."
-        empty_hint = None
-    else:
-        empty = "No active Loops runs found. Pass --all to include inactive runs."
-        empty_hint = None
-    if not runs and base_model:
+    listing = list_service(
+        state.backend().client, include_inactive=all_, base_model=base_model, org=org, sort=sort, reverse=reverse, limit=limit
+    )
+    runs = listing.runs
+    empty = "No Loops runs found." if all_ else "No active Loops runs found. Pass --all to include inactive runs."
+    if base_model:
         empty = empty.replace("runs found", f"runs of {base_model} found")
-    out.emit({"runs": runs}, rows=runs, columns=run_columns(org, named), empty=empty, empty_hint=empty_hint)
-    if out.human and runs:
-        if total > len(runs):
-            out.hint(f"Showing {len(runs)} of {total} runs; pass --limit 0 to see all.")
-        if hidden:
-            out.hint(f"{hidden} inactive run{'s' if hidden != 1 else ''} hidden; pass --all to show {'them' if hidden != 1 else 'it'}.")
-
+    if listing.recent:
+        out.info("No active Loops runs; showing the ones created in the last 24 hours.")
+    named = any(r.name and r.name != r.base_model for r in runs)
+    out.emit(
+        {"runs": runs},
+        rows=runs,
+        columns=run_columns(org, named),
+        empty=empty,
+        hint=f"Showing {len(runs)} of {listing.total} runs; pass --limit 0 to see all." if listing.total > len(runs) else None,
+    )
+    if runs and listing.hidden:
+        out.hint(hidden_hint(listing.hidden, "inactive run", recent=listing.recent))
 
 # ── describe ──────────────────────────────────────────────────────────────────────────────
 
 
-def _describe_fields(run: dict, dep: dict | None, checkpoints: list[dict], usage: dict | None, policy_version: int | None) -> list:
-    from baseten_loops_cli.cli._resolve import status_name
+def describe_fields(run, dep, checkpoints: list, usage: dict | None, policy_version: int | None) -> list:
+    """The key/value view of a run (``runs create`` and ``runs describe``)."""
     from baseten_loops_cli.output.format import human_duration, human_size, human_time
+    from baseten_loops_cli.services.resolve import extra
 
     fields: list = [
         ("ID", "id"),
         ("Name", "name"),
         ("Base Model", "base_model"),
-        ("Status", lambda r: status_name(r)),
+        ("Status", "status.name"),
         ("Owner", "user.email"),
         ("Session", "session_id"),
         ("Created", "created_at"),
         ("#Trainer", None),
-        ("Deployment", lambda r: r.get("deployment_id") or "serverless (none)"),
-        ("Status", lambda r: status_name(dep) if dep else None),
-        ("Instance", lambda r: _instance_text(dep) if dep else None),
+        ("Deployment", lambda r: run.deployment_id or "serverless (none)"),
+        ("Status", lambda r: dep.status_name if dep else None),
+        ("Instance", lambda r: _instance_text(dep)),
         ("Base URL", "base_url"),
-        ("LoRA Rank", lambda r: r.get("lora_rank")),
-        ("Max Seq Len", lambda r: r.get("max_seq_len")),
+        ("LoRA Rank", "lora_rank"),
+        ("Max Seq Len", "max_seq_len"),
         ("Step", lambda r: policy_version),
     ]
-    sampler = run.get("sampler")
+    sampler = run.sampler
     fields.append(("#Sampler", None))
     if sampler:
         fields += [
-            ("ID", lambda r: sampler.get("id")),
-            ("Status", lambda r: status_name(sampler)),
-            ("Model", lambda r: sampler.get("model_id") or "serverless"),
-            ("Deployment", lambda r: sampler.get("deployment_id")),
-            ("Base URL", lambda r: sampler.get("base_url")),
-            ("Policy Version", lambda r: sampler.get("policy_version")),
+            ("ID", lambda r: sampler.id),
+            ("Status", lambda r: sampler.status_name),
+            ("Model", lambda r: sampler.model_id or "serverless"),
+            ("Deployment", lambda r: sampler.deployment_id),
+            ("Base URL", lambda r: sampler.base_url),
+            ("Policy Version", lambda r: sampler_version_text(extra(sampler, "policy_version"), policy_version)),
         ]
     else:
         fields.append(("ID", lambda r: "none yet (created on the first sampling call)"))
@@ -380,18 +258,32 @@ def _describe_fields(run: dict, dep: dict | None, checkpoints: list[dict], usage
     if checkpoints:
         fields.append(("#Latest Checkpoints", None))
         for cp in checkpoints:
-            text = f"{cp.get('target')} · {human_size(cp.get('size_bytes'))} · {human_time(cp.get('created_at') or '')} · {cp.get('id')}"
-            fields.append((str(cp.get("checkpoint_id")), lambda r, text=text: text))
+            created = human_time(cp.created_at) if cp.created_at else "-"
+            text = f"{cp.target} · {human_size(cp.size_bytes)} · {created} · {cp.id}"
+            fields.append((cp.checkpoint_id, lambda r, text=text: text))
     return [(label, key) if key is not None else (label, "id") for label, key in fields]
 
 
-def _instance_text(dep: dict | None) -> str | None:
-    if not dep:
+def sampler_version_text(sampler_version: int | None, trainer_step: int | None) -> str | None:
+    """The sampler's policy version, and why it is behind the trainer when it is: a sampler
+    serves what the run last *published* (``save_weights_for_sampler(bump_version=True)``);
+    saving sampler weights as a checkpoint (SFT's ``final``) does not move it."""
+    if sampler_version is None:
         return None
-    it = dep.get("instance_type") or {}
-    name = it.get("name") or it.get("id")
-    nodes = dep.get("node_count") or 1
-    gpus = (it.get("gpu_count") or 0) * nodes
+    if trainer_step is None or sampler_version >= trainer_step:
+        return str(sampler_version)
+    served = "the base model" if sampler_version == 0 else f"the weights published at step {sampler_version}"
+    return (f"{sampler_version} (serves {served}; the trainer is at step {trainer_step}: "
+            "sample one of the run's checkpoints for its trained weights)")
+
+
+def _instance_text(dep) -> str | None:
+    if not dep or not dep.instance_type:
+        return None
+    it = dep.instance_type
+    name = it.name or it.id
+    nodes = dep.node_count or 1
+    gpus = (it.gpu_count or 0) * nodes
     if not name:
         return None
     if gpus:
@@ -418,22 +310,17 @@ def describe(
 
       loops runs describe abc1234 -o json --jq .sampler.base_url
     """
-    from baseten_loops_cli.cli._resolve import get_run, list_checkpoints
+    from baseten_loops_cli.services.runs import describe_run
 
     state = get_state(ctx)
-    out = state.output
-    client = state.backend().client
-    run = get_run(client, run_id)
-    dep = _deployment(client, run.get("deployment_id"))
-    cps = sorted(list_checkpoints(client, run_id=run["id"]), key=lambda c: c.get("created_at") or "", reverse=True)
-    latest = cps[:checkpoints] if checkpoints else []
-    usage = _run_usage(state.backend(), run["id"])
-    version = _policy_version(state, run)
-    doc = {**run, "deployment": dep, "policy_version": version, "latest_checkpoints": latest,
-           "checkpoint_count": len(cps), "usage": usage}
-    out.emit(doc, fields=_describe_fields(run, dep, latest, usage, version))
-    if out.human and len(cps) > len(latest):
-        out.hint(f"{len(cps)} checkpoints in all: loops checkpoints list --run-id {run['id']}")
+    doc = describe_run(state.backend(), run_id, checkpoints=checkpoints)
+    latest = doc.latest_checkpoints
+    state.output.emit(
+        doc,
+        fields=describe_fields(doc, doc.deployment, latest, doc.usage, doc.policy_version),
+        hint=f"{doc.checkpoint_count} checkpoints in all: loops checkpoints list --run-id {doc.id}"
+        if doc.checkpoint_count > len(latest) else None,
+    )
 
 
 # ── logs ──────────────────────────────────────────────────────────────────────────────────
@@ -472,142 +359,18 @@ def parse_when(text: str, flag: str) -> datetime:
     return dt
 
 
-def _log_key(entry: dict) -> tuple:
-    return (str(entry.get("timestamp")), entry.get("replica"), entry.get("message"))
-
-
-def _ts_ns(entry: dict) -> int:
-    try:
-        return int(entry.get("timestamp") or 0)
-    except (TypeError, ValueError):
-        return 0
-
-
-def format_log(entry: dict) -> str:
+def format_log(entry) -> str:
     """``[YYYY-MM-DD HH:MM:SS]: (replica) message`` (the Go CLI's line format; local time)."""
-    ns = _ts_ns(entry)
-    when = datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M:%S")
-    replica = f"({entry['replica']}) " if entry.get("replica") else ""
-    level = entry.get("level")
-    prefix = f"{level} " if level and level not in ("INFO",) else ""
-    return f"[{when}]: {replica}{prefix}{entry.get('message', '')}"
+    from baseten_loops_cli.services.runs import log_ns
+
+    when = datetime.fromtimestamp(log_ns(entry) / 1e9, tz=timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    replica = f"({entry.replica}) " if entry.replica else ""
+    prefix = f"{entry.level} " if entry.level and entry.level != "INFO" else ""
+    return f"[{when}]: {replica}{prefix}{entry.message}"
 
 
-def _log_source(client, run: dict, sampler: bool) -> tuple[Callable[..., list[dict]], str]:
-    """A function fetching one page of logs for the run's trainer (or sampler), and a label."""
-    from baseten_loops_cli.cli._resolve import as_dict
-    from baseten_loops_cli.errors import LoopsError
-
-    if sampler:
-        s = run.get("sampler") or {}
-        if not s:
-            raise LoopsError(
-                f"Loops run '{run['id']}' has no paired sampler to fetch logs from",
-                hint="The sampler is created on the first sampling call.",
-            )
-        if not (s.get("model_id") and s.get("deployment_id")):
-            raise LoopsError(f"Loops run '{run['id']}' has a serverless sampler; it has no logs to fetch")
-
-        def fetch(**params: Any) -> list[dict]:
-            return _logs_of(as_dict(client.models.logs(s["model_id"], s["deployment_id"], **params)))
-
-        return fetch, f"sampler {s['id']}"
-    if not run.get("deployment_id"):
-        raise LoopsError(
-            f"Loops run '{run['id']}' has no trainer logs to fetch",
-            hint="Serverless runs have no trainer deployment; try --sampler.",
-        )
-
-    def fetch_trainer(**params: Any) -> list[dict]:
-        return _logs_of(as_dict(client.deployments.logs(run["deployment_id"], **params)))
-
-    return fetch_trainer, f"trainer deployment {run['deployment_id']}"
-
-
-def _logs_of(page: Any) -> list[dict]:
-    if isinstance(page, dict):
-        return list(page.get("logs") or [])
-    return list(page or [])
-
-
-def fetch_logs(fetch: Callable[..., list[dict]], start_ms: int, end_ms: int, limit: int, min_level: str | None) -> list[dict]:
-    """Up to ``limit`` (0 = all) log lines in [start, end], newest pages first, returned oldest
-    first. Pages of at most 1000 walk backwards in time; duplicates at page edges are dropped."""
-    seen: set = set()
-    collected: list[dict] = []
-    end = end_ms
-    while True:
-        want = LOG_PAGE_SIZE if not limit else min(LOG_PAGE_SIZE, limit - len(collected))
-        if want <= 0:
-            break
-        page = fetch(start_epoch_millis=start_ms, end_epoch_millis=end, direction="desc", limit=want, min_level=min_level)
-        fresh = [e for e in page if _log_key(e) not in seen]
-        for e in fresh:
-            seen.add(_log_key(e))
-        collected.extend(fresh)
-        if len(page) < want or not fresh:
-            break
-        oldest_ms = min(_ts_ns(e) for e in page) // 1_000_000
-        end = oldest_ms if oldest_ms < end else end - 1
-        if end < start_ms:
-            break
-    if limit:
-        collected = sorted(collected, key=_ts_ns, reverse=True)[:limit]
-    return sorted(collected, key=_ts_ns)
-
-
-def _tail(out: "Output", client, run: dict, fetch: Callable[..., list[dict]], since_ms: int, min_level: str | None, sampler: bool) -> None:
-    """Print new lines every few seconds until the trainer (or sampler) stops. Ctrl-C stops
-    following (exit 130); the run itself is never touched."""
-    from baseten_loops_cli.cli._resolve import SAMPLER_TERMINAL, TRAINER_TERMINAL, get_run, status_name
-
-    seen: set = set()
-    cursor = since_ms
-    last_status_check = 0.0
-    try:
-        while True:
-            now_ms = int(time.time() * 1000)
-            page = fetch(start_epoch_millis=cursor, end_epoch_millis=now_ms, direction="asc", limit=LOG_PAGE_SIZE, min_level=min_level)
-            fresh = [e for e in sorted(page, key=_ts_ns) if _log_key(e) not in seen]
-            for entry in fresh:
-                seen.add(_log_key(entry))
-                _print_log(out, entry)
-            if fresh:
-                newest_ms = _ts_ns(fresh[-1]) // 1_000_000
-                if newest_ms > cursor:
-                    # keep only the keys of the boundary millisecond (the next query starts there)
-                    seen = {k for k in seen if int(k[0] or 0) // 1_000_000 >= newest_ms}
-                    cursor = newest_ms
-            if len(page) >= LOG_PAGE_SIZE:
-                continue  # more is waiting: fetch again right away
-            if time.monotonic() - last_status_check >= STATUS_POLL_S:
-                last_status_check = time.monotonic()
-                current = get_run(client, run["id"])
-                if sampler:
-                    status = status_name(current.get("sampler") or {})
-                    ended = status in SAMPLER_TERMINAL or not current.get("sampler")
-                else:
-                    dep = _deployment(client, current.get("deployment_id"))
-                    status = status_name(dep) if dep else None
-                    ended = status in TRAINER_TERMINAL or status_name(current) != "ACTIVE"
-                if ended:
-                    out.info(f"The {'sampler' if sampler else 'trainer'} is {status or 'gone'}; no more logs will come.")
-                    return
-            time.sleep(TAIL_POLL_S)
-    except KeyboardInterrupt:
-        out.info(f"Stopped following logs. Run {run['id']} keeps running.")
-        raise typer.Exit(130) from None
-
-
-def _print_log(out: "Output", entry: dict) -> None:
-    if out.format in ("json", "jsonl"):
-        out.emit_record(entry)
-    elif out.format == "table" and not out.quiet:
-        out.streams.stdout.write(format_log(entry) + "\n")
-        out.streams.stdout.flush()
-    elif out.quiet:
-        out.streams.stdout.write(str(entry.get("message", "")) + "\n")
-        out.streams.stdout.flush()
+def _print_log(out, entry) -> None:
+    out.stream(entry, text=format_log(entry), quiet_text=entry.message)
 
 
 @app.command("logs")
@@ -636,8 +399,8 @@ def logs(
 
       loops runs logs abc1234 --start 2026-01-02T09:00 --end 2026-01-02T10:00 -o jsonl
     """
-    from baseten_loops_cli.cli._resolve import get_run
     from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.services.resolve import get_run
 
     if tail and (since or start or end):
         raise UsageError("--tail cannot be combined with --since, --start or --end", hint="--tail starts from the last 30 minutes.")
@@ -664,35 +427,36 @@ def logs(
     if end_s - start_s > MAX_LOG_WINDOW_S:
         raise UsageError("the log window is longer than 7 days", hint="Narrow --start/--end; logs are fetched 7 days at a time.")
 
+    from baseten_loops_cli.services.runs import LogFollower, LogSource, fetch_logs, log_ns
+
     state = get_state(ctx)
     out = state.output
     client = state.backend().client
-    run = get_run(client, run_id)
-    fetch, label = _log_source(client, run, sampler)
-    entries = fetch_logs(fetch, int(start_s * 1000), int(end_s * 1000), 0 if tail else limit, level)
-    if tail:
-        entries = entries[-100:]
-    if tail or out.format in ("jsonl",) or out.quiet:
-        for entry in entries:
+    source = LogSource(client, get_run(client, run_id), sampler)
+    entries = fetch_logs(source.page, int(start_s * 1000), int(end_s * 1000), 0 if tail else limit, level)
+    if not tail:
+        out.emit(
+            {"logs": entries},
+            rows=entries,
+            id_key="message",
+            text=[format_log(e) for e in entries],
+            empty=f"No logs from {source.label} in this window.",
+            empty_hint="Widen it with --since 1d, or lower --min-level.",
+            hint=f"Showing the newest {limit} lines; pass --limit 0 for all of them." if limit and len(entries) >= limit else None,
+        )
+        return
+    entries = entries[-100:]
+    for entry in entries:
+        _print_log(out, entry)
+    follower = LogFollower(source, log_ns(entries[-1]) // 1_000_000 if entries else int(start_s * 1000), level)
+    out.hint(f"Following {source.label} (Ctrl-C stops following; the run keeps running)...")
+    try:
+        for entry in follower:
             _print_log(out, entry)
-        if tail:
-            since_ms = (_ts_ns(entries[-1]) // 1_000_000) if entries else int(start_s * 1000)
-            if out.human:
-                out.hint(f"Following {label} (Ctrl-C stops following; the run keeps running)...")
-            _tail(out, client, run, fetch, since_ms, level, sampler)
-        return
-    if out.format == "table":
-        if not entries:
-            out.info(f"No logs from {label} in this window.")
-            out.hint("Widen it with --since 1d, or lower --min-level.")
-            return
-        for entry in entries:
-            out.streams.stdout.write(format_log(entry) + "\n")
-        out.streams.stdout.flush()
-        if limit and len(entries) >= limit:
-            out.hint(f"Showing the newest {limit} lines; pass --limit 0 for all of them.")
-        return
-    out.emit({"logs": entries}, rows=entries)
+    except KeyboardInterrupt:
+        out.info(f"Stopped following logs. Run {run_id} keeps running.")
+        raise typer.Exit(130) from None
+    out.info(f"The {'sampler' if sampler else 'trainer'} is {follower.end_status or 'gone'}; no more logs will come.")
 
 
 # ── deactivate ────────────────────────────────────────────────────────────────────────────
@@ -718,74 +482,35 @@ def deactivate(
 
       loops runs list -q | xargs loops runs deactivate --yes
     """
-    from baseten_loops_cli.cli._resolve import as_dict, confirm, get_run, status_name
+    from baseten_loops_cli.services.runs import deactivate_runs
 
     state = get_state(ctx)
     out = state.output
-    client = state.backend().client
-    unique = list(dict.fromkeys(r.strip() for r in run_ids if r.strip()))
-    runs = [get_run(client, rid) for rid in unique]  # every id is checked before anything stops
-    todo = []
-    for run in runs:
-        if status_name(run) != "ACTIVE":
-            out.info(f"Loops run {run['id']} is already {status_name(run) or 'inactive'}; skipping it.")
+
+    def confirm(todo: list) -> None:
+        if len(todo) == 1:
+            run = todo[0]
+            what = "its trainer and paired sampler" if run.sampler else "its trainer"
+            question = f"Deactivate Loops run {run.id} ({run.base_model})? This stops {what}; saved checkpoints stay available."
         else:
-            todo.append(run)
-    if not todo:
-        if not out.human:
-            out.emit([], rows=[], columns=[("ID", "id")])
-        return
-    if len(todo) == 1:
-        run = todo[0]
-        what = "its trainer and paired sampler" if run.get("sampler") else "its trainer"
-        question = f"Deactivate Loops run {run['id']} ({run.get('base_model')})? This stops {what}; saved checkpoints stay available."
-    else:
-        ids = ", ".join(r["id"] for r in todo)
-        question = f"Deactivate {len(todo)} Loops runs ({ids})? This stops their trainers and paired samplers; saved checkpoints stay available."
-    confirm(out, question, yes=yes, action="deactivating " + (f"run {todo[0]['id']}" if len(todo) == 1 else f"{len(todo)} runs"))
-    results = []
-    for run in todo:
-        results.append(as_dict(client.runs.deactivate(run["id"])) or {"id": run["id"]})
-        out.success(f"Deactivated Loops run {run['id']}. Saved checkpoints remain accessible.")
-    _complete.invalidate("runs")
-    if not out.human:
-        out.emit(results, rows=results, columns=[("ID", "id"), ("BASE MODEL", "base_model")])
+            question = (f"Deactivate {len(todo)} Loops runs ({', '.join(r.id for r in todo)})? This stops their trainers "
+                        "and paired samplers; saved checkpoints stay available.")
+        action = f"run {todo[0].id}" if len(todo) == 1 else f"{len(todo)} runs"
+        out.confirm(question, yes=yes, action=f"deactivating {action}")
+
+    results = deactivate_runs(
+        state.backend().client,
+        run_ids,
+        confirm=confirm,
+        on_skipped=lambda r: out.info(f"Loops run {r.id} is already {r.status_name or 'inactive'}; skipping it."),
+        on_done=lambda r: out.success(f"Deactivated Loops run {r.id}. Saved checkpoints remain accessible."),
+    )
+    if results:
+        _complete.invalidate("runs")
+    out.emit(results, rows=results, text=[])
 
 
 # ── watch ─────────────────────────────────────────────────────────────────────────────────
-
-
-def _snapshot(state, client, run_id: str) -> dict:
-    from baseten_loops_cli.cli._resolve import get_run, status_name
-
-    run = get_run(client, run_id)
-    dep = _deployment(client, run.get("deployment_id"))
-    version = _policy_version(state, run)
-    sampler = run.get("sampler") or {}
-    return {
-        "time": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"),
-        "run_id": run["id"],
-        "run_status": status_name(run),
-        "trainer_status": status_name(dep) if dep else None,
-        "trainer_status_reason": (dep or {}).get("status_reason"),
-        "sampler_status": status_name(sampler) if sampler else None,
-        "step": version,
-        "policy_version": version,
-        "sampler_policy_version": sampler.get("policy_version") if sampler else None,
-    }
-
-
-def _watch_line(s: dict) -> str:
-    parts = [f"run {s['run_status']}"]
-    if s["trainer_status"]:
-        parts.append(f"trainer {s['trainer_status']}")
-    if s["step"] is not None:
-        parts.append(f"step {s['step']}")
-    if s["sampler_status"]:
-        parts.append(f"sampler {s['sampler_status']}")
-    if s["sampler_policy_version"] is not None:
-        parts.append(f"v{s['sampler_policy_version']}")
-    return " · ".join(parts)
 
 
 @app.command("watch")
@@ -807,57 +532,27 @@ def watch(
 
       loops runs watch abc1234 --exit-status && echo "ended cleanly"
     """
-    from baseten_loops_cli.cli._resolve import TRAINER_FAILED, TRAINER_TERMINAL
     from baseten_loops_cli.errors import RunFailedError
+    from baseten_loops_cli.services.runs import watch_run
 
     state = get_state(ctx)
     out = state.output
-    client = state.backend().client
-    live = None
-    last_key = None
-    snap: dict = {}
+    snap = None
     try:
-        if out.human and out.streams.stderr_tty:
-            from rich.live import Live
-            from rich.text import Text
-
-            live = Live(Text(""), console=out.err_console, refresh_per_second=4, transient=False)
-            live.start()
-        while True:
-            snap = _snapshot(state, client, run_id)
-            key = {k: v for k, v in snap.items() if k != "time"}
-            if key != last_key:
-                last_key = key
-                line = _watch_line(snap)
-                if live is not None:
-                    from rich.text import Text
-
-                    live.update(Text(f"{snap['run_id']}: {line}"))
-                elif out.format in ("json", "jsonl"):
-                    out.emit_record(snap)
-                elif not out.quiet and out.format != "none":
-                    stamp = datetime.now().strftime("%H:%M:%S")
-                    out.streams.stdout.write(f"[{stamp}] {snap['run_id']}: {line}\n")
-                    out.streams.stdout.flush()
-            if snap["run_status"] != "ACTIVE" or snap["trainer_status"] in TRAINER_TERMINAL:
-                break
-            time.sleep(interval)
+        with out.live() as live:
+            for snap in watch_run(state.backend(), run_id, interval=interval):
+                live.update(snap, f"{snap.run_id}: {snap.line()}")
     except KeyboardInterrupt:
-        if live is not None:
-            live.stop()
         out.info(f"Stopped watching. Run {run_id} keeps running.")
         raise typer.Exit(130) from None
-    finally:
-        if live is not None:
-            live.stop()
-    failed = snap.get("trainer_status") in TRAINER_FAILED
-    if failed:
-        reason = snap.get("trainer_status_reason")
-        message = f"run {snap['run_id']}'s trainer {snap['trainer_status']}" + (f": {reason}" if reason else "")
+    assert snap is not None  # watch_run yields at least once
+    if snap.failed:
+        reason = snap.trainer_status_reason
+        message = f"run {snap.run_id}'s trainer {snap.trainer_status}" + (f": {reason}" if reason else "")
         if exit_status:
-            raise RunFailedError(message, hint=f"See its logs: loops runs logs {snap['run_id']}")
+            raise RunFailedError(message, hint=f"See its logs: loops runs logs {snap.run_id}")
         out.warn(message)
-    elif snap.get("run_status") != "ACTIVE":
-        out.info(f"Run {snap['run_id']} was deactivated.")
+    elif snap.run_status != "ACTIVE":
+        out.info(f"Run {snap.run_id} was deactivated.")
     else:
-        out.info(f"Run {snap['run_id']}'s trainer is {snap['trainer_status']}.")
+        out.info(f"Run {snap.run_id}'s trainer is {snap.trainer_status}.")

@@ -4,8 +4,6 @@ Parse, call :mod:`baseten_loops_cli.services.sampling` (which sampler serves it,
 decoding), render. The text goes to stdout; -o json is the ``SampleResponse``.
 """
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated, Optional
 
@@ -71,7 +69,7 @@ def sample(
         out.info(f"Started sampler {sid} for {source.uri} (its run is inactive). It scales to zero when idle; "
                  f"stop it with `loops samplers deactivate {sid}`.")
     answer = sample_text(source, request, api_key=backend.api_key)
-    out.emit(answer, rows=answer.samples, id_key=lambda s: s["text"].rstrip("\n"), text=_sample_lines(answer),
+    out.emit(answer, rows=answer.samples, id_key=lambda s: s.text.rstrip("\n"), text=_sample_lines(answer),
              hint=f"Sampled {source.label} ({answer.base_model}"
                   + (f", policy version {answer.policy_version}" if answer.policy_version is not None else "")
                   + f") with sampler {answer.sampler_id}.")

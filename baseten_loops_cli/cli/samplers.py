@@ -5,8 +5,6 @@ serves a base model or one sampler checkpoint. `samplers list -o json` is
 `{"samplers": [...]}` (LoopsSampler objects).
 """
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer
@@ -25,22 +23,27 @@ SamplerArg = Annotated[
 ]
 
 
-def _serves(s: dict) -> str:
-    if s.get("model_path"):
-        return str(s["model_path"])
-    return str(s.get("base_model") or "")
+def _serves(s) -> str:
+    """What a sampler serves: its checkpoint's URI, else its base model."""
+    from baseten_loops_cli.services.resolve import extra
+
+    return str(extra(s, "model_path") or s.base_model)
+
+
+def _run_of(s) -> str:
+    from baseten_loops_cli.services.resolve import extra
+
+    return extra(s, "run_id") or "standalone"
 
 
 def sampler_columns(org: bool) -> list:
-    from baseten_loops_cli.cli._resolve import status_name
-
-    cols: list = [("ID", "id"), ("RUN", lambda s: s.get("run_id") or "standalone")]
+    cols: list = [("ID", "id"), ("RUN", _run_of)]
     if org:
         cols.append(("OWNER", "user.email"))
     cols += [
         ("SERVES", _serves),
-        ("STATUS", lambda s: status_name(s)),
-        ("KIND", lambda s: "serverless" if not s.get("model_id") else "dedicated"),
+        ("STATUS", "status.name"),
+        ("KIND", lambda s: "serverless" if s.is_serverless else "dedicated"),
         ("CREATED", "created_at"),
     ]
     return cols
@@ -62,43 +65,38 @@ def list_samplers(
 
       loops samplers list --all -o json --jq '.samplers[].id'
     """
-    from baseten_loops_cli.cli._resolve import SAMPLER_TERMINAL, as_dict, status_name
+    from baseten_loops_cli.cli.runs import hidden_hint
+    from baseten_loops_cli.services.resolve import created_key, extra, sampler_is_terminal
 
     state = get_state(ctx)
     out = state.output
-    client = state.backend().client
-    samplers = as_dict(client.samplers.list(scope="org" if org else None)) or []
+    samplers = state.backend().client.samplers.list(scope="org" if org else None)
     if run_id:
-        samplers = [s for s in samplers if s.get("run_id") == run_id]
-    hidden = 0
-    if not all_:
-        shown = [s for s in samplers if status_name(s) not in SAMPLER_TERMINAL]
-        hidden = len(samplers) - len(shown)
-        samplers = shown
-    samplers.sort(key=lambda s: s.get("created_at") or "", reverse=not reverse)
+        samplers = [s for s in samplers if extra(s, "run_id") == run_id]
+    shown = samplers if all_ else [s for s in samplers if not sampler_is_terminal(s)]
+    hidden = len(samplers) - len(shown)
+    samplers = sorted(shown, key=created_key, reverse=not reverse)
     out.emit(
         {"samplers": samplers},
         rows=samplers,
         columns=sampler_columns(org),
         empty="No Loops samplers found." if all_ else "No active Loops samplers found. Pass --all to include inactive ones.",
     )
-    if out.human and samplers and hidden:
-        out.hint(f"{hidden} inactive sampler{'s' if hidden != 1 else ''} hidden; pass --all to show {'them' if hidden != 1 else 'it'}.")
+    if samplers and hidden:
+        out.hint(hidden_hint(hidden, "inactive sampler"))
 
 
 def _sampler_fields() -> list:
-    from baseten_loops_cli.cli._resolve import status_name
-
     return [
         ("ID", "id"),
-        ("Status", lambda s: status_name(s)),
-        ("Run", lambda s: s.get("run_id") or "standalone"),
+        ("Status", "status.name"),
+        ("Run", _run_of),
         ("Serves", _serves),
         ("Base Model", "base_model"),
-        ("Kind", lambda s: "serverless (shared endpoint)" if not s.get("model_id") else "dedicated"),
+        ("Kind", lambda s: "serverless (shared endpoint)" if s.is_serverless else "dedicated"),
         ("Model", "model_id"),
         ("Deployment", "deployment_id"),
-        ("Instance", lambda s: (s.get("instance_type") or {}).get("name")),
+        ("Instance", "instance_type.name"),
         ("Nodes", "node_count"),
         ("Policy Version", "policy_version"),
         ("Base URL", "base_url"),
@@ -117,7 +115,7 @@ def describe(ctx: typer.Context, sampler_id: SamplerArg) -> None:
 
       loops samplers describe smp1234 -o json --jq .base_url
     """
-    from baseten_loops_cli.cli._resolve import get_sampler
+    from baseten_loops_cli.services.resolve import get_sampler
 
     state = get_state(ctx)
     sampler = get_sampler(state.backend().client, sampler_id)
@@ -150,8 +148,9 @@ def create(
 
       loops samplers create --base-model Qwen/Qwen3-8B --max-seq-len 8192
     """
-    from baseten_loops_cli.cli._resolve import as_dict, exactly_one, get_run, resolve_checkpoint, uri_of
+    from baseten_loops_cli.cli._args import exactly_one
     from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.services.resolve import get_run, resolve_checkpoint, uri_of
 
     chosen = exactly_one(base_model=base_model, run_id=run_id, checkpoint=checkpoint)
     if chosen is None:
@@ -162,15 +161,15 @@ def create(
     body: dict = {"max_seq_length": max_seq_len, "num_replicas": replicas}
     if run_id:
         run = get_run(client, run_id)
-        body["run_id"] = run["id"]
-        body["session_id"] = run.get("session_id")
-        what = f"run {run['id']}"
+        body["run_id"] = run.id
+        body["session_id"] = run.session_id
+        what = f"run {run.id}"
     elif checkpoint:
         cp = resolve_checkpoint(client, checkpoint, prefer="sampler")
-        if cp.get("target") != "sampler":
+        if cp.target != "sampler":
             raise UsageError(
                 f"{checkpoint} is trainer state; samplers serve sampler weights",
-                hint=f"Pick a sampler checkpoint: loops checkpoints list --run-id {cp.get('run_id')} --target sampler",
+                hint=f"Pick a sampler checkpoint: loops checkpoints list --run-id {cp.run_id} --target sampler",
             )
         body["model_path"] = uri_of(cp)
         what = str(body["model_path"])
@@ -179,9 +178,9 @@ def create(
         what = str(base_model)
     if not body.get("session_id"):
         body["session_id"] = client.sessions.create().id
-    sampler = as_dict(client.samplers.create({k: v for k, v in body.items() if v is not None}))
+    sampler = client.samplers.create({k: v for k, v in body.items() if v is not None})
     _complete.invalidate("samplers")
-    out.success(f"Sampler {sampler['id']} serves {what}.")
+    out.success(f"Sampler {sampler.id} serves {what}.")
     out.emit(sampler, fields=_sampler_fields())
 
 
@@ -199,32 +198,28 @@ def deactivate(
 
       loops samplers deactivate smp1234 --yes
     """
-    from baseten_loops_cli.cli._resolve import SAMPLER_TERMINAL, as_dict, confirm, get_sampler, status_name
+    from baseten_loops_cli.services.resolve import extra
+    from baseten_loops_cli.services.runs import deactivate_samplers
 
     state = get_state(ctx)
     out = state.output
-    client = state.backend().client
-    samplers = [get_sampler(client, sid.strip()) for sid in dict.fromkeys(sampler_ids) if sid.strip()]
-    todo = []
-    for s in samplers:
-        if status_name(s) in SAMPLER_TERMINAL:
-            out.info(f"Sampler {s['id']} is already {status_name(s)}; skipping it.")
-        else:
-            todo.append(s)
-    if not todo:
-        if not out.human:
-            out.emit([], rows=[], columns=[("ID", "id")])
-        return
-    paired = [s for s in todo if s.get("run_id")]
-    names = ", ".join(f"{s['id']} ({_serves(s)})" for s in todo)
-    question = f"Deactivate {'sampler' if len(todo) == 1 else f'{len(todo)} samplers'} {names}? It stops serving; checkpoints stay."
-    if paired:
-        question += f" Run {', '.join(s['run_id'] for s in paired)} keeps training; sampling from it needs a new sampler."
-    confirm(out, question, yes=yes, action="deactivating " + (f"sampler {todo[0]['id']}" if len(todo) == 1 else f"{len(todo)} samplers"))
-    results = []
-    for s in todo:
-        results.append(as_dict(client.samplers.deactivate(s["id"])) or {"id": s["id"]})
-        out.success(f"Deactivated sampler {s['id']}.")
-    _complete.invalidate("samplers")
-    if not out.human:
-        out.emit(results, rows=results, columns=[("ID", "id"), ("BASE MODEL", "base_model")])
+
+    def confirm(todo: list) -> None:
+        names = ", ".join(f"{s.id} ({_serves(s)})" for s in todo)
+        question = f"Deactivate {'sampler' if len(todo) == 1 else f'{len(todo)} samplers'} {names}? It stops serving; checkpoints stay."
+        paired = [str(extra(s, "run_id")) for s in todo if extra(s, "run_id")]
+        if paired:
+            question += f" Run {', '.join(paired)} keeps training; sampling from it needs a new sampler."
+        action = f"sampler {todo[0].id}" if len(todo) == 1 else f"{len(todo)} samplers"
+        out.confirm(question, yes=yes, action=f"deactivating {action}")
+
+    results = deactivate_samplers(
+        state.backend().client,
+        sampler_ids,
+        confirm=confirm,
+        on_skipped=lambda s: out.info(f"Sampler {s.id} is already {s.status_name}; skipping it."),
+        on_done=lambda s: out.success(f"Deactivated sampler {s.id}."),
+    )
+    if results:
+        _complete.invalidate("samplers")
+    out.emit(results, rows=results, text=[])

@@ -3,8 +3,6 @@
 Imports stay inside the commands: `loops --help` must not pull in httpx or torch.
 """
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer

@@ -1,7 +1,5 @@
 """`loops train`: write, check and run YAML-defined SFT, RL and DPO loops; resume and plot them."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Optional
 

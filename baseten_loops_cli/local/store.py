@@ -571,6 +571,52 @@ class Store:
         self._update("deployments", "id", deployment_id,
                      {"status": status, "status_reason": reason, "updated_at": time.time()})
 
+    def deactivate_run(self, run_id: str, deployment_id: str) -> None:
+        """A run, its trainer deployment and its paired samplers go down together (one
+        transaction: a crash never leaves an inactive run with a live trainer or sampler)."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute("UPDATE runs SET status = ?, deactivated_at = ? WHERE id = ?",
+                       (RUN_INACTIVE, now, run_id))
+            db.execute("UPDATE deployments SET status = ?, status_reason = ?, updated_at = ?"
+                       " WHERE id = ?", (DEPLOY_STOPPED, "deactivated", now, deployment_id))
+            db.execute("UPDATE samplers SET status = ?, deactivated_at = ? WHERE run_id = ?"
+                       " AND status != ?", (SAMPLER_INACTIVE, now, run_id, SAMPLER_INACTIVE))
+
+    def reconcile_after_restart(self) -> list[tuple[str, str]]:
+        """Statuses true again after a restart or crash, when nothing is in memory: live
+        trainers and samplers are scaled to zero (the next op or sample wakes them), and
+        anything left of a deactivated run is down. Returns (deployment id, new status)
+        of each trainer or sampler deployment it changed, for their logs."""
+        live_trainer = (DEPLOY_CREATED, DEPLOY_DEPLOYING, DEPLOY_RUNNING)
+        now = time.time()
+        changed: list[tuple[str, str]] = []
+        with self._tx() as db:
+            def rows(sql: str, *args: Any) -> list[str]:
+                return [r[0] for r in db.execute(sql, args).fetchall()]
+
+            for dep in rows("SELECT d.id FROM deployments d JOIN runs r ON d.run_id = r.id"
+                            " WHERE d.kind = 'trainer' AND r.status = ? AND d.status IN (?,?,?)",
+                            RUN_ACTIVE, *live_trainer):
+                changed.append((dep, DEPLOY_SCALED_TO_ZERO))
+            for dep in rows("SELECT d.id FROM deployments d JOIN runs r ON d.run_id = r.id"
+                            " WHERE d.kind = 'trainer' AND r.status = ? AND d.status NOT IN (?,?,?)",
+                            RUN_INACTIVE, *TERMINAL_DEPLOY_STATUSES):
+                changed.append((dep, DEPLOY_STOPPED))
+            for dep, status in changed:
+                db.execute("UPDATE deployments SET status = ?, updated_at = ? WHERE id = ?",
+                           (status, now, dep))
+            down = rows("SELECT s.deployment_id FROM samplers s JOIN runs r ON s.run_id = r.id"
+                        " WHERE r.status = ? AND s.status != ?", RUN_INACTIVE, SAMPLER_INACTIVE)
+            db.execute("UPDATE samplers SET status = ?, deactivated_at = ? WHERE status != ? AND"
+                       " run_id IN (SELECT id FROM runs WHERE status = ?)",
+                       (SAMPLER_INACTIVE, now, SAMPLER_INACTIVE, RUN_INACTIVE))
+            idle = rows("SELECT deployment_id FROM samplers WHERE status = ?", SAMPLER_ACTIVE)
+            db.execute("UPDATE samplers SET status = ? WHERE status = ?",
+                       (SAMPLER_SCALED_TO_ZERO, SAMPLER_ACTIVE))
+        return (changed + [(d, SAMPLER_INACTIVE) for d in down]
+                + [(d, SAMPLER_SCALED_TO_ZERO) for d in idle])
+
     # ── samplers ──
 
     def create_sampler(

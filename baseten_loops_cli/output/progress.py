@@ -9,7 +9,7 @@ magnitude on bursty transfers.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from baseten_loops_cli.output.format import human_size
 
@@ -24,7 +24,7 @@ def average_rate(bytes_moved: int, seconds: float) -> str:
 class TransferBar:
     """bytes done/total, average rate, ETA and files done, for ``api.download``'s progress."""
 
-    def __init__(self, console: Any, label: str):
+    def __init__(self, console: Any, label: str, *, clock: Callable[[], float] = time.monotonic):
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._progress = Progress(
@@ -42,7 +42,8 @@ class TransferBar:
         self._files_total = 0
         self._files_done = 0
         self._moved = 0
-        self._started = time.monotonic()
+        self._clock = clock
+        self._started = clock()
 
     def __enter__(self) -> "TransferBar":
         self._progress.start()
@@ -53,7 +54,7 @@ class TransferBar:
 
     def start(self, *, total_bytes: int, completed_bytes: int, files: int) -> None:
         self._files_total = files
-        self._started = time.monotonic()
+        self._started = self._clock()
         self._task = self._progress.add_task(
             self._label, total=total_bytes or None, completed=completed_bytes, files=f"0/{files} files", rate="-"
         )
@@ -61,7 +62,7 @@ class TransferBar:
     def advance(self, nbytes: int) -> None:
         self._moved += nbytes
         if self._task is not None:
-            rate = average_rate(self._moved, time.monotonic() - self._started)
+            rate = average_rate(self._moved, self._clock() - self._started)
             self._progress.update(self._task, advance=nbytes, rate=rate)
 
     def file_done(self, name: str) -> None:

@@ -29,8 +29,9 @@ from baseten_loops_cli.errors import CancelledError, UsageError
 
 FORMATS = ("table", "json", "jsonl", "yaml", "none")
 
-# A column is (header, key or function of the row).
-Column = tuple[str, "str | Callable[[dict], Any]"]
+# A column is (header, key or function of the row). A key is a dotted path in the row's JSON
+# ("user.email"); a function gets the row as it was given (a model, or a dict).
+Column = tuple[str, "str | Callable[[Any], Any]"]
 
 
 @dataclass
@@ -266,12 +267,14 @@ class Output:
         before the view, ``hint`` after a non-empty one.
         """
         payload = to_jsonable(data)
-        row_list = [to_jsonable(r) for r in rows] if rows is not None else None
+        originals = list(rows) if rows is not None else None
+        row_list = [to_jsonable(r) for r in originals] if originals is not None else None
         if self.format == "none":
             return
         if self.quiet:
-            for row in row_list if row_list is not None else [payload]:
-                value = _cell(row, id_key)
+            pairs = zip(row_list, originals) if row_list is not None and originals is not None else [(payload, data)]
+            for row, original in pairs:
+                value = _cell(row, id_key, original)
                 if value is not None and (value != "" or text is not None):
                     self._write(str(value))
             return
@@ -288,21 +291,21 @@ class Output:
             self._write(yaml.safe_dump(payload, sort_keys=False, allow_unicode=True).rstrip("\n"))
             return
         # table
+        if note:
+            self.info(note)
         if row_list is not None and not row_list and (columns is not None or text is not None):
             if empty:
                 self.info(empty)
             if empty_hint:
                 self.hint(empty_hint)
             return
-        if note:
-            self.info(note)
         if text is not None:
             for line in text:
                 self._write(line)
-        elif row_list is not None and columns is not None:
-            self._table(row_list, columns, title)
+        elif row_list is not None and originals is not None and columns is not None:
+            self._table(list(zip(row_list, originals)), columns, title)
         elif fields is not None:
-            self._fields(payload, fields)
+            self._fields(payload, data, fields)
         else:
             self._emit_json_value(payload)
         if hint:
@@ -342,9 +345,9 @@ class Output:
         return SilentProgress()
 
     # ------------------------------------------------------------------ renderers
-    def _table(self, rows: list[dict], columns: Sequence[Column], title: str | None) -> None:
+    def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None) -> None:
         headers = [h for h, _ in columns]
-        cells = [[format_cell(_cell(row, key)) for _, key in columns] for row in rows]
+        cells = [[format_cell(_cell(row, key, original)) for _, key in columns] for row, original in rows]
         if self.is_tty:
             from rich.table import Table
 
@@ -360,14 +363,14 @@ class Output:
         for line in cells:
             self._write("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
 
-    def _fields(self, obj: dict, fields: Sequence[Column]) -> None:
+    def _fields(self, obj: dict, original: Any, fields: Sequence[Column]) -> None:
         width = max(len(label) for label, _ in fields) + 1
         for label, key in fields:
             if label.startswith("#"):  # a section heading
                 self._write("")
                 self._write(label[1:].strip())
                 continue
-            self._write(f"{(label + ':').ljust(width)} {format_cell(_cell(obj, key))}")
+            self._write(f"{(label + ':').ljust(width)} {format_cell(_cell(obj, key, original))}")
 
 
 class LiveLine:
@@ -401,10 +404,11 @@ class LiveLine:
         self._out.stream(record, text=f"[{stamp}] {text}")
 
 
-def _cell(row: Any, key: str | Callable[[dict], Any]) -> Any:
+def _cell(row: Any, key: "str | Callable[[Any], Any]", original: Any = None) -> Any:
+    """The value of ``key`` in ``row`` (JSON); a function of the row gets ``original``."""
     if callable(key):
         try:
-            return key(row)
+            return key(row if original is None else original)
         except (KeyError, TypeError, AttributeError):
             return None
     value: Any = row

@@ -11,5 +11,36 @@ callback; nothing here writes to stdout or stderr.
 - ``runs``: list with the recent-window rule, describe, wait for a trainer, page and follow logs,
   deactivate many runs or samplers.
 - ``sampling``: resolve what serves a prompt, tokenize, sample, decode.
+- ``checkpoints``: list, list files, plan and run a download.
 - ``deployments``: plan, create, wait for, list, describe and stop checkpoint deployments.
+- ``usage``: allocations now, and tokens and compute per run.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from baseten_loops_cli.api.client import LoopsClient
+
+
+class Connected(Protocol):
+    """A backend the command line has connected to (``cli._backend.Backend`` is one): its
+    control-plane client and the facts about the connection that services need."""
+
+    client: "LoopsClient"
+
+    @property
+    def kind(self) -> str: ...  # "local" or "baseten"
+
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def api_key(self) -> str: ...
+
+    @property
+    def key_source(self) -> str: ...  # where the key came from ("local-server", "env", ...)
+
+    @property
+    def profile_name(self) -> str: ...

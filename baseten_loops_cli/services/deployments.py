@@ -30,7 +30,7 @@ from baseten_loops_cli.services.resolve import NotFound, did_you_mean, display_n
 
 if TYPE_CHECKING:
     from baseten_loops_cli.api.client import LoopsClient
-    from baseten_loops_cli.settings.backend import Backend
+    from baseten_loops_cli.services import Connected as Backend
 
 RECORDS_FILE = "deployments.json"
 # Deployment (DeploymentStatusV1) statuses that end a wait.

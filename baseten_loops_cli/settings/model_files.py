@@ -18,6 +18,9 @@ from pathlib import Path
 from baseten_loops_cli.settings.paths import cache_dir
 
 TOKENIZER_FILE = "tokenizer.json"
+# What a tokenizer needs besides the weights (the chat template is in one of the last two).
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 
 def models_cache_dir() -> Path:

@@ -10,9 +10,11 @@ server (sampling, chat completions). Never torch or transformers (tests/test_lay
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Iterable, Protocol, runtime_checkable
 
 from baseten_loops_cli.errors import LoopsError
+from baseten_loops_cli.settings.model_files import TOKENIZER_FILES
 from baseten_loops_cli.tokenization.byte_tokenizer import ByteTokenizer
 from baseten_loops_cli.tokenization.chat import render_chat, render_prompt_completion
 
@@ -74,11 +76,12 @@ def _load(base_model: str) -> Tokenizer:
     from baseten_loops_cli.settings.model_files import find_model_dir
     from baseten_loops_cli.tokenization.files import load_file_tokenizer
 
-    directory = find_model_dir(base_model, weights=False)
+    directory = find_model_dir(base_model, weights=False) or _from_hub(base_model)
     if directory is None:
         raise TokenizerUnavailableError(
             f"The tokenizer of {base_model} is not on this machine (no tokenizer.json in a "
-            "local model directory, the converted-model cache or the Hugging Face cache).",
+            "local model directory, the converted-model cache or the Hugging Face cache) and "
+            "could not be downloaded from the Hugging Face hub.",
             hint=f"Run 'loops server pull-model {base_model}', or pass a local model directory.",
         )
     try:
@@ -88,3 +91,16 @@ def _load(base_model: str) -> Tokenizer:
             f"Could not load the tokenizer of {base_model} from {directory}: {exc}",
             hint=f"Delete that directory and run 'loops server pull-model {base_model}' again.",
         ) from exc
+
+
+def _from_hub(base_model: str) -> Path | None:
+    """The tokenizer files of a hub id, downloaded into the HF cache (not the weights);
+    None when offline (``HF_HUB_OFFLINE=1``) or unknown."""
+    if base_model.count("/") != 1 or Path(base_model).expanduser().exists():
+        return None
+    try:
+        from huggingface_hub import snapshot_download  # a dependency of tokenizers
+
+        return Path(snapshot_download(base_model, allow_patterns=list(TOKENIZER_FILES)))
+    except Exception:  # offline, unknown repo, gated: the caller says what to do
+        return None

@@ -17,7 +17,7 @@ import asyncio
 import random
 import time
 import uuid
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 from urllib.parse import quote
 
 import httpx
@@ -30,7 +30,7 @@ from baseten_loops_cli.api.errors import (
     RequestTimeoutError,
     SampleTimeoutError,
 )
-from baseten_loops_cli.api.http import USER_AGENT, RetryPolicy
+from baseten_loops_cli.api.http import USER_AGENT, RetryPolicy, connection_error
 from baseten_loops_cli.workers.client import DEFAULT_GET_RETRIES, WorkerClient, json_body, require_dict
 from baseten_loops_cli.workers.types import ExternalRef, ModelInput, SampledSequence, SampleResult
 
@@ -197,6 +197,35 @@ def build_sample_body(
     return body
 
 
+class SampleChunk(NamedTuple):
+    """One streamed ``/sample`` chunk: a decoded token of sample ``index`` (its text delta,
+    possibly empty while held back), or that sample's end (``finish_reason`` set)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+def _stream_event(line: str) -> dict | None:
+    """The JSON of one server-sent ``data:`` line (None for other lines and ``[DONE]``)."""
+    import json
+
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return None
+    try:
+        payload = json.loads(data)
+    except ValueError as exc:
+        raise ProtocolError(f"/sample streamed a non-JSON event: {data[:200]}") from exc
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"/sample streamed an unexpected event: {data[:200]}")
+    return payload
+
+
 class SamplerClient(WorkerClient):
     """Client of one sampler (``sampler.base_url``), sync (:meth:`sample`) and async
     (:meth:`asample`). ``min_policy_version`` / ``checkpoint_path`` given here are defaults for
@@ -352,6 +381,49 @@ class SamplerClient(WorkerClient):
             payload = await asyncio.to_thread(self._poll_queued, resp, headers, deadline)
             return self._result(payload, None, body, prompt_logprobs and topk_prompt_logprobs > 0)
         return self._result(json_body(resp), resp.headers, body, prompt_logprobs and topk_prompt_logprobs > 0)
+
+    def sample_stream(
+        self,
+        prompt_tokens: Sequence[int] | ModelInput,
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop: str | Sequence[str] | Sequence[int] | None = None,
+        min_policy_version: int | None = None,
+        checkpoint_path: str | None = None,
+    ) -> Iterator[SampleChunk]:
+        """:meth:`sample` with ``stream: true``: chunks as the sampler decodes them (a
+        local-backend / vLLM extension; the hosted SDK does not stream). Retried as
+        :meth:`sample` until the stream starts; never after (a retry restarts generation)."""
+        body, headers = self._prepare(
+            prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, min_policy_version=min_policy_version,
+            checkpoint_path=checkpoint_path, affinity_key=None,
+        )  # fmt: skip
+        body["stream"] = True
+        try:
+            resp = self._http.send("POST", "sample", json=body, headers=headers, policy=self._sample_policy,
+                                   repeatable=True, stream=True)  # fmt: skip
+        except RequestTimeoutError as exc:
+            raise self._sample_timeout() from exc
+        try:
+            for line in resp.iter_lines():
+                event = _stream_event(line)
+                for choice in (event or {}).get("choices") or []:
+                    logprobs = choice.get("logprobs") or {}
+                    yield SampleChunk(int(choice.get("index") or 0), choice.get("text") or "",
+                                      [int(t) for t in choice.get("token_ids") or []],
+                                      list(logprobs.get("token_logprobs") or []), choice.get("finish_reason"))
+        except httpx.ReadTimeout as exc:
+            raise self._sample_timeout() from exc
+        except httpx.TransportError as exc:
+            raise connection_error(exc, resp.request.url, api_key=self._http.api_key) from exc
+        finally:
+            resp.close()
 
     # -- other routes ----------------------------------------------------------------------
 

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+
+class TokenEvent(NamedTuple):
+    """One decoded token of one sample, as handed to ``SampleRequest.on_token``."""
+
+    sample: int  # which of the request's n samples
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the request's top_logprobs most likely (id, logprob)
+    finish_reason: str | None  # set on the sample's last token
+    stop_token: bool  # the token is the stop token that ended it (no text of its own)
 
 
 @dataclass
@@ -28,6 +39,11 @@ class SampleRequest:
     # whenever the files do, so engine-side caches never serve stale weights.
     adapter: str | None = None
     adapter_path: str | Path | None = None
+    # k > 0: each generated token's k most likely alternatives too (SampledSequence.top_logprobs).
+    top_logprobs: int = 0
+    # Streaming: called on the generating thread after every decoded token, before the next
+    # decode step (the batch keeps decoding while a server sends it).
+    on_token: Callable[[TokenEvent], None] | None = None
 
 
 @dataclass
@@ -36,6 +52,8 @@ class SampledSequence:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     text: str
+    # Per token, the top_logprobs most likely (id, logprob); None when not asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class PromptTokenLogprob(NamedTuple):

@@ -15,6 +15,12 @@ token per step with a KV cache (``DynamicCache``), in this module's own loop rat
 Seeded requests draw from their own ``torch.Generator`` per sample, so the same request
 gives the same tokens (other requests in the batch do not change its random stream).
 
+``top_logprobs=k`` also reports, for every generated token, the ``k`` most likely tokens
+and their logprobs from that same unmodified distribution (OpenAI's ``top_logprobs``).
+``on_token`` (streaming) is called on the generating thread after every decoded token with
+a :class:`TokenEvent`, before the next decode step, so a server can send each token while
+the rest of the batch is still being generated.
+
 A generation stops at a stop token (the tokenizer's eos / end-of-turn ids plus the
 request's ``stop_token_ids``; the token is kept in ``tokens``), at a stop string (checked on
 the decoded text; ``text`` is cut before it), or after ``max_tokens`` (``"length"``).
@@ -37,10 +43,12 @@ from baseten_loops_cli.local.engine.sample_types import (
     SampledSequence,
     SampleRequest,
     SampleResult,
+    TokenEvent,
 )
 
 MAX_LOADED_ADAPTERS = 8
 MAX_PROMPT_LOGPROBS_TOP_K = 20
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -52,6 +60,7 @@ class _Row:
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
 
@@ -153,6 +162,9 @@ class SamplerEngine:
         if k is not None and not 0 <= k <= MAX_PROMPT_LOGPROBS_TOP_K:
             raise EngineInputError(f"{where}.prompt_logprobs must be in "
                                    f"0..{MAX_PROMPT_LOGPROBS_TOP_K}.", "InvalidSampleRequest")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise EngineInputError(f"{where}.top_logprobs must be in 0..{MAX_TOP_LOGPROBS}.",
+                                   "InvalidSampleRequest")
 
     @torch.no_grad()
     def _generate(self, adapter_name: str | None, requests: list[SampleRequest]
@@ -196,7 +208,18 @@ class SamplerEngine:
                     chosen[i] = token
                     row.tokens.append(token)
                     row.logprobs.append(float(logprobs[i, token]))
+                    top: list[tuple[int, float]] = []
+                    if req.top_logprobs:
+                        values, ids = logprobs[i].topk(req.top_logprobs)
+                        top = list(zip(ids.tolist(), values.tolist()))
+                        row.top_logprobs.append(top)
                     self._check_stop(row, req, stops[row.request])
+                    if row.finish_reason is None and len(row.tokens) >= req.max_tokens:
+                        row.finish_reason = "length"
+                    if req.on_token is not None:
+                        req.on_token(TokenEvent(
+                            row.sample, token, row.logprobs[-1], top, row.finish_reason,
+                            row.finish_reason == "stop" and token in stops[row.request]))
                 if all(row.finish_reason is not None for row in rows):
                     break
                 attention_mask = torch.cat(
@@ -213,8 +236,10 @@ class SamplerEngine:
                 row.finish_reason = "length"
             text = row.text if row.text is not None else self.tokenizer.decode(
                 _text_tokens(row, stops[row.request]), skip_special_tokens=True)
-            results[row.request].sequences.append(
-                SampledSequence(row.tokens, row.logprobs, row.finish_reason, text))
+            req = requests[row.request]
+            results[row.request].sequences.append(SampledSequence(
+                row.tokens, row.logprobs, row.finish_reason, text,
+                row.top_logprobs if req.top_logprobs else None))
         return results
 
     def _check_stop(self, row: _Row, request: SampleRequest, stop_ids: set[int]) -> None:

@@ -210,6 +210,7 @@ def create_app(
         routes.append(Route(FAULTS_PATH, faults_endpoint, methods=["GET", "POST", "DELETE"]))
         middleware.append(Middleware(FaultMiddleware, injector=faults))
         ctx.pool.before_job = faults.before_job
+        ctx.pool.after_token = faults.after_token
     app = Starlette(
         routes=routes,
         middleware=middleware,

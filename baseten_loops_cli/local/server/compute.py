@@ -153,6 +153,9 @@ class Engine:
                 raise
             results = []
             for request in requests:
+                # A streamed request may have sent tokens from the failed batch already; the
+                # rerun only delivers its final result (the stream ends with that).
+                request.on_token = None
                 try:
                     results.append(sampler.sample([request])[0])
                 except Exception as exc:  # delivered to that request's caller only
@@ -275,6 +278,8 @@ class ComputePool:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.before_job: Callable[[str], None] | None = None
+        # Test hook (fault injection): runs on a worker thread after each streamed token.
+        self.after_token: Callable[[], None] | None = None
         self._workers: dict[str, ModelWorker] = {}
         self._lock = threading.Lock()
 

@@ -8,25 +8,37 @@ checkpoints; this module serves it like a vLLM deployment would:
     POST /deployments/<id>/v1/completions        text (or token ids) -> generate
 
 ``model`` selects a deployed checkpoint by its name (as on Baseten: "set the model
-parameter to the Loops checkpoint name"), or the base model by its name. ``stream: true``
-is answered as server-sent events (the whole completion in one chunk: the local engine
-generates a batch at a time, not token by token).
+parameter to the Loops checkpoint name"), or the base model by its name.
+
+- ``logprobs`` (chat: ``logprobs: true`` + ``top_logprobs: k``; completions: ``logprobs: k``)
+  come in OpenAI's shapes, from the sampler's own logprobs (the unmodified distribution the
+  trainer agrees with). They cover the tokens of the returned text: a final stop token
+  (end of turn), which has no text, is left out.
+- ``stream: true`` answers server-sent events token by token as the sampler decodes (the
+  engine hands each token over between decode steps): per choice the role delta first,
+  then the text, then a chunk with ``finish_reason``; ``stream_options.include_usage``
+  adds the usage chunk before ``[DONE]``.
+- A parameter this endpoint does not implement is a 400 naming it (unless it has its
+  neutral value, e.g. ``presence_penalty: 0``), never silently ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from baseten_loops_cli.local import store as st
-from baseten_loops_cli.local.engine.sample_types import SampleRequest
+from baseten_loops_cli.local.engine.sample_types import (
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+)
 from baseten_loops_cli.local.server.context import ServerContext, get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, choices
 from baseten_loops_cli.local.server.schemas import parse_body
@@ -37,9 +49,11 @@ from baseten_loops_cli.local.server.sampler_routes import (
     top_p_field,
 )
 from baseten_loops_cli.local.server.samplers import Adapter
+from baseten_loops_cli.local.server.streaming import sse_response
 from baseten_loops_cli.local.server.validation import check_token_ids
 
 MAX_N = 16
+MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI allows 20 on chat, 5 on completions)
 
 
 def _deployment(ctx: ServerContext, deployment_id: str) -> st.DeploymentRow:
@@ -119,64 +133,184 @@ def _job(body: dict, prompt: list[int], max_len: int, stop_ids: list[int],
         adapter=adapter.key if adapter else None, adapter_path=adapter.path if adapter else None)
 
 
+def _reject_unsupported(body: dict, implemented: frozenset[str]) -> None:
+    """400 for the first parameter that would change the answer but is not implemented."""
+    for key, value in body.items():
+        if key in implemented or value is None or value in _NEUTRAL.get(key, ()):
+            continue
+        raise bad_request(
+            f"Unsupported parameter {key!r}: this deployment does not implement it. Remove it "
+            f"(implemented: {', '.join(sorted(implemented))}).", "UnsupportedParameter",
+            extra={"error": {"message": f"Unsupported parameter: '{key}' (this deployment "
+                                        "does not implement it).",
+                             "type": "invalid_request_error", "param": key,
+                             "code": "unsupported_parameter"}})
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise bad_request("stream_options is only allowed with stream: true.", "InvalidRequest")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict)
+                                or set(options) - {"include_usage"}):
+        raise bad_request("stream_options takes only include_usage (true or false).",
+                          "InvalidRequest")
+
+
+def _include_usage(body: dict) -> bool:
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
 def _usage(prompt: list[int], completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
             "total_tokens": len(prompt) + completion_tokens}
 
 
-def _sse(chunks: list[dict]) -> StreamingResponse:
-    async def events():
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+class _Vocab:
+    """Token texts for logprobs (cached: the same ids come back in every top-k list)."""
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def text(self, token: int) -> str:
+        text = self._text.get(token)
+        if text is None:
+            text = self._text[token] = self.tokenizer.decode([token])
+        return text
+
+    def chat_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+        """One ``choices[].logprobs.content[]`` item."""
+        return {"token": self.text(token), "logprob": logprob,
+                "bytes": list(self.text(token).encode()),
+                "top_logprobs": [{"token": self.text(t), "logprob": lp,
+                                  "bytes": list(self.text(t).encode())} for t, lp in top]}
+
+    def completion_logprobs(self, tokens: list[int], logprobs: list[float],
+                            tops: list[list[tuple[int, float]]], offset: int) -> dict:
+        """A completions ``logprobs`` object; ``offset``: where ``tokens``' text starts."""
+        texts = [self.text(t) for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": logprobs,
+                "top_logprobs": [{self.text(t): lp for t, lp in top} for top in tops],
+                "text_offset": offsets}
+
+
+def _text_tokens(seq: SampledSequence, stop_ids: list[int]) -> int:
+    """How many of ``seq``'s tokens have text (all but a final stop token)."""
+    if seq.finish_reason == "stop" and seq.tokens and seq.tokens[-1] in stop_ids:
+        return len(seq.tokens) - 1
+    return len(seq.tokens)
+
+
+def _tops(seq: SampledSequence, count: int) -> list[list[tuple[int, float]]]:
+    return list(seq.top_logprobs or [[] for _ in seq.tokens])[:count]
+
+
+async def _prepare(ctx: ServerContext, request: Request, implemented: frozenset[str]
+                   ) -> tuple[st.DeploymentRow, dict, Adapter | None, str, Any]:
+    dep = _deployment(ctx, request.path_params["deployment_id"])
+    body = await parse_body(request)
+    _reject_unsupported(body, implemented)
+    adapter, model = _select(ctx, dep, body.get("model"))
+    return dep, body, adapter, model, await _tokenizer(dep.base_model)
+
+
+def _record_usage(ctx: ServerContext, dep: st.DeploymentRow, out: SampleResult) -> int:
+    completion_tokens = sum(len(s.tokens) for s in out.sequences)
+    ctx.store.add_usage(dep.id, "deployment", tokens_sampled=completion_tokens,
+                        sample_requests=1)
+    return completion_tokens
+
+
+_CHAT_PARAMS = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "n", "stop", "seed",
+    "temperature", "top_p", "top_k", "logprobs", "top_logprobs", "stream", "stream_options",
+    "user"})
+_COMPLETION_PARAMS = frozenset({
+    "model", "prompt", "max_tokens", "n", "stop", "seed", "temperature", "top_p", "top_k",
+    "logprobs", "stream", "stream_options", "user"})
+# Parameters accepted only at the value that changes nothing (clients often send these).
+_NEUTRAL: dict[str, tuple] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
+    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
+    "suffix": ("",), "store": (False,), "modalities": (["text"],), "metadata": ({},),
+    "parallel_tool_calls": (False, True), "service_tier": ("auto", "default"),
+}
 
 
 async def chat_completions(request: Request) -> Response:
     ctx = get_ctx(request)
-    dep = _deployment(ctx, request.path_params["deployment_id"])
-    body = await parse_body(request)
-    adapter, model = _select(ctx, dep, body.get("model"))
+    dep, body, adapter, model, tokenizer = await _prepare(ctx, request, _CHAT_PARAMS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in messages):
         raise bad_request("messages must be a non-empty list of {role, content} objects with "
                           "string content.", "InvalidRequest")
+    want_logprobs = body.get("logprobs") or False
+    if not isinstance(want_logprobs, bool):
+        raise bad_request(f"logprobs must be true or false, got {want_logprobs!r}.",
+                          "InvalidRequest")
+    top_k = int_field(body, "top_logprobs", 0, minimum=0, maximum=MAX_TOP_LOGPROBS) or 0
+    if top_k and not want_logprobs:
+        raise bad_request("top_logprobs needs logprobs: true.", "InvalidRequest")
     from baseten_loops_cli.tokenization import render_chat
 
-    tokenizer = await _tokenizer(dep.base_model)
     prompt, _ = render_chat(tokenizer, messages, add_generation_prompt=True)
     spec = await ctx.models.spec(dep.base_model)
-    job = _job(body, list(prompt), spec.max_seq_len, _stop_ids(tokenizer), adapter)
-    out = await ctx.samplers.generate(dep.base_model, job)
+    stop_ids = _stop_ids(tokenizer)
+    job = _job(body, list(prompt), spec.max_seq_len, stop_ids, adapter)
+    job.top_logprobs = top_k
+    vocab = _Vocab(tokenizer)
     created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-    completion_tokens = sum(len(s.tokens) for s in out.sequences)
-    ctx.store.add_usage(dep.id, "deployment", tokens_sampled=completion_tokens,
-                        sample_requests=1)
+    head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model}
+
     if body.get("stream"):
-        chunks = [{"id": ident, "object": "chat.completion.chunk", "created": created,
-                   "model": model, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                     "content": s.text},
-                                                "finish_reason": s.finish_reason}]}
-                  for i, s in enumerate(out.sequences)]
-        return _sse(chunks)
+        def chunk(index: int | None, kind: str, payload: Any) -> dict | None:
+            if kind == "usage":
+                return {**head, "choices": [], "usage": payload}
+            choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
+            if kind == "start":
+                choice["delta"] = {"role": "assistant", "content": ""}
+            elif kind == "token":
+                text, event = payload
+                if want_logprobs and not event.stop_token:
+                    choice["logprobs"] = {"content": [
+                        vocab.chat_entry(event.token, event.logprob, event.top)]}
+                elif not text:
+                    return None
+                choice["delta"] = {"content": text}
+            else:
+                text, reason = payload
+                choice["delta"] = {"content": text} if text else {}
+                choice["finish_reason"] = reason
+            return {**head, "choices": [choice]}
+
+        return await sse_response(ctx.samplers, dep.base_model, job, tokenizer, chunk,
+                                  include_usage=_include_usage(body),
+                                  on_done=lambda out: _usage(job.prompt,
+                                                             _record_usage(ctx, dep, out)))
+
+    out = await ctx.samplers.generate(dep.base_model, job)
+    completion_tokens = _record_usage(ctx, dep, out)
+    choices_ = []
+    for i, s in enumerate(out.sequences):
+        count = _text_tokens(s, stop_ids)
+        logprobs = {"content": [vocab.chat_entry(t, lp, top) for t, lp, top in zip(
+            s.tokens[:count], s.logprobs, _tops(s, count))]} if want_logprobs else None
+        choices_.append({"index": i, "message": {"role": "assistant", "content": s.text},
+                         "finish_reason": s.finish_reason, "logprobs": logprobs})
     return JSONResponse({
         "id": ident, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": s.text},
-                     "finish_reason": s.finish_reason, "logprobs": None}
-                    for i, s in enumerate(out.sequences)],
-        "usage": _usage(job.prompt, completion_tokens),
+        "choices": choices_, "usage": _usage(job.prompt, completion_tokens),
     })
 
 
 async def completions(request: Request) -> Response:
     ctx = get_ctx(request)
-    dep = _deployment(ctx, request.path_params["deployment_id"])
-    body = await parse_body(request)
-    adapter, model = _select(ctx, dep, body.get("model"))
-    tokenizer = await _tokenizer(dep.base_model)
+    dep, body, adapter, model, tokenizer = await _prepare(ctx, request, _COMPLETION_PARAMS)
     raw = body.get("prompt")
     if isinstance(raw, str) and raw:
         prompt = list(tokenizer.encode(raw))
@@ -185,19 +319,54 @@ async def completions(request: Request) -> Response:
     else:
         raise bad_request("prompt must be a non-empty string or list of token ids.",
                           "InvalidRequest")
+    want_logprobs = int_field(body, "logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
     spec = await ctx.models.spec(dep.base_model)
     check_token_ids(prompt, spec, "prompt")
-    job = _job(body, prompt, spec.max_seq_len, _stop_ids(tokenizer), adapter)
-    out = await ctx.samplers.generate(dep.base_model, job)
+    stop_ids = _stop_ids(tokenizer)
+    job = _job(body, prompt, spec.max_seq_len, stop_ids, adapter)
+    job.top_logprobs = want_logprobs or 0
+    vocab = _Vocab(tokenizer)
     created, ident = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
-    completion_tokens = sum(len(s.tokens) for s in out.sequences)
-    ctx.store.add_usage(dep.id, "deployment", tokens_sampled=completion_tokens,
-                        sample_requests=1)
-    choices_ = [{"index": i, "text": s.text, "finish_reason": s.finish_reason, "logprobs": None}
-                for i, s in enumerate(out.sequences)]
+    head = {"id": ident, "object": "text_completion", "created": created, "model": model}
+
     if body.get("stream"):
-        return _sse([{"id": ident, "object": "text_completion", "created": created,
-                      "model": model, "choices": [c]} for c in choices_])
+        offsets = [0] * job.n  # text_offset of each choice's next token
+
+        def chunk(index: int | None, kind: str, payload: Any) -> dict | None:
+            if kind == "usage":
+                return {**head, "choices": [], "usage": payload}
+            if kind == "start":
+                return None  # completions chunks have no role delta
+            choice: dict[str, Any] = {"index": index, "text": "", "logprobs": None,
+                                      "finish_reason": None}
+            if kind == "token":
+                text, event = payload
+                if want_logprobs is not None and not event.stop_token:
+                    choice["logprobs"] = vocab.completion_logprobs(
+                        [event.token], [event.logprob], [event.top], offsets[index])
+                    offsets[index] += len(vocab.text(event.token))
+                elif not text:
+                    return None
+                choice["text"] = text
+            else:
+                choice["text"], choice["finish_reason"] = payload
+            return {**head, "choices": [choice]}
+
+        return await sse_response(ctx.samplers, dep.base_model, job, tokenizer, chunk,
+                                  include_usage=_include_usage(body),
+                                  on_done=lambda out: _usage(job.prompt,
+                                                             _record_usage(ctx, dep, out)))
+
+    out = await ctx.samplers.generate(dep.base_model, job)
+    completion_tokens = _record_usage(ctx, dep, out)
+    choices_ = []
+    for i, s in enumerate(out.sequences):
+        count = _text_tokens(s, stop_ids)
+        logprobs = vocab.completion_logprobs(s.tokens[:count], s.logprobs[:count],
+                                             _tops(s, count), 0) \
+            if want_logprobs is not None else None
+        choices_.append({"index": i, "text": s.text, "finish_reason": s.finish_reason,
+                         "logprobs": logprobs})
     return JSONResponse({"id": ident, "object": "text_completion", "created": created,
                          "model": model, "choices": choices_,
                          "usage": _usage(prompt, completion_tokens)})
@@ -212,10 +381,27 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data})
 
 
+def _openai_errors(handler: Callable[[Request], Awaitable[Response]]
+                   ) -> Callable[[Request], Awaitable[Response]]:
+    """Errors also carry OpenAI's ``{"error": {message, type, param, code}}``, which is what
+    OpenAI clients show (``detail`` and ``error_class`` stay, as on every route)."""
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            kind = "invalid_request_error" if exc.status in (400, 404, 409) else "server_error"
+            exc.extra.setdefault("error", {"message": exc.detail, "type": kind, "param": None,
+                                           "code": exc.error_class})
+            raise
+
+    return wrapped
+
+
 def routes() -> list[BaseRoute]:
     return [
-        Route("/deployments/{deployment_id}/v1/models", models, methods=["GET"]),
-        Route("/deployments/{deployment_id}/v1/chat/completions", chat_completions,
+        Route("/deployments/{deployment_id}/v1/models", _openai_errors(models), methods=["GET"]),
+        Route("/deployments/{deployment_id}/v1/chat/completions",
+              _openai_errors(chat_completions), methods=["POST"]),
+        Route("/deployments/{deployment_id}/v1/completions", _openai_errors(completions),
               methods=["POST"]),
-        Route("/deployments/{deployment_id}/v1/completions", completions, methods=["POST"]),
     ]

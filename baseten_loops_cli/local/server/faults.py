@@ -22,6 +22,12 @@ fail deterministically (a long-poll that must answer 408, an op in flight at a c
     {"job": "forward_backward *",   # fnmatch pattern on the job label "<op> <run_id>"
      "times": 1, "delay_s": 3}      # and/or "error": "message" (the op fails, InjectedFault)
 
+A sample job can also be paused mid-generation, to observe a stream while decoding is
+provably not finished (no timing involved):
+
+    {"job": "sample *", "pause_after_tokens": 1}   # a streamed sample stops decoding after
+                                                   # 1 token until DELETE /v1/local/faults
+
 Faults apply in the order they were added; a request (or job) consumes at most one. The
 fault routes themselves are never faulted. Without the flag none of this exists (404).
 """
@@ -64,6 +70,7 @@ class Fault:
     delay_s: float
     body: Any
     error: str | None
+    pause_after_tokens: int | None = None
 
     def matches(self, method: str, path: str) -> bool:
         return (self.path is not None and self.remaining > 0
@@ -85,6 +92,8 @@ class FaultInjector:
         self._faults: list[Fault] = []
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._released = threading.Event()  # replaced by clear(): resumes paused decoding
+        self._paused = threading.local()  # per compute thread: [tokens left, release event]
 
     def add(self, spec: dict[str, Any]) -> Fault:
         if not isinstance(spec, dict) or not (isinstance(spec.get("path"), str)
@@ -95,10 +104,16 @@ class FaultInjector:
         status = spec.get("status")
         delay = float(spec.get("delay_s") or 0)
         error = spec.get("error")
+        pause = spec.get("pause_after_tokens")
+        if pause is not None and (not isinstance(pause, int) or pause < 1
+                                  or spec.get("job") is None):
+            raise bad_request("'pause_after_tokens' takes an integer >= 1, on a 'job' fault.",
+                              "InvalidFault")
         if spec.get("job") is not None:
-            if status is not None or (delay <= 0 and not error):
-                raise bad_request("A job fault takes 'delay_s' > 0 and/or 'error' (a message); "
-                                  "HTTP statuses apply to 'path' faults.", "InvalidFault")
+            if status is not None or (delay <= 0 and not error and pause is None):
+                raise bad_request("A job fault takes 'delay_s' > 0, 'error' (a message) and/or "
+                                  "'pause_after_tokens'; HTTP statuses apply to 'path' faults.",
+                                  "InvalidFault")
         elif status is None and delay <= 0:
             raise bad_request("A fault needs 'status' (e.g. 503) and/or 'delay_s' > 0.",
                               "InvalidFault")
@@ -114,7 +129,7 @@ class FaultInjector:
                 id=f"f{next(self._ids)}", path=spec.get("path"), job=spec.get("job"),
                 method=method.upper() if isinstance(method, str) else None,
                 remaining=times, status=status, retry_after=spec.get("retry_after"),
-                delay_s=delay, body=spec.get("body"), error=error,
+                delay_s=delay, body=spec.get("body"), error=error, pause_after_tokens=pause,
             )
             self._faults.append(fault)
         return fault
@@ -134,18 +149,34 @@ class FaultInjector:
 
     def before_job(self, label: str) -> None:
         """Called on a compute thread before each job: apply a matching job fault."""
+        self._paused.state = None
         fault = self._take(lambda f: f.matches_job(label))
         if fault is None:
             return
+        if fault.pause_after_tokens:
+            self._paused.state = [fault.pause_after_tokens, self._released]
         if fault.delay_s > 0:
             time.sleep(fault.delay_s)
         if fault.error:
             raise InjectedFault(f"{fault.error} (injected fault {fault.id})")
 
+    def after_token(self) -> None:
+        """Called on a compute thread after each streamed token: hold a paused job until
+        the faults are cleared (at most a minute, so a forgotten pause cannot hang)."""
+        state = getattr(self._paused, "state", None)
+        if state is None:
+            return
+        state[0] -= 1
+        if state[0] <= 0:
+            self._paused.state = None
+            state[1].wait(60)
+
     def clear(self) -> int:
         with self._lock:
             count = len(self._faults)
             self._faults.clear()
+            self._released.set()
+            self._released = threading.Event()
         return count
 
     def list(self) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ from baseten_loops_cli.local.server.context import get_ctx
 from baseten_loops_cli.local.server.schemas import _Request, parse_body
 
 HEARTBEAT_S = 1.0
+_pulls: set[asyncio.Task] = set()
 
 
 class PullModelRequest(_Request):
@@ -54,20 +55,20 @@ async def pull_model(request: Request) -> Response:
             events.put_nowait(None)
 
     async def lines() -> AsyncIterator[str]:
+        # Kept referenced: a client that goes away does not stop the pull.
         task = asyncio.create_task(work(), name=f"pull-{spec.name}")
-        yield json.dumps({"event": "start", "model": spec.name}) + "\n"
-        try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), HEARTBEAT_S)
-                except asyncio.TimeoutError:
-                    event = {"event": "heartbeat"}
-                if event is None:
-                    return
-                event["elapsed_s"] = round(time.monotonic() - started, 1)
-                yield json.dumps(event) + "\n"
-        finally:
-            await asyncio.shield(task) if not task.done() else None
+        _pulls.add(task)
+        task.add_done_callback(_pulls.discard)
+        yield json.dumps({"event": "start", "model": spec.name, "elapsed_s": 0.0}) + "\n"
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), HEARTBEAT_S)
+            except asyncio.TimeoutError:
+                event = {"event": "heartbeat"}
+            if event is None:
+                return
+            event["elapsed_s"] = round(time.monotonic() - started, 1)
+            yield json.dumps(event) + "\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

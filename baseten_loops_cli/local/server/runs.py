@@ -422,19 +422,22 @@ class RunManager:
     # ── startup / shutdown ──
 
     def recover_after_restart(self) -> None:
-        """Every run that was active comes back scaled to zero: it wakes on its next op
-        from the state saved at shutdown (or its last snapshot)."""
+        """After a restart or crash nothing is in memory: every active run's trainer (and
+        every live sampler) comes back scaled to zero, waking on its next op from the state
+        saved at shutdown (or its last snapshot); whatever a crash left of a deactivation
+        is finished. Every route then reports the same state (store.reconcile_after_restart)."""
         store = self.store
         for run in store.list_runs(status=st.RUN_ACTIVE):
-            dep = store.get_deployment(run.deployment_id)
-            if dep is None or dep.status in st.TERMINAL_DEPLOY_STATUSES:
-                continue
             if run.pending_grad_ops:
                 store.update_run(run.id, pending_grad_ops=0, gradients_lost=1)
-            if dep.status != st.DEPLOY_SCALED_TO_ZERO:
-                store.set_deployment_status(dep.id, st.DEPLOY_SCALED_TO_ZERO)
-                self.log(dep.id, "Server restarted: trainer scaled to zero; the next op "
-                                 "wakes it from its last saved state.")
+        for deployment_id, status in store.reconcile_after_restart():
+            self.log(deployment_id, {
+                st.DEPLOY_SCALED_TO_ZERO: "Server restarted: scaled to zero; the next request "
+                                          "wakes it (a trainer from its last saved state).",
+                st.DEPLOY_STOPPED: "Server restarted: the run was deactivated; trainer stopped.",
+                st.SAMPLER_INACTIVE: "Server restarted: the run was deactivated; sampler "
+                                     "deactivated.",
+            }[status])
 
     async def shutdown(self, timeout_s: float = 60.0) -> None:
         """Save every loaded trainer so the runs resume after a restart."""
@@ -505,11 +508,12 @@ class RunManager:
     async def deactivate(self, run: st.RunRow) -> None:
         if run.status == st.RUN_INACTIVE:
             return
-        self.store.update_run(run.id, status=st.RUN_INACTIVE, deactivated_at=time.time())
-        self.store.set_deployment_status(run.deployment_id, st.DEPLOY_STOPPED, "deactivated")
+        paired = self.store.paired_sampler(run.id)
+        self.store.deactivate_run(run.id, run.deployment_id)
         self.ops.fail_pending(run.id, f"Run {run.id} was deactivated before this operation "
-                             "ran.", "RunInactive")
-        self.samplers.deactivate_paired(run.id)
+                              "ran.", "RunInactive")
+        if paired is not None:
+            self.samplers.released(paired)
         self.log(run.deployment_id, "Run deactivated; trainer stopped. Checkpoints are kept.")
         executor = self._executors.pop(run.id, None)
         self._submit_locks.pop(run.id, None)

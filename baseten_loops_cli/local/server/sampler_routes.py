@@ -6,11 +6,15 @@
     POST /wake                           bring a scaled-to-zero sampler back
 
 ``/sample`` honours ``X-Min-Policy-Version`` (408 while behind) and ``X-Checkpoint-Path``
-(pin), and reports the version that served it in ``x-trainers-policy-version``.
+(pin), and reports the version that served it in ``x-trainers-policy-version``. It takes
+vLLM's ``logprobs: k`` (each token's k most likely alternatives, as ``token_id:N`` keys)
+and ``stream: true``: completions chunks token by token as the sampler decodes, each with
+its ``token_ids`` and text delta (``stream_options.include_usage`` adds the usage chunk).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -26,6 +30,7 @@ from baseten_loops_cli.local.server.compute import ModelSpec
 from baseten_loops_cli.local.server.context import get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, bad_request
 from baseten_loops_cli.local.server.schemas import parse_body
+from baseten_loops_cli.local.server.streaming import sse_response
 from baseten_loops_cli.local.server.validation import check_token_ids
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's / OpenAI's completions default
@@ -104,13 +109,23 @@ def parse_sample_request(body: dict, spec: ModelSpec, max_len: int) -> SampleReq
     check_token_ids(stop_ids, spec, "stop_token_ids")
     prompt_logprobs = int_field(body, "prompt_logprobs", None, minimum=0,
                                 maximum=MAX_PROMPT_LOGPROBS)
+    top_logprobs = int_field(body, "logprobs", None, minimum=0, maximum=MAX_PROMPT_LOGPROBS)
     return SampleRequest(
+        top_logprobs=top_logprobs or 0,
         prompt=list(prompt), n=n or 1, max_tokens=max_tokens,
         temperature=float_field(body, "temperature", 1.0, 0.0, 100.0),
         top_p=top_p_field(body),
         top_k=top_k,
         seed=int_field(body, "seed", None), stop_token_ids=list(stop_ids), stop=list(stop or []),
         prompt_logprobs=prompt_logprobs)
+
+
+def _logprobs(tokens: list[int], logprobs: list[float],
+              tops: list[list[tuple[int, float]]] | None) -> dict[str, Any]:
+    return {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs,
+            "top_logprobs": [{f"token_id:{t}": lp for t, lp in top} for top in tops]
+            if tops else None,
+            "text_offset": None}
 
 
 def completions_body(job: SampleRequest, out: SampleResult, model: str,
@@ -138,12 +153,8 @@ def completions_body(job: SampleRequest, out: SampleResult, model: str,
             "index": index,
             "text": seq.text,
             "token_ids": seq.tokens,
-            "logprobs": {
-                "tokens": [f"token_id:{t}" for t in seq.tokens],
-                "token_logprobs": seq.logprobs,
-                "top_logprobs": None,
-                "text_offset": None,
-            } if want_logprobs else None,
+            "logprobs": _logprobs(seq.tokens, seq.logprobs, seq.top_logprobs)
+            if want_logprobs else None,
             "finish_reason": seq.finish_reason,
             "stop_reason": None,
             "prompt_token_ids": job.prompt,
@@ -186,14 +197,59 @@ async def sample(request: Request) -> Response:
         _header_int(request, "x-min-policy-version"))
     if adapter is not None:
         job.adapter, job.adapter_path = adapter.key, adapter.path
-    output = await ctx.samplers.generate(sampler.base_model, job)
-    generated = sum(len(s.tokens) for s in output.sequences)
-    owner, kind = (sampler.run_id, "run") if sampler.run_id else (sampler.id, "sampler")
-    ctx.store.add_usage(owner, kind, tokens_sampled=generated, sample_requests=1)
-    ctx.store.update_sampler(sampler.id, last_active_at=time.time())
     model = adapter.name if adapter else sampler.base_model
-    return JSONResponse(completions_body(job, output, model, body.get("logprobs") is not None),
+    want_logprobs = body.get("logprobs") is not None
+
+    def record(output: SampleResult) -> dict[str, int]:
+        generated = sum(len(s.tokens) for s in output.sequences)
+        owner, kind = (sampler.run_id, "run") if sampler.run_id else (sampler.id, "sampler")
+        ctx.store.add_usage(owner, kind, tokens_sampled=generated, sample_requests=1)
+        ctx.store.update_sampler(sampler.id, last_active_at=time.time())
+        return {"prompt_tokens": len(job.prompt), "completion_tokens": generated,
+                "total_tokens": len(job.prompt) + generated}
+
+    if body.get("stream"):
+        response = await _stream(ctx, sampler.base_model, job, model, want_logprobs, body, record)
+        response.headers[POLICY_VERSION_HEADER] = str(version)
+        return response
+    output = await ctx.samplers.generate(sampler.base_model, job)
+    record(output)
+    return JSONResponse(completions_body(job, output, model, want_logprobs),
                         headers={POLICY_VERSION_HEADER: str(version)})
+
+
+async def _stream(ctx, base_model: str, job: SampleRequest, model: str, want_logprobs: bool,
+                  body: dict, record) -> Response:
+    """``/sample`` with ``stream: true``: a completions chunk per decoded token, carrying
+    its ``token_ids`` (the stop token too, as unstreamed) and text delta."""
+    from baseten_loops_cli.tokenization import get_tokenizer
+
+    tokenizer = await asyncio.to_thread(get_tokenizer, base_model)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": model}
+
+    def chunk(index: int | None, kind: str, payload: Any) -> dict | None:
+        if kind == "usage":
+            return {**head, "choices": [], "usage": payload}
+        if kind == "start":
+            return None
+        choice: dict[str, Any] = {"index": index, "text": "", "token_ids": [],
+                                  "logprobs": None, "finish_reason": None}
+        if kind == "token":
+            text, event = payload
+            choice["text"], choice["token_ids"] = text, [event.token]
+            if want_logprobs:
+                choice["logprobs"] = _logprobs([event.token], [event.logprob],
+                                               [event.top] if job.top_logprobs else None)
+        else:
+            choice["text"], choice["finish_reason"] = payload
+        return {**head, "choices": [choice]}
+
+    options = body.get("stream_options") or {}
+    return await sse_response(ctx.samplers, base_model, job, tokenizer, chunk,
+                              include_usage=bool(isinstance(options, dict)
+                                                 and options.get("include_usage")),
+                              on_done=record)
 
 
 async def list_models(request: Request) -> Response:

@@ -15,6 +15,10 @@ Weight sync follows the dedicated-sampler protocol (loops-protocol.md §1.4, §3
 Concurrent ``/sample`` requests are batched: requests arriving within a few milliseconds
 of each other go to the engine as one call (one padded batch on the model's compute
 thread instead of N serial generations).
+
+Streaming (:meth:`SamplerService.stream`): the engine calls the job's ``on_token`` on the
+compute thread after every decoded token; the callback hands the token to the request's
+event loop through a queue, so the HTTP response sends it while the batch keeps decoding.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.engine.sample_types import SampleRequest, SampleResult
@@ -51,6 +55,9 @@ class Adapter:
     path: Path
     version: int
     key: str
+
+
+_STREAM_END = object()
 
 
 class SampleBatcher:
@@ -145,6 +152,31 @@ class SamplerService:
                 raise bad_request(str(exc), getattr(exc, "error_class", "InvalidInput")) from None
             raise
 
+    async def stream(self, base_model: str, job: SampleRequest) -> AsyncIterator[Any]:
+        """Sample ``job`` token by token: yields the engine's ``TokenEvent`` for every token
+        as it is decoded, then the complete ``SampleResult`` (errors raise as in
+        :meth:`generate`). A client that goes away stops waiting; the batch it was in
+        still finishes (other requests share it)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        pause_hook = self.pool.after_token  # test fault hook (pauses decoding)
+
+        def on_token(event: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+            if pause_hook is not None:
+                pause_hook()
+
+        job.on_token = on_token
+        done = asyncio.ensure_future(self.generate(base_model, job))
+        # Queued after every token: the engine hands them over before its result.
+        done.add_done_callback(lambda _: events.put_nowait(_STREAM_END))
+        try:
+            while (event := await events.get()) is not _STREAM_END:
+                yield event
+            yield done.result()
+        finally:
+            done.cancel()
+
     def stats(self) -> dict[str, Any]:
         return {name: {"batches": b.batches, "largest_batch": b.largest_batch}
                 for name, b in self._batchers.items()}
@@ -236,15 +268,15 @@ class SamplerService:
         if sampler.status == st.SAMPLER_INACTIVE:
             return
         self.store.update_sampler(sampler.id, status=st.SAMPLER_INACTIVE,
-                                      deactivated_at=time.time())
+                                  deactivated_at=time.time())
+        self.released(sampler)
+
+    def released(self, sampler: st.SamplerRow) -> None:
+        """``sampler`` was just deactivated (alone, or with its run): free its adapter and
+        wake requests waiting on it (they then answer 409)."""
         self._release_adapter(sampler)
         self.log(sampler.deployment_id, "Sampler deactivated.")
         self._notify(sampler.id)
-
-    def deactivate_paired(self, run_id: str) -> None:
-        sampler = self.store.paired_sampler(run_id)
-        if sampler is not None:
-            self.deactivate(sampler)
 
     # ── weight sync ──
 

@@ -1,0 +1,20 @@
+"""Checks on combinations of command-line options, shared by commands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baseten_loops_cli.errors import UsageError
+
+
+def exactly_one(**options: Any) -> tuple[str, Any] | None:
+    """The one option given among ``options`` (None when none is); two or more is a usage
+    error naming them."""
+    given = [(k, v) for k, v in options.items() if v not in (None, False, "")]
+    if len(given) > 1:
+        names = " and ".join("--" + k.replace("_", "-") for k, _ in given)
+        raise UsageError(
+            f"{names} cannot be used together",
+            hint=f"Pass one of {', '.join('--' + k.replace('_', '-') for k in options)}.",
+        )
+    return given[0] if given else None

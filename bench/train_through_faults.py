@@ -1,0 +1,75 @@
+"""Wall time of `loops train run` through 20% transport faults vs the same run without.
+
+Runs the same tiny SFT config (fixed seed) twice against a private local server: once
+directly, once with ``LOOPS_BASE_URL`` pointing at the fault proxy of the reliability tests
+(tests/faultproxy.py: resets, lost responses, 502/503, 408s, 0.2 s delays, replays at
+``--rate``). tests/test_reliability_faults.py checks that both runs end with the same steps
+and the same adapter; this bench measures what the retries cost.
+
+    python bench/train_through_faults.py [--steps N] [--rate 0.2] [--seed 1234] [--quick]
+
+Prints the ratio faulty / clean wall time (target <= 3.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from _common import ROOT, loops, print_ratio, private_server
+
+TARGET = 3.0
+
+
+def sft_config(folder: Path, steps: int) -> Path:
+    path = folder / "sft.yaml"
+    path.write_text(
+        "kind: sft\nname: faults-bench\nbase_model: loops-local/tiny\nlora_rank: 4\nmax_seq_len: 64\n"
+        f"seed: 3\nbatch_size: 4\nmax_steps: {steps}\noptimizer:\n  learning_rate: 3.0e-3\n"
+        f"checkpointing:\n  save_every: 2\ndata:\n  train: {ROOT / 'examples' / 'data' / 'tiny_sft_train.jsonl'}\n",
+        encoding="utf-8")
+    return path
+
+
+def timed_run(env: dict, config: Path, run_dir: Path) -> tuple[float, int]:
+    """(wall seconds, steps trained) of one `loops train run`."""
+    started = time.monotonic()
+    loops(env, "train", "run", str(config), "--run-dir", str(run_dir))
+    seconds = time.monotonic() - started
+    steps = json.loads((run_dir / "state.json").read_text())["step"]
+    return seconds, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=0.2, help="fraction of requests that get a fault")
+    parser.add_argument("--seed", type=int, default=1234, help="the fault proxy's seed")
+    parser.add_argument("--quick", action="store_true", help="4 steps (for bench/run_all.py --quick)")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps = 4
+
+    from tests.faultproxy import FaultProxy
+
+    with private_server() as ctx:
+        env, tmp, server = {**ctx["env"], "LOOPS_NO_AUTOSTART": "1"}, ctx["tmp"], ctx["server"]
+        config = sft_config(tmp, args.steps)
+        # Warm the model and the server's first-run paths, so neither side pays for them.
+        loops(env, "train", "run", str(config), "--run-dir", str(tmp / "warm"), "--set", "max_steps=1")
+        clean_s, clean_steps = timed_run(env, config, tmp / "clean")
+        port = int(server.url.rsplit(":", 1)[1])
+        with FaultProxy("127.0.0.1", port, rate=args.rate, seed=args.seed, delay_s=0.2, retry_after_s=1) as proxy:
+            faulty_s, faulty_steps = timed_run({**env, "LOOPS_BASE_URL": proxy.url}, config, tmp / "faulty")
+            snap = proxy.snapshot()
+    if clean_steps != faulty_steps:
+        raise SystemExit(f"the runs differ: {clean_steps} steps clean, {faulty_steps} through faults")
+    print_ratio("train_through_faults", faulty_s / clean_s, f"<= {TARGET}",
+                f"{args.steps} steps: clean {clean_s:.1f}s, through {args.rate:.0%} faults {faulty_s:.1f}s; "
+                f"{snap['injected']} faults injected")
+
+
+if __name__ == "__main__":
+    main()

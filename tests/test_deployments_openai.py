@@ -1,0 +1,163 @@
+"""A `loops deploy` endpoint driven by the official `openai` package, as real clients do:
+logprobs in the chat and completions shapes (the same numbers `loops sample -o json` reports
+for the same prompt and seed), token-by-token streaming (the first chunk provably arrives
+while the sampler is still decoding), the usage chunk, and a 400 naming a parameter the
+endpoint does not implement."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.cli_support import QUESTION, SECRET, api, loops, seeded  # noqa: F401  (fixture)
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def deployed(seeded) -> dict:
+    result = loops(seeded.server, "deploy", f"{seeded.run_id}:s2", "--model-name", "openai-test", "-o", "json")
+    assert result.code == 0, result
+    return result.json()
+
+
+@pytest.fixture(scope="module")
+def client(seeded, deployed) -> openai.OpenAI:
+    return openai.OpenAI(base_url=deployed["url"], api_key=seeded.server.token, max_retries=0, timeout=120)
+
+
+def _loops_sample(seeded, *args: str) -> dict:
+    result = loops(seeded.server, "sample", f"{seeded.run_id}:s2", "-T", "0", "--seed", "7",
+                   "--max-tokens", str(MAX_TOKENS), "-o", "json", *args)
+    assert result.code == 0, result
+    return result.json()["samples"][0]
+
+
+def test_chat_logprobs_are_the_samplers(seeded, client):
+    answer = client.chat.completions.create(
+        model="s2", messages=[{"role": "user", "content": QUESTION}], temperature=0, seed=7,
+        max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=3)
+    choice = answer.choices[0]
+    assert choice.message.content.startswith(SECRET)
+    content = choice.logprobs.content
+    assert "".join(entry.token for entry in content) == choice.message.content
+    reference = _loops_sample(seeded, "--chat", "--prompt", QUESTION)
+    assert len(content) in (len(reference["tokens"]), len(reference["tokens"]) - 1)  # minus a stop token
+    for entry, logprob in zip(content, reference["logprobs"]):
+        assert entry.logprob == pytest.approx(logprob, abs=1e-4)
+        assert bytes(entry.bytes) == entry.token.encode()
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)  # greedy: the top token
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    plain = client.chat.completions.create(model="s2", messages=[{"role": "user", "content": QUESTION}],
+                                           temperature=0, max_tokens=MAX_TOKENS)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
+
+
+def test_completion_logprobs_are_the_samplers(seeded, client):
+    answer = client.completions.create(model="s2", prompt="The password", temperature=0, seed=7,
+                                       max_tokens=MAX_TOKENS, logprobs=2)
+    choice = answer.choices[0]
+    lp = choice.logprobs
+    reference = _loops_sample(seeded, "--prompt", "The password")
+    assert lp.token_logprobs == pytest.approx(reference["logprobs"][:len(lp.tokens)], abs=1e-4)
+    assert len(lp.tokens) >= len(reference["tokens"]) - 1 and "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(logprob, abs=1e-6)
+        assert top.get(token) == pytest.approx(logprob, abs=1e-6)
+
+
+def test_chat_streams_token_by_token_while_the_sampler_decodes(seeded, client):
+    server = seeded.server
+    reference = client.chat.completions.create(model="s2", messages=[{"role": "user", "content": QUESTION}],
+                                               temperature=0, max_tokens=MAX_TOKENS)
+    # Decoding pauses after the first token until the faults are cleared: whatever arrives
+    # before that was sent while generation was provably unfinished.
+    api(server, "POST", "/v1/local/faults", json={"job": "sample *", "pause_after_tokens": 1})
+    try:
+        stream = client.chat.completions.create(
+            model="s2", messages=[{"role": "user", "content": QUESTION}], temperature=0,
+            max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True})
+        chunks = iter(stream)
+        role = next(chunks)
+        assert role.choices[0].delta.role == "assistant" and role.usage is None
+        first = next(chunks)
+        assert first.choices[0].delta.content and first.choices[0].finish_reason is None
+        jobs = {w["model"]: w for w in api(server, "GET", "/v1/local/status")["models"]}
+        assert any((w["current_job"] or "").startswith("sample") for w in jobs.values()), jobs
+    finally:
+        api(server, "DELETE", "/v1/local/faults")
+    rest = list(chunks)
+    usage_chunk = rest[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == reference.usage.completion_tokens
+    body = [first, *rest[:-1]]
+    contents = [c.choices[0].delta.content for c in body if c.choices[0].delta.content]
+    assert len(contents) > 1
+    assert "".join(contents) == reference.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in body][-1] == reference.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+
+
+def test_completions_stream_with_logprobs_and_usage(client):
+    reference = client.completions.create(model="s2", prompt="The password", temperature=0, max_tokens=MAX_TOKENS,
+                                          logprobs=1)
+    chunks = list(client.completions.create(model="s2", prompt="The password", temperature=0, max_tokens=MAX_TOKENS,
+                                            logprobs=1, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == reference.usage.total_tokens
+    body = chunks[:-1]
+    assert len([c for c in body if c.choices[0].text]) > 1
+    assert "".join(c.choices[0].text for c in body) == reference.choices[0].text
+    streamed = [lp for c in body if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(reference.choices[0].logprobs.token_logprobs, abs=1e-6)
+    offsets = [o for c in body if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == reference.choices[0].logprobs.text_offset
+    assert body[-1].choices[0].finish_reason == reference.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("params, named", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_an_unimplemented_parameter_is_a_400_naming_it(client, params, named):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="s2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **params)
+    assert named in str(caught.value)
+    assert caught.value.body["param"] == named  # the OpenAI error shape
+
+
+def test_neutral_values_and_completion_parameters(client):
+    ok = client.chat.completions.create(model="s2", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                        presence_penalty=0, frequency_penalty=0, logit_bias={}, user="u1")
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="s2", prompt="hi", max_tokens=2, echo=True)
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.completions.create(model="s2", prompt="hi", max_tokens=2, stream_options={"include_usage": True})
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="s2", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       top_logprobs=2)
+
+
+def test_a_samplers_sample_streams_through_the_sampler_client(seeded):
+    """The sampler's own `/sample` (token ids, what `loops sample --stream` uses) streams too."""
+    from baseten_loops_cli.tokenization import get_tokenizer, render_chat
+    from baseten_loops_cli.workers.sampler import SamplerClient
+
+    run = api(seeded.server, "GET", f"/v1/loops/runs/{seeded.run_id}")["run"]
+    tokenizer = get_tokenizer(run["base_model"])
+    prompt, _ = render_chat(tokenizer, [{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    pin = f"bt://loops:{seeded.run_id}/sampler_weights/s2"
+    stops = list(tokenizer.stop_token_ids)
+    with SamplerClient(run["sampler"]["base_url"], api_key=seeded.server.token, run_id=seeded.run_id) as sc:
+        whole = sc.sample(list(prompt), max_tokens=MAX_TOKENS, temperature=0, stop=stops, checkpoint_path=pin)
+        chunks = list(sc.sample_stream(list(prompt), max_tokens=MAX_TOKENS, temperature=0, stop=stops,
+                                       checkpoint_path=pin))
+    seq = whole.sequences[0]
+    assert [t for c in chunks for t in c.token_ids] == seq.tokens
+    assert len([c for c in chunks if c.text]) > 1
+    text = "".join(c.text for c in chunks)
+    assert text.startswith(SECRET) and text == tokenizer.decode([t for t in seq.tokens if t not in stops])
+    assert chunks[-1].finish_reason == ("stop" if seq.stop_reason == "stop" else "length")
