@@ -131,6 +131,8 @@ def reference_logprobs(
                 records = [{"key": key, "ref_logprobs": lps} for (key, _), lps in zip(chunk, results)]
                 rundir.append_references(records)
                 scores.update((r["key"], r["ref_logprobs"]) for r in records)
+                if len(items) > _SCORES_PER_APPEND:
+                    sink.message(f"Reference: {min(start + _SCORES_PER_APPEND, len(items))}/{len(items)} sequences scored")
         finally:
             await sampler.aclose()
             sampler.close()
