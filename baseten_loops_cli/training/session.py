@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.config import LoadedConfig, RLConfig, SFTConfig
+from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig, SFTConfig
 from baseten_loops_cli.training.rundir import RunDir
 
 
@@ -91,7 +91,7 @@ class TrainingSession:
     _base_sampler: Any = field(default=None, repr=False)
 
     @property
-    def config(self) -> SFTConfig | RLConfig:
+    def config(self) -> SFTConfig | RLConfig | DPOConfig:
         return self.loaded.config
 
     @property
@@ -133,7 +133,7 @@ class TrainingSession:
                 pass  # best effort: the run may already be gone
 
 
-def _create_run(client: Any, config: SFTConfig | RLConfig) -> Any:
+def _create_run(client: Any, config: SFTConfig | RLConfig | DPOConfig) -> Any:
     """Create the run in a session of its own. Creating is not idempotent: the client never
     re-sends it blindly but looks for it in this session after a lost answer, and deactivates
     a duplicate (``HttpClient.create``)."""
