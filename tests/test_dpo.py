@@ -267,6 +267,8 @@ def test_tiny_dpo_example_raises_heldout_preference_accuracy(local_server, tmp_p
     assert final["eval_preference_accuracy"] >= 0.9 and final["eval_reward_margin"] > 0.5, final
     assert final["eval_loss"] < 0.5 * math.log(2)
     assert "preference accuracy 50% -> " in result.stderr
+    last_line = next(line for line in result.stderr.splitlines() if line.startswith("step 12/12"))
+    assert "pref_acc" in last_line and "eval_pref_acc" in last_line  # the per-step view
     # Every sequence was scored once by the reference and kept in the run directory.
     refs = [json.loads(line) for line in (run_dir / "reference_logprobs.jsonl").read_text().splitlines()]
     assert len(refs) == len({r["key"] for r in refs}) == 2 * (48 + 16)
