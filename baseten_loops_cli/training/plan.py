@@ -76,7 +76,8 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
         tokenizer = get_tokenizer(config.base_model)
     except Exception as exc:
         message = getattr(exc, "message", None) or str(exc)
-        raise ConfigError(f"{loaded.path}: base_model {config.base_model!r}: {message}") from None
+        raise ConfigError(f"{loaded.path}: base_model {config.base_model!r}: {message}",
+                          hint=getattr(exc, "hint", None)) from None
     if isinstance(config, RLConfig):
         from baseten_loops_cli.training.rewards import build_reward
 
