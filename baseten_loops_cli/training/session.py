@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.config import LoadedConfig, RLConfig, SFTConfig
+from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig, SFTConfig
 from baseten_loops_cli.training.rundir import RunDir
 
 
@@ -91,7 +91,7 @@ class TrainingSession:
     _base_sampler: Any = field(default=None, repr=False)
 
     @property
-    def config(self) -> SFTConfig | RLConfig:
+    def config(self) -> SFTConfig | RLConfig | DPOConfig:
         return self.loaded.config
 
     @property
@@ -146,7 +146,7 @@ def run_name(name: str, resumed_from: str | None = None) -> str:
     return name[: 255 - len(suffix)] + suffix
 
 
-def _create_run(client: Any, config: SFTConfig | RLConfig, resumed_from: str | None = None) -> Any:
+def _create_run(client: Any, config: SFTConfig | RLConfig | DPOConfig, resumed_from: str | None = None) -> Any:
     """Create the run in a session of its own. Creating is not idempotent: the client never
     re-sends it blindly but looks for it in this session after a lost answer, and deactivates
     a duplicate (``HttpClient.create``)."""
