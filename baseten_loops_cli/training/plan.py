@@ -154,10 +154,14 @@ def planned_tokens(config, data: LoadedData) -> tuple[int, int, int]:
     from baseten_loops_cli.training import sft as sft_mod
     from baseten_loops_cli.training.data import batches_for_step
 
-    if isinstance(config, DPOConfig):
+    if isinstance(config, DPOConfig):  # exact: each step's pairs, chosen + rejected (whole sequences)
         steps = sft_mod.total_steps(len(data.train), config)
-        avg = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in data.train) / len(data.train)
-        return steps, int(steps * config.batch_size * avg), 0
+        train_tokens = sum(
+            len(data.train[i].chosen.tokens) + len(data.train[i].rejected.tokens)
+            for step in range(steps)
+            for i in batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
+        )
+        return steps, train_tokens, 0
     if isinstance(config, RLConfig):
         steps = rl_mod.total_steps(len(data.train), config)
         completions = config.groups_per_batch * config.group_size
@@ -210,7 +214,7 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
         notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
     if isinstance(config, DPOConfig):
         notes.append(
-            f"before step 1 the reference ({config.reference}) scores {2 * len(pairs)} sequences (~{scored:,} tokens) once"
+            f"before step 1 the reference ({config.reference}) scores {2 * (len(data.train) + len(data.eval or []))} sequences (~{scored:,} tokens) once"
         )
     return Plan(
         kind=config.kind,
