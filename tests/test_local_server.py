@@ -938,6 +938,9 @@ def test_cli_server_commands(local_server: LocalServer):
     env = _cli(local_server.env, "server", "env")
     assert env.stdout.splitlines() == [f"export LOOPS_BASE_URL={local_server.url}",
                                        f"export BASETEN_API_KEY={local_server.token}"]
+    as_json = json.loads(_cli(local_server.env, "server", "env", "-o", "json").stdout)
+    assert as_json == {"LOOPS_BASE_URL": local_server.url, "BASETEN_API_KEY": local_server.token}
+    assert _cli(local_server.env, "server", "env", "-q").stdout == env.stdout
     again = _cli(local_server.env, "server", "start")
     assert again.returncode == 0 and "already running" in again.stderr
     logs = _cli(local_server.env, "server", "logs", "-n", "5")
