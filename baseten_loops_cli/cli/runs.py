@@ -174,6 +174,14 @@ def list_runs(
 # ── describe ──────────────────────────────────────────────────────────────────────────────
 
 
+def _resumed_from(name: str | None) -> str | None:
+    """The run a `loops train resume` continued, from the suffix its run name carries."""
+    import re
+
+    match = re.search(r" \(resumed from ([A-Za-z0-9_-]+)\)$", name or "")
+    return match.group(1) if match else None
+
+
 def describe_fields(run, dep, checkpoints: list, usage: dict | None, policy_version: int | None) -> list:
     """The key/value view of a run (``runs create`` and ``runs describe``)."""
     from baseten_loops_cli.output.format import human_duration, human_size, human_time
@@ -196,6 +204,8 @@ def describe_fields(run, dep, checkpoints: list, usage: dict | None, policy_vers
         ("Max Seq Len", "max_seq_len"),
         ("Step", lambda r: policy_version),
     ]
+    if _resumed_from(run.name):
+        fields.insert(2, ("Resumed From", lambda r: _resumed_from(run.name)))
     sampler = run.sampler
     fields.append(("#Sampler", None))
     if sampler:
