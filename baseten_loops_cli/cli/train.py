@@ -356,8 +356,9 @@ def run(
         # The next plan of this model on this machine is calibrated by this run's measured speed.
         from baseten_loops_cli.training import calibration
 
+        step_seconds = sum(float(r.get("step_time_s") or 0.0) for r in rundir.metrics() if not r.get("final"))
         calibration.record(loaded.config.kind, loaded.config.base_model, seconds=time.monotonic() - started,
-                           tokens=plan.train_tokens + plan.sample_tokens)
+                           step_seconds=step_seconds, tokens=plan.train_tokens + plan.sample_tokens)
 
 
 @app.command("resume")
