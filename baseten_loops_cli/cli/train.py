@@ -370,6 +370,10 @@ def resume(
 ) -> None:
     """Continue an interrupted run from its last checkpoint: no step repeated or skipped.
 
+    A run that `loops train run` deactivated when it stopped cannot take more steps, so training
+    continues in a new run from the saved state; the output says so, state.json lists the earlier
+    runs under resumed_from, and `loops runs describe` shows "Resumed From".
+
     Examples:
 
       loops train resume runs/tiny-sft-20261203-091500
