@@ -26,7 +26,7 @@ def _absolute_raw(loaded) -> dict:
 
     raw = copy.deepcopy(loaded.raw)
     for section, key in DATA_PATH_KEYS:
-        value = (raw.get(section) or {}).get(key)
+        value = raw[section].get(key) if isinstance(raw.get(section), dict) else None
         if isinstance(value, str):
             raw[section][key] = str(loaded.resolve_path(value).resolve())
     reward = raw.get("reward")

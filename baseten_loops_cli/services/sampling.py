@@ -21,7 +21,7 @@ Use from Python::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from pydantic import BaseModel, ConfigDict
 
@@ -195,27 +195,46 @@ def create_sampler(
     return client.samplers.create({k: v for k, v in body.items() if v is not None}), what
 
 
-def sample_text(source: SampleSource, request: SampleRequest, *, api_key: str) -> SampleResponse:
-    """Tokenize ``request.prompt``, sample from ``source`` and decode the answers."""
-    from baseten_loops_cli.tokenization import get_tokenizer, render_chat
-    from baseten_loops_cli.workers.sampler import SamplerClient
+def _tokenizer(base_model: str):
+    from baseten_loops_cli.tokenization import get_tokenizer
 
-    tokenizer = get_tokenizer(source.base_model)
+    return get_tokenizer(base_model)
+
+
+def _prompt_tokens(tokenizer, request: SampleRequest) -> list[int]:
+    from baseten_loops_cli.tokenization import render_chat
+
     if request.chat:
         system = [{"role": "system", "content": request.system}] if request.system else []
         tokens, _ = render_chat(tokenizer, system + [{"role": "user", "content": request.prompt}], add_generation_prompt=True)
-        tokens = list(tokens)
-    else:
-        tokens = list(tokenizer.encode(request.prompt))
+        return list(tokens)
+    return list(tokenizer.encode(request.prompt))
+
+
+def _stop_ids(tokenizer) -> list[int]:
     stops = list(getattr(tokenizer, "stop_token_ids", ()) or ())
     if not stops and getattr(tokenizer, "eos_token_id", None) is not None:
         stops = [tokenizer.eos_token_id]
-    with SamplerClient(
+    return stops
+
+
+def _sampler_client(source: SampleSource, api_key: str):
+    from baseten_loops_cli.workers.sampler import SamplerClient
+
+    return SamplerClient(
         source.sampler.base_url,
         api_key=api_key,
         run_id=source.run_header,
         sampler_id=None if source.run_header else source.sampler.id,
-    ) as sc:
+    )
+
+
+def sample_text(source: SampleSource, request: SampleRequest, *, api_key: str) -> SampleResponse:
+    """Tokenize ``request.prompt``, sample from ``source`` and decode the answers."""
+    tokenizer = _tokenizer(source.base_model)
+    tokens = _prompt_tokens(tokenizer, request)
+    stops = _stop_ids(tokenizer)
+    with _sampler_client(source, api_key) as sc:
         result = sc.sample(
             tokens,
             n=request.n,
@@ -252,4 +271,27 @@ def sample_text(source: SampleSource, request: SampleRequest, *, api_key: str) -
     )
 
 
-__all__ = ["SampleRequest", "SampleResponse", "SampleSource", "Sample", "create_sampler", "paired_sampler", "resolve_source", "sample_text"]
+def stream_text(source: SampleSource, request: SampleRequest, *, api_key: str) -> Iterator[str]:
+    """:func:`sample_text` for one sample, as text pieces in the order the sampler decodes
+    them (its ``/sample`` with ``stream: true``): the first arrives while the rest is still
+    being generated."""
+    if request.n != 1:
+        raise UsageError("streaming prints one sample", hint="Drop -n, or drop --stream to get several samples.")
+    tokenizer = _tokenizer(source.base_model)
+    stops = _stop_ids(tokenizer)
+    with _sampler_client(source, api_key) as sc:
+        for chunk in sc.sample_stream(
+            _prompt_tokens(tokenizer, request),
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=stops or None,
+            checkpoint_path=source.pin,
+        ):
+            if chunk.text:
+                yield chunk.text
+
+
+__all__ = ["SampleRequest", "SampleResponse", "SampleSource", "Sample", "create_sampler", "paired_sampler", "resolve_source", "sample_text",
+           "stream_text"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -17,7 +17,7 @@ from baseten_loops_cli.errors import ConfigError, UsageError
 
 
 # The data keys that name files (relative to the config file).
-DATA_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"))
+DATA_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"), ("eval", "data"))
 
 
 def _kinds_text() -> str:
@@ -122,6 +122,18 @@ class SamplingConfig(_Strict):
     stop: list[str] = Field(default_factory=list)
 
 
+class EvalConfig(_Strict):
+    """``eval:``: when training ends, score the final checkpoint (and the base model with
+    ``base: true``) as ``loops eval`` does; the table goes to eval.json and eval.txt in the run
+    directory. ``eval: true`` (or an empty ``eval:``) takes every default."""
+
+    data: str | None = Field(None, description="JSONL to score (default: data.eval, or data.eval_prompts for RL).")
+    base: bool = Field(False, description="Also score the base model, to show what training bought.")
+    limit: int | None = Field(None, ge=1, description="Score only the first N rows.")
+    samples: int | None = Field(None, ge=1, description="RL: completions per prompt (default: group_size).")
+    k: int | None = Field(None, ge=1, description="RL: the k of pass@k (default: samples).")
+
+
 class _Common(_Strict):
     name: str = Field(..., min_length=1, max_length=255)
     base_model: str
@@ -137,13 +149,23 @@ class _Common(_Strict):
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
+    eval: EvalConfig | None = Field(None, description="Evaluate the final checkpoint when training ends.")
+    EVAL_SUPPORTED: ClassVar[bool] = True  # the loop ends with evaluate_final()
+
+    @field_validator("eval", mode="before")
+    @classmethod
+    def _eval_shorthand(cls, value: Any) -> Any:
+        value = {} if value is True else None if value is False else value
+        if value is not None and not cls.EVAL_SUPPORTED:
+            raise ValueError("not offered for this kind; score the final checkpoint with `loops eval RUN:final --data FILE`")
+        return value
 
     @model_validator(mode="before")
     @classmethod
     def _empty_sections(cls, data: Any) -> Any:
         """A section whose keys are all commented out (``logging:`` alone) means the defaults."""
         if isinstance(data, dict):
-            empty = [k for k in ("optimizer", "checkpointing", "logging", "pricing", "loss", "sampling") if k in data and data[k] is None]
+            empty = [k for k in ("optimizer", "checkpointing", "logging", "pricing", "loss", "sampling", "eval") if k in data and data[k] is None]
             if empty:
                 data = {**data, **{k: {} for k in empty}}
         return data
@@ -173,6 +195,7 @@ class RLConfig(_Common):
 
 
 class DPOConfig(_Common):
+    EVAL_SUPPORTED = False
     kind: Literal["dpo"]
     data: DPOData
     beta: float = Field(0.1, gt=0, description="DPO temperature: how far the policy may move from the reference.")

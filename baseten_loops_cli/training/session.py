@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.config import LoadedConfig, RLConfig, SFTConfig
+from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig, SFTConfig
 from baseten_loops_cli.training.rundir import RunDir
 
 
@@ -91,7 +91,7 @@ class TrainingSession:
     _base_sampler: Any = field(default=None, repr=False)
 
     @property
-    def config(self) -> SFTConfig | RLConfig:
+    def config(self) -> SFTConfig | RLConfig | DPOConfig:
         return self.loaded.config
 
     @property
@@ -146,7 +146,7 @@ def run_name(name: str, resumed_from: str | None = None) -> str:
     return name[: 255 - len(suffix)] + suffix
 
 
-def _create_run(client: Any, config: SFTConfig | RLConfig, resumed_from: str | None = None) -> Any:
+def _create_run(client: Any, config: SFTConfig | RLConfig | DPOConfig, resumed_from: str | None = None) -> Any:
     """Create the run in a session of its own. Creating is not idempotent: the client never
     re-sends it blindly but looks for it in this session after a lost answer, and deactivates
     a duplicate (``HttpClient.create``)."""
@@ -234,16 +234,17 @@ def open_session(
 
 
 def save_checkpoint(session: TrainingSession, step: int, *, final: bool = False) -> dict:
-    """Save trainer state (the resume point) and record it; ``final`` also publishes sampler weights."""
+    """Save trainer state (the resume point) and sampler weights of the same name, and record
+    them. Sampler weights are what can be sampled, deployed and compared (`loops eval RUN:*`);
+    a LoRA adapter is small, so every checkpoint gets them."""
     config = session.config
     name = "final" if final else f"step-{step:06d}"
     ttl = None if final and config.checkpointing.keep_final else config.checkpointing.ttl_seconds
     state_future = session.trainer.save_state(name, ttl_seconds=ttl)
-    sampler_future = session.trainer.save_weights_for_sampler(name, ttl_seconds=ttl) if final else None
+    sampler_future = session.trainer.save_weights_for_sampler(name, ttl_seconds=ttl)
     saved = state_future.result()
     record = {"step": step, "name": name, "path": saved["path"], "time": time.time()}
-    if sampler_future is not None:
-        record["sampler_path"] = sampler_future.result()["path"]
+    record["sampler_path"] = sampler_future.result()["path"]
     session.rundir.append_checkpoint(record)
     session.rundir.update_state(step=step)
     return record
