@@ -161,16 +161,20 @@ def export_adapter(
         if dest.exists() or dest.is_symlink():
             _remove(dest)
         os.replace(staging, dest)
-    except OSError as exc:
+    except BaseException as exc:
         _remove(staging)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if _disk_full(exc):
             raise LoopsError(f"the disk holding {dest.parent} filled up while exporting; nothing was left behind",
                              hint="Free some space (or pick another -O) and run it again.") from None
         raise
-    except BaseException:
-        _remove(staging)
-        raise
     return result
+
+
+def _disk_full(exc: BaseException) -> bool:
+    # safetensors (Rust) reports ENOSPC as a SafetensorError whose text carries "os error 28".
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return f"(os error {errno.ENOSPC})" in str(exc) or "No space left on device" in str(exc)
 
 
 def _remove(path: Path) -> None:
