@@ -155,6 +155,7 @@ def test_full_disk_leaves_nothing_behind(seeded, tiny_disk):
 
 
 @pytest.mark.slow
+@pytest.mark.required_in_ci
 def test_smollm2_merged_answers_like_the_adapter(smollm2_cache, tmp_path, monkeypatch):
     """A small LoRA on SmolLM2 (random, non-zero B, so it changes the answer), merged: the
     merged folder loads with AutoModelForCausalLM and greedily answers the smol-sft prompt with

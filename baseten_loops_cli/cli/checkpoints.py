@@ -336,7 +336,6 @@ def export(
       loops checkpoints export abc1234:final -O ./gguf --format gguf
     """
     import shlex
-    import sys
 
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.export import check_options, export_checkpoint
@@ -344,11 +343,13 @@ def export(
     if merge and fmt == "peft":
         raise UsageError("--merge writes a merged model; --format peft writes the adapter alone", hint="Drop one of them (--merge means --format hf).")
     fmt = fmt or ("hf" if merge else "peft")
-    check_options(fmt, dtype, merge)
+    check_options(fmt, dtype)
     state = get_state(ctx)
     out = state.output
     client = state.backend().client
-    command = "loops " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    # Rebuilt from the parsed options, not argv: global options may carry secrets.
+    command = shlex.join(["loops", "checkpoints", "export", checkpoint, "-O", str(output_dir), "--format", fmt, "--dtype", dtype]
+                         + (["--target", target] if target else []))
     with out.progress(f"export {checkpoint}") as progress:
         result = export_checkpoint(client, checkpoint, output_dir, fmt=fmt, dtype=dtype, force=force, target=target,
                                    progress=progress, command=command)

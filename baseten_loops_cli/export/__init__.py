@@ -69,13 +69,12 @@ def require_local_extra() -> None:
         raise LoopsError(f"exporting needs {', '.join(missing)} (the [local] extra)", hint=f"Install it: {LOCAL_EXTRA_HINT}")
 
 
-def check_options(fmt: str, dtype: str, merge: bool) -> str:
-    """The format to write; --merge alone means hf, and peft cannot be merged."""
+def check_options(fmt: str, dtype: str) -> None:
+    """A known format and dtype, or a UsageError."""
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return fmt
 
 
 def prepare_target(dest: Path, force: bool) -> None:
@@ -100,7 +99,7 @@ def export_checkpoint(
     from baseten_loops_cli.services import checkpoints as service
     from baseten_loops_cli.services.resolve import display_name, resolve_checkpoint
 
-    check_options(fmt, dtype, False)
+    check_options(fmt, dtype)
     require_local_extra()
     prepare_target(dest, force)
     cp = resolve_checkpoint(client, ref, target, prefer="sampler")
@@ -130,7 +129,7 @@ def export_checkpoint(
             import json
 
             base = json.loads((plan.dest / "adapter_config.json").read_text()).get("base_model_name_or_path", "")
-        result = export_adapter(plan.dest, base, dest, fmt=fmt, dtype=dtype, force=force, card=card)
+        result = export_adapter(plan.dest, base, dest, fmt=fmt, dtype=dtype, force=force, card=card, progress=progress)
     result.checkpoint = label
     return result
 
@@ -147,7 +146,7 @@ def export_adapter(
     progress: "Progress | None" = None,
 ) -> ExportResult:
     """Export a PEFT adapter folder trained on ``base_model`` into ``dest``."""
-    check_options(fmt, dtype, False)
+    check_options(fmt, dtype)
     require_local_extra()
     prepare_target(dest, force)
     from baseten_loops_cli.export import writers

@@ -149,12 +149,10 @@ def _write_peft(adapter_dir: Path, base_model: str, adapted: Any, staging: Path,
         base.save_pretrained(staging / "base", safe_serialization=True)
         config["base_model_name_or_path"] = str(final / "base")
     else:
-        directory = base_dir(base_model)
         local = Path(base_model).expanduser()
         # A hub id stays a hub id (peft finds it online or in the HF cache); a local folder
         # is named by its absolute path.
         config["base_model_name_or_path"] = str(local.absolute()) if (local / "config.json").is_file() else base_model
-        del directory
     config["inference_mode"] = True
     _save_state_dict({k: v.to(torch_dtype(dtype)) for k, v in tensors.items()}, staging / ADAPTER_WEIGHTS, progress)
     (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
