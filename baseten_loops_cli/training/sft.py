@@ -87,10 +87,19 @@ def run_sft(
         sink.step(record)
         if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
             save_checkpoint(session, step)
+    if stop.requested:
+        # Ctrl-C during the last step is honoured like any other: saved, resumable, exit 130
+        # (resume then only runs the final eval and checkpoint).
+        save_checkpoint(session, step)
+        return "interrupted"
     if eval_examples and (not config.eval_every or steps % config.eval_every):
         final_eval = evaluate(session, eval_examples, config.batch_size)
         sink.message(f"Final eval loss: {final_eval:.4f}")
         sink.final({"step": steps, "eval_loss": final_eval})
     record = save_checkpoint(session, steps, final=True)
     sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
+    if config.eval is not None:
+        from baseten_loops_cli.training.evaluation import evaluate_final
+
+        evaluate_final(session, record, sink)
     return "completed"
