@@ -331,8 +331,13 @@ def _verify_gguf(path: Path, merged: Any, tensors: dict[str, torch.Tensor], refe
         if found[name].tensor_type == gguf.GGMLQuantizationType.BF16:
             data = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
         worst = max(worst, float(np.abs(data.astype(np.float32).reshape(tuple(value.shape)) - value.float().numpy()).max()))
+    import contextlib
+    import io
+
     try:
-        loaded = _load_hf(path.parent, gguf_file=path.name)
+        # transformers draws its own tqdm bar over the GGUF tensors on stderr; ours is enough.
+        with contextlib.redirect_stderr(io.StringIO()):
+            loaded = _load_hf(path.parent, gguf_file=path.name)
     except Exception as exc:  # the reader above already checked every tensor
         raise LoopsError(f"transformers could not load the written {path.name}: {exc}") from None
     return max(worst, max_abs_diff(logits_of(loaded), reference))
