@@ -9,10 +9,13 @@ Each round, alternating the order:
     curl --parallel --parallel-max 8 URL1 -o F1 ... URL8 -o F8      (the URLs `checkpoints files` lists)
 
 The files are written to /dev/shm when it exists (--dest to change): on a small VM the disk's
-dirty-page writeback otherwise decides who wins a round. Throughput = bytes / seconds. For loops the seconds are the transfer phase the command reports
-(`seconds` in its JSON: the files, verified and renamed), and the end-to-end wall time including
-the CLI's startup and the file listing is shown next to it. The ratio compared with the target
-(>= 0.9) is the median loops transfer throughput over the median curl throughput.
+dirty-page writeback otherwise decides who wins a round. Throughput = bytes / seconds.
+
+The ratio compared with the target (>= 0.9) is END TO END: the median loops throughput over the
+wall time of the whole `loops` process (interpreter start, imports, the file listing, the
+transfer, verification, renames, exit) over the median curl throughput (curl is given the URLs,
+listed beforehand, untimed). The transfer phase alone (`seconds` in the command's JSON) is
+shown next to it, as a diagnostic.
 
     python bench/download.py [--rounds 3] [--files 8] [--mib 64] [--quick] [--json] [--check]
 """
@@ -185,7 +188,7 @@ def main() -> int:
 
     mib = 1 << 20
     loops_rate, curl_rate, e2e_rate = (statistics.median(x) for x in (loops_rates, curl_rates, loops_e2e))
-    ratio = loops_rate / curl_rate
+    ratio = e2e_rate / curl_rate  # end to end: what a user waits for
     case = f"checkpoint download {args.files}x{args.mib} MiB, parallel {args.parallel}"
     result = {
         "target": TARGET,
@@ -194,12 +197,14 @@ def main() -> int:
             "ratio": round(ratio, 3),
             "target": TARGET,
             "ok": ratio >= TARGET,
-            "value": round(loops_rate / mib, 1),
+            "value": round(e2e_rate / mib, 1),
             "unit": "MiB/s",
             "loops_mib_s": round(loops_rate / mib, 1),
             "curl_mib_s": round(curl_rate / mib, 1),
             "loops_end_to_end_mib_s": round(e2e_rate / mib, 1),
             "end_to_end_ratio": round(e2e_rate / curl_rate, 3),
+            "transfer_ratio": round(loops_rate / curl_rate, 3),
+            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
             "bytes": total,
             "rounds": args.rounds,
             "dest": str(dest_parent or tempfile.gettempdir()),
@@ -210,11 +215,12 @@ def main() -> int:
     else:
         r = result["results"][0]
         print(f"{case}: {total / mib:.0f} MiB into {dest_parent or tempfile.gettempdir()}, median of {args.rounds} rounds")
-        print(f"  loops (transfer)     {r['loops_mib_s']:8.1f} MiB/s")
-        print(f"  loops (end to end)   {r['loops_end_to_end_mib_s']:8.1f} MiB/s   (CLI startup and file listing included)")
+        print(f"  loops (end to end)   {r['loops_end_to_end_mib_s']:8.1f} MiB/s   (the whole process: startup, listing, transfer, exit)")
+        print(f"  loops (transfer)     {r['loops_mib_s']:8.1f} MiB/s   (the transfer phase alone; diagnostic)")
         print(f"  curl --parallel      {r['curl_mib_s']:8.1f} MiB/s")
-        print(f"  ratio loops/curl     {r['ratio']:8.3f}   (target >= {TARGET}; end to end {r['end_to_end_ratio']:.3f})"
-              f"  {'ok' if r['ok'] else 'BELOW TARGET'}")
+        load = r["load_average"]
+        print(f"  ratio loops/curl     {r['ratio']:8.3f}   end to end (target >= {TARGET}; transfer alone {r['transfer_ratio']:.3f})"
+              f"  {'ok' if r['ok'] else 'BELOW TARGET'}" + (f"   load average {load[0]:.1f}" if load else ""))
     return 1 if args.check and not result["results"][0]["ok"] else 0
 
 

@@ -196,6 +196,10 @@ class FaultProxy:
         # bytes/s: a slow link, so a test can interrupt a download half way.
         self.throttle_bps = throttle_bps
         self._throttle_path = re.compile(throttle_path) if throttle_path else None
+        # What the throttle did (bytes it paced, seconds it slept for them), so a test can
+        # check that a body was slowed without timing it.
+        self.throttled_bytes = 0
+        self.throttled_s = 0.0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.counts: collections.Counter[str] = collections.Counter()
@@ -689,6 +693,8 @@ def _dechunk(raw: bytes) -> bytes:
 async def _pace(throttle, nbytes: int) -> None:
     bps = getattr(throttle, "throttle_bps", None) if throttle is not None else None
     if bps:
+        throttle.throttled_bytes += nbytes
+        throttle.throttled_s += nbytes / bps
         await asyncio.sleep(nbytes / bps)
 
 

@@ -213,16 +213,18 @@ def test_ctrl_c_keeps_what_was_saved_and_the_next_run_resumes(seeded, tmp_path, 
         while not (dest / dl.MARKER_NAME).exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.3)
-        started = time.monotonic()
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
-        stopped_in = time.monotonic() - started
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err
     assert "download interrupted" in err and "Run the same command again to resume." in err
-    assert "Traceback" not in err and stopped_in < 3  # does not wait for the stalled files
+    assert "Traceback" not in err
+    # It did not wait for the stalled files: they are not all on disk (the server holds each
+    # answer 4 s; had the CLI waited for them, the download would be complete).
+    on_disk = _on_disk(dest)
+    assert any(on_disk.get(name) != data for name, data in _expected(seeded.server, cp["id"]).items())
     assert (dest / dl.MARKER_NAME).exists()
     api(seeded.server, "DELETE", "/v1/local/faults")
     again = loops(seeded.server, "checkpoints", "download", cp["id"], "-O", str(dest))

@@ -364,16 +364,16 @@ def test_ops_of_a_run_execute_in_submission_order(client: httpx.Client):
 def test_server_stays_responsive_during_compute(client: httpx.Client):
     trainer = new_run(client)
     run_id = trainer.run["id"]
-    client.post("/v1/local/faults", json={"job": f"forward_backward {run_id}", "delay_s": 2})
+    # The job holds the model's compute thread for longer than the test server's long-poll
+    # hold (2 s), so the order of answers proves responsiveness without timing anything.
+    client.post("/v1/local/faults", json={"job": f"forward_backward {run_id}", "delay_s": 6})
     slow = trainer.submit("forward_backward", {"data": DATA}).json()["operation_id"]
     time.sleep(0.2)  # the job is now occupying the model's compute thread
     for path in ("/v1/loops/runs", f"{trainer.path}/health", "/v1/local/status"):
-        started = time.monotonic()
-        assert client.get(path).status_code == 200
-        assert time.monotonic() - started < 1.0, path
-    started = time.monotonic()  # a long-poll answers on time too (408, or 200 if done)
-    assert trainer.poll(slow).status_code in (200, 408)
-    assert time.monotonic() - started < 2.0 + 1.0  # the test server's hold, plus slack
+        assert client.get(path).status_code == 200, path
+    # The long-poll ends at its hold with 408 while the job still runs: the requests above
+    # were answered during the compute, and the poll did not wait for the job either.
+    assert trainer.poll(slow).status_code == 408
     assert trainer.result(slow)["status"] == "done"
 
 
@@ -822,7 +822,7 @@ def test_fault_hooks(client: httpx.Client):
     client.post("/v1/local/faults", json={"path": "/v1/teams", "delay_s": 0.3})
     started = time.monotonic()
     assert client.get("/v1/teams").status_code == 200
-    assert time.monotonic() - started >= 0.3
+    assert time.monotonic() - started >= 0.3  # a lower bound: load only lengthens it
     client.post("/v1/local/faults", json={"path": "/trainers/*/forward", "status": 502})
     assert len(client.get("/v1/local/faults").json()["faults"]) == 1
     assert client.delete("/v1/local/faults").json() == {"cleared": 1}
@@ -938,6 +938,9 @@ def test_cli_server_commands(local_server: LocalServer):
     env = _cli(local_server.env, "server", "env")
     assert env.stdout.splitlines() == [f"export LOOPS_BASE_URL={local_server.url}",
                                        f"export BASETEN_API_KEY={local_server.token}"]
+    as_json = json.loads(_cli(local_server.env, "server", "env", "-o", "json").stdout)
+    assert as_json == {"LOOPS_BASE_URL": local_server.url, "BASETEN_API_KEY": local_server.token}
+    assert _cli(local_server.env, "server", "env", "-q").stdout == env.stdout
     again = _cli(local_server.env, "server", "start")
     assert again.returncode == 0 and "already running" in again.stderr
     logs = _cli(local_server.env, "server", "logs", "-n", "5")
@@ -1040,7 +1043,9 @@ def test_pull_smollm2_reports_each_step_from_the_start(server_factory, tmp_path:
         events = _pull_events(client, "HuggingFaceTB/SmolLM2-135M-Instruct")
     kinds = [e["event"] for e in events]
     assert kinds[0] == "start" and kinds[1] == "convert" and kinds[-1] == "done", kinds
-    assert events[1]["elapsed_s"] < 5
-    beats = [e["elapsed_s"] for e in events if e["event"] == "heartbeat"]
-    assert beats and all(b - a < 5 for a, b in zip(beats, beats[1:]))
+    # Announced before the work (second event), and the stream keeps talking during it:
+    # heartbeats come between "convert" and "done", in time order.
+    assert "heartbeat" in kinds[2:-1], kinds
+    stamps = [e["elapsed_s"] for e in events]
+    assert stamps == sorted(stamps), stamps
     assert Path(events[-1]["path"], "tokenizer.json").is_file()

@@ -136,6 +136,27 @@ def test_confirm_without_tty_refuses_with_the_flag_to_use():
     out.confirm("Deactivate run abc?", yes=True)  # --yes skips the question
 
 
+def test_secret_prompt_needs_a_terminal_and_reads_the_answer():
+    out, _ = make("table", tty=False, stdin="sk-live\n")
+    with pytest.raises(UsageError) as info:
+        out.ask_secret("API key", what="key", hint="Pipe it in.")
+    assert info.value.message == "no terminal to prompt for the key" and info.value.hint == "Pipe it in."
+    out, s = make("table", tty=True, stdin=" sk-live \n")
+    assert out.ask_secret("API key", what="key", hint="Pipe it in.") == "sk-live"
+    assert s.stderr.getvalue() == "API key: " and s.stdout.getvalue() == ""
+
+
+@pytest.mark.parametrize("fmt,tty,drawn", [("table", True, True), ("table", False, False), ("json", True, False)])
+def test_status_spinner_only_for_a_person_at_a_terminal(monkeypatch, fmt, tty, drawn):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    out, s = make(fmt, tty=tty)
+    with out.status("Converting tiny") as status:
+        status.update({"event": "convert"}, "Converting tiny (3s)")
+    assert ("Converting tiny" in s.stderr.getvalue()) is drawn, s.stderr.getvalue()
+    assert s.stdout.getvalue() == ""
+
+
 def test_confirm_on_tty_declined_and_accepted():
     out, _ = make("table", tty=True, stdin="n\n")
     with pytest.raises(CancelledError):

@@ -87,10 +87,9 @@ def test_server_sigkill_mid_run_then_restart_and_resume(server_factory):
         # The client sees the server gone: a bounded, typed error, not a hang.
         from baseten_loops_cli.errors import LoopsError
 
-        t0 = time.monotonic()
+        # A typed error from the transport giving up (not a hang: pytest-timeout would end it).
         with pytest.raises(LoopsError) as info:
             tc.optim_step({"learning_rate": 0.05}).result(timeout=10)
-        assert time.monotonic() - t0 < 60
         assert "could not reach" in info.value.message or "timed out" in info.value.message, info.value.message
 
     server.start()  # same dirs, same port

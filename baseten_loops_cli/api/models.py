@@ -26,7 +26,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 class LoopsModel(BaseModel):
     """Base of every response model: unknown fields are kept."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True, protected_namespaces=())
+    model_config = ConfigDict(extra="allow", populate_by_name=True, protected_namespaces=(), defer_build=True)
 
     def to_json_dict(self) -> dict[str, Any]:
         """JSON-ready dict (datetimes as ISO 8601 UTC), unknown fields included."""
@@ -37,7 +37,7 @@ class LoopsRequest(BaseModel):
     """Base of request bodies. Extra keys are allowed (and sent) so a caller can pass a field
     a newer server understands; ``None`` fields are left out of the body."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True, protected_namespaces=())
+    model_config = ConfigDict(extra="allow", populate_by_name=True, protected_namespaces=(), defer_build=True)
 
     def to_body(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True, by_alias=True)

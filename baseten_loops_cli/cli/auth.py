@@ -58,12 +58,8 @@ def login(
     if with_key:
         key = sys.stdin.readline().strip()
     else:
-        if not out.streams.stdin_tty:
-            raise UsageError(
-                "no terminal to prompt for the key",
-                hint="Pipe it in: `echo \"$BASETEN_API_KEY\" | loops auth login --with-key`.",
-            )
-        key = typer.prompt("Baseten API key", hide_input=True, err=True).strip()
+        key = out.ask_secret("Baseten API key", what="key",
+                             hint="Pipe it in: `echo \"$BASETEN_API_KEY\" | loops auth login --with-key`.")
     if not key:
         raise AuthError("empty API key", hint="Create one at https://app.baseten.co/settings/api_keys.")
     if profile is None:

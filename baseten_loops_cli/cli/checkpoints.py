@@ -301,3 +301,58 @@ def download(
     took = human_duration(result.seconds) if result.seconds >= 1 else f"{result.seconds:.1f}s"
     out.success(f"Downloaded {plan.label} ({result.files} files, {human_size(result.bytes_total)}) to {plan.dest} in {took}{rate}{resumed}.")
     out.emit({"checkpoint_id": plan.checkpoint_id, "checkpoint": plan.label, **result.to_json()}, id_key="path", text=[])
+
+
+# ── export ────────────────────────────────────────────────────────────────────────────────
+
+
+@app.command("export")
+def export(
+    ctx: typer.Context,
+    checkpoint: CkptArg,
+    output_dir: Annotated[Path, typer.Option("--output-dir", "-O", help="Folder to write (it must not exist, unless --force).", show_default=False)],
+    fmt: Annotated[
+        Optional[str],
+        typer.Option("--format", "-f", help="peft (the adapter; default), hf (merged transformers folder) or gguf (merged, one file).", show_default=False),
+    ] = None,
+    merge: Annotated[bool, typer.Option("--merge", help="Merge the adapter into the base (the same as --format hf).")] = False,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32, float16 or bfloat16.")] = "float32",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
+    target: TargetOpt = None,
+) -> None:
+    """Export a sampler checkpoint as a PEFT adapter, a merged HF model or a GGUF file.
+
+    The checkpoint is downloaded (local backend or a Baseten profile), loaded on its base
+    model, written, then reloaded and checked against base + adapter (the max abs difference
+    of a forward pass is reported). Needs the [local] extra and the base model's files
+    (`loops server pull-model NAME`). A failure leaves no partial output. See README, "Export".
+
+    Examples:
+
+      loops checkpoints export abc1234:final -O ./adapter
+
+      loops checkpoints export abc1234:final -O ./merged --merge --dtype bfloat16
+
+      loops checkpoints export abc1234:final -O ./gguf --format gguf
+    """
+    import shlex
+
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.export import check_options, export_checkpoint
+
+    if merge and fmt == "peft":
+        raise UsageError("--merge writes a merged model; --format peft writes the adapter alone", hint="Drop one of them (--merge means --format hf).")
+    fmt = fmt or ("hf" if merge else "peft")
+    check_options(fmt, dtype)
+    state = get_state(ctx)
+    out = state.output
+    client = state.backend().client
+    # Rebuilt from the parsed options, not argv: global options may carry secrets.
+    command = shlex.join(["loops", "checkpoints", "export", checkpoint, "-O", str(output_dir), "--format", fmt, "--dtype", dtype]
+                         + (["--target", target] if target else []))
+    with out.progress(f"export {checkpoint}") as progress:
+        result = export_checkpoint(client, checkpoint, output_dir, fmt=fmt, dtype=dtype, force=force, target=target,
+                                   progress=progress, command=command)
+    out.success(f"Exported {result.checkpoint} as {fmt} ({dtype}) to {result.path}; reloaded and verified "
+                f"(max abs diff {result.max_abs_diff:.3g}).")
+    out.emit(result.to_json(), id_key="path", text=[])

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -191,44 +191,34 @@ def _append_lines(rc: Path, lines: list[str]) -> None:
 _MARK = "# added by `loops completion install`"
 
 
+def _install_with_rc(shell: Shell, script: Path, rc: Path, present: Callable[[str], bool], line: str,
+                     activate: str) -> dict:
+    """Write the shell's script to ``script`` and add ``line`` to ``rc`` unless ``present``
+    (its text) says a line like it is already there."""
+    written = _write_if_changed(script, completion_script(shell))
+    rc_text = rc.read_text(encoding="utf-8") if rc.is_file() else ""
+    rc_updated = not present(rc_text)
+    if rc_updated:
+        _append_lines(rc, [_MARK, line])
+    return {"script": script, "script_written": written, "rc_file": rc, "rc_updated": rc_updated, "activate": activate}
+
+
 def _install_bash() -> dict:
     script = _home() / ".bash_completions" / f"{PROG_NAME}.sh"
     rc = _home() / ".bashrc"
-    written = _write_if_changed(script, completion_script(Shell.bash))
-    rc_text = rc.read_text(encoding="utf-8") if rc.is_file() else ""
-    rc_updated = False
-    if f".bash_completions/{PROG_NAME}.sh" not in rc_text:
-        _append_lines(rc, [_MARK, f"source {_tilde(script)}"])
-        rc_updated = True
-    return {
-        "script": script,
-        "script_written": written,
-        "rc_file": rc,
-        "rc_updated": rc_updated,
-        "activate": f"source {_tilde(rc)}",
-    }
+    return _install_with_rc(Shell.bash, script, rc, lambda text: f".bash_completions/{PROG_NAME}.sh" in text,
+                            f"source {_tilde(script)}", activate=f"source {_tilde(rc)}")
 
 
 def _install_zsh() -> dict:
     zfunc = _home() / ".zfunc"
-    script = zfunc / f"_{PROG_NAME}"
     zdotdir = Path(os.environ["ZDOTDIR"]).expanduser() if os.environ.get("ZDOTDIR") else _home()
     rc = zdotdir / ".zshrc"
-    written = _write_if_changed(script, completion_script(Shell.zsh))
-    rc_text = rc.read_text(encoding="utf-8") if rc.is_file() else ""
-    rc_updated = False
     # fpath must gain ~/.zfunc *before* compinit runs, so the line runs compinit again after it.
-    if not re.search(r"^[^#\n]*fpath.*\.zfunc", rc_text, re.MULTILINE):
-        _append_lines(rc, [_MARK, f"fpath+={_tilde(zfunc)}; autoload -Uz compinit; compinit"])
-        rc_updated = True
-    return {
-        "script": script,
-        "script_written": written,
-        "rc_file": rc,
-        "rc_updated": rc_updated,
-        "activate": "exec zsh",
-        "note": f"{_tilde(zfunc)} must be in fpath before compinit runs in {_tilde(rc)}.",
-    }
+    done = _install_with_rc(Shell.zsh, zfunc / f"_{PROG_NAME}", rc,
+                            lambda text: bool(re.search(r"^[^#\n]*fpath.*\.zfunc", text, re.MULTILINE)),
+                            f"fpath+={_tilde(zfunc)}; autoload -Uz compinit; compinit", activate="exec zsh")
+    return {**done, "note": f"{_tilde(zfunc)} must be in fpath before compinit runs in {_tilde(rc)}."}
 
 
 def _install_fish() -> dict:

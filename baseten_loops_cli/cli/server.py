@@ -123,11 +123,9 @@ def env(ctx: typer.Context) -> None:
 
     out = get_state(ctx).output
     exports = daemon.env_lines()
-    if out.format in ("json", "yaml") or out.jq:
-        out.emit(dict(line.removeprefix("export ").split("=", 1) for line in exports))
-        return
-    for line in exports:
-        typer.echo(line)
+    # The table view and -q are the export lines themselves (what `eval` reads).
+    out.emit(dict(line.removeprefix("export ").split("=", 1) for line in exports),
+             text=exports, id_key=lambda _doc: "\n".join(exports))
 
 
 @app.command("pull-model")
@@ -145,7 +143,7 @@ def pull_model(
     out.info(f"Asking the local server to prepare {name}...")
     step = "Preparing"
     path = None
-    with out.err_console.status(f"{step} {name}") as status:
+    with out.status(f"{step} {name}") as status:
         for event in pull_model_events(url, token, name):
             kind = event.get("event")
             elapsed = f" ({event.get('elapsed_s', 0):.0f}s)"
@@ -159,7 +157,7 @@ def pull_model(
                 out.info(f"  {event.get('message')}")
             elif kind == "done":
                 path = event.get("path")
-            status.update(f"{step} {name}{elapsed}")
+            status.update(event, f"{step} {name}{elapsed}")
     out.success(f"{name} is ready.")
     out.emit({"model": name, "ready": True, "path": path},
              fields=[("Model", "model"), ("Ready", "ready"), ("Path", "path")])

@@ -115,8 +115,9 @@ def _clear_records(state_dir: Path | None = None) -> None:
 
 # ── status ──
 
-def status(state_dir: Path | None = None, *, timeout: float = 3.0) -> ServerInfo | None:
-    """The running server, or None. Stale records (dead pid) are cleaned up."""
+def _live_record(state_dir: Path | None) -> tuple[dict, int] | None:
+    """The server record and its pid while that process lives; a stale record (dead pid) is
+    cleared and gives None."""
     info = _read_info(state_dir)
     if info is None:
         return None
@@ -124,6 +125,15 @@ def status(state_dir: Path | None = None, *, timeout: float = 3.0) -> ServerInfo
     if not pid or not _pid_alive(pid):
         _clear_records(state_dir)
         return None
+    return info, pid
+
+
+def status(state_dir: Path | None = None, *, timeout: float = 3.0) -> ServerInfo | None:
+    """The running server, or None. Stale records (dead pid) are cleaned up."""
+    live = _live_record(state_dir)
+    if live is None:
+        return None
+    info, pid = live
     server = ServerInfo(url=info["url"], port=int(info["port"]), pid=pid,
                         version=info.get("version", "?"), started_at=info.get("started_at", ""),
                         state_dir=str(state_dir or paths.state_dir()),
@@ -256,13 +266,10 @@ def start(
 
 def stop(state_dir: Path | None = None, *, timeout: float = STOP_TIMEOUT_S) -> bool:
     """Stop the server (SIGTERM, then SIGKILL after ``timeout``). False if none ran."""
-    info = _read_info(state_dir)
-    if info is None:
+    live = _live_record(state_dir)
+    if live is None:
         return False
-    pid = int(info.get("pid", 0))
-    if not pid or not _pid_alive(pid):
-        _clear_records(state_dir)
-        return False
+    _info, pid = live
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

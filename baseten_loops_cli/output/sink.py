@@ -12,8 +12,9 @@ is set or ``TERM=dumb``. That decision is made once, in :class:`Streams` (``stdo
 ``stderr_color``; ``Output.animate`` adds "a person is reading"), the one seam tests replace. Commands never branch on the format
 or the terminal themselves: they hand models to :meth:`Output.emit` (a document, with its table,
 key/value or text view), :meth:`Output.stream` (one record of a live stream: a log line, a watch
-snapshot), :meth:`Output.live` (a line redrawn in place), :meth:`Output.progress` (a transfer
-bar) and :meth:`Output.confirm`; the sink picks what each format shows.
+snapshot), :meth:`Output.live` (a line redrawn in place), :meth:`Output.status` (a spinner while a step
+runs), :meth:`Output.progress` (a transfer bar), :meth:`Output.confirm` and
+:meth:`Output.ask_secret`; the sink picks what each format shows.
 """
 
 from __future__ import annotations
@@ -207,6 +208,19 @@ class Output:
         if not accepted:
             raise CancelledError("cancelled")
 
+    def ask_secret(self, question: str, *, what: str, hint: str) -> str:
+        """Ask for a secret on the terminal without echoing it. Without a terminal, a usage
+        error: "no terminal to prompt for the ``what``", with ``hint`` (how to pipe it in)."""
+        if not self.streams.stdin_tty:
+            raise UsageError(f"no terminal to prompt for the {what}", hint=hint)
+        if self.streams.stdin is not sys.stdin:  # a stream handed in (tests, embedding): read it
+            self.streams.stderr.write(f"{question}: ")
+            self.streams.stderr.flush()
+            return self.streams.stdin.readline().strip()
+        import getpass
+
+        return getpass.getpass(f"{question}: ", stream=self.streams.stderr).strip()
+
     # ------------------------------------------------------------------ data (stdout)
     def _write(self, text: str) -> None:
         self.streams.stdout.write(text)
@@ -341,6 +355,12 @@ class Output:
         the table view)."""
         return LiveLine(self)
 
+    def status(self, text: str) -> "LiveLine":
+        """A spinner with a line of text on stderr while a step runs, for a person at a
+        terminal (``update(record, text)`` changes the text); elsewhere nothing (say each step
+        with :meth:`info`). A context manager."""
+        return LiveLine(self, spinner=text)
+
     def progress(self, label: str):
         """A transfer bar on stderr (bytes, rate, ETA, files) for a person at a terminal, or a
         silent stand-in: either way it has ``start``/``advance``/``file_done`` and is a
@@ -388,18 +408,27 @@ class Output:
 
 
 class LiveLine:
-    """See :meth:`Output.live`. Use as a context manager; ``update`` whenever the state changes."""
+    """See :meth:`Output.live` and :meth:`Output.status`. Use as a context manager; ``update``
+    whenever the state changes. With ``spinner`` (its first text) it is a spinner that goes
+    away at the end and says nothing off a terminal; without, a line that stays, streamed
+    (time-stamped) off a terminal."""
 
-    def __init__(self, out: Output):
+    def __init__(self, out: Output, spinner: str | None = None):
         self._out = out
+        self._spinner_text = spinner
+        self._spinner = None
         self._live = None
 
     def __enter__(self) -> "LiveLine":
         if self._out.animate:
             from rich.live import Live
+            from rich.spinner import Spinner
             from rich.text import Text
 
-            self._live = Live(Text(""), console=self._out.err_console, refresh_per_second=4, transient=False)
+            if self._spinner_text is not None:
+                self._spinner = Spinner("dots", Text(self._spinner_text))
+            self._live = Live(self._spinner or Text(""), console=self._out.err_console, transient=self._spinner is not None,
+                              refresh_per_second=12.5 if self._spinner is not None else 4)  # fmt: skip
             self._live.start()
         return self
 
@@ -412,10 +441,14 @@ class LiveLine:
         if self._live is not None:
             from rich.text import Text
 
-            self._live.update(Text(text))
+            if self._spinner is not None:
+                self._spinner.update(text=Text(text))
+            else:
+                self._live.update(Text(text))
             return
-        stamp = datetime.now().strftime("%H:%M:%S")
-        self._out.stream(record, text=f"[{stamp}] {text}")
+        if self._spinner_text is None:
+            stamp = datetime.now().strftime("%H:%M:%S")
+            self._out.stream(record, text=f"[{stamp}] {text}")
 
 
 def _cell(row: Any, key: "str | Callable[[Any], Any]", original: Any = None) -> Any:

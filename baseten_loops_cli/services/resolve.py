@@ -24,7 +24,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn
 
 from baseten_loops_cli.errors import LoopsError, UsageError
 
@@ -83,15 +83,21 @@ def did_you_mean(matches: list[str]) -> str:
 # ── runs ──────────────────────────────────────────────────────────────────────────────────
 
 
-def run_not_found(client: "LoopsClient", run_id: str) -> NotFound:
+def not_found(what: str, wanted: str, listing: Callable[[], Iterable[Any]]) -> NotFound:
+    """``no WHAT 'wanted'``, with the closest ids of ``listing()`` (when it can be fetched)
+    and the `loops WHATs list --all` command."""
     try:
-        ids = [r.id for r in client.runs.list()]
+        ids = [item.id for item in listing()]
     except LoopsError:
         ids = []
     return NotFound(
-        f"no run {run_id!r}",
-        hint=f"{did_you_mean(suggest(run_id, ids))}List runs with `loops runs list --all`.",
+        f"no {what} {wanted!r}",
+        hint=f"{did_you_mean(suggest(wanted, ids))}List {what}s with `loops {what}s list --all`.",
     )
+
+
+def run_not_found(client: "LoopsClient", run_id: str) -> NotFound:
+    return not_found("run", run_id, client.runs.list)
 
 
 def get_run(client: "LoopsClient", run_id: str) -> "LoopsRun":
@@ -320,11 +326,4 @@ def get_sampler(client: "LoopsClient", sampler_id: str) -> "LoopsSampler":
     try:
         return client.samplers.get(sampler_id)
     except NotFoundError:
-        try:
-            ids = [s.id for s in client.samplers.list()]
-        except LoopsError:
-            ids = []
-        raise NotFound(
-            f"no sampler {sampler_id!r}",
-            hint=f"{did_you_mean(suggest(sampler_id, ids))}List samplers with `loops samplers list --all`.",
-        ) from None
+        raise not_found("sampler", sampler_id, client.samplers.list) from None

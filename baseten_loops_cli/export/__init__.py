@@ -1,0 +1,183 @@
+"""Export a sampler checkpoint (a LoRA adapter) for use outside Loops.
+
+Formats (``loops checkpoints export``):
+
+- ``peft``: the adapter, with ``adapter_config.json``'s ``base_model_name_or_path`` pointing at
+  something plain peft can load: the hub id for hub models, and for ``loops-local/tiny`` (built
+  in code, so no hub has it) a real HF folder written next to the adapter, ``DIR/base``.
+- ``hf``: base + adapter merged into a standalone transformers folder (safetensors, config,
+  generation config, the base's tokenizer files): no adapter step to load or serve it.
+- ``gguf``: the merged model as one GGUF file (llama architecture), for llama.cpp readers.
+
+Everything is written into a staging folder beside ``DIR`` and renamed into place at the end,
+so a failure (a full disk, Ctrl-C) leaves no partial output. The result is reloaded and a
+forward pass compared with base + adapter; the max abs difference is reported.
+
+This package needs the ``[local]`` extra (torch, transformers, peft, gguf), imported lazily.
+
+Use from Python::
+
+    result = export_checkpoint(client, "abc1234:final", Path("out"), fmt="hf")
+    result = export_adapter(Path("adapter"), "HuggingFaceTB/SmolLM2-135M-Instruct", Path("out"), fmt="hf")
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from baseten_loops_cli.errors import LoopsError, UsageError
+
+if TYPE_CHECKING:
+    from baseten_loops_cli.api.client import LoopsClient
+    from baseten_loops_cli.api.download import Progress
+
+FORMATS = ("peft", "hf", "gguf")
+DTYPES = ("float32", "float16", "bfloat16")
+LOCAL_EXTRA_HINT = "pip install 'baseten-loops-cli[local]'"
+
+
+@dataclass
+class ExportResult:
+    format: str
+    path: str  # the folder (peft, hf) or the .gguf file
+    dtype: str
+    base_model: str
+    files: list[str] = field(default_factory=list)
+    bytes: int = 0
+    max_abs_diff: float = 0.0  # reloaded output vs base + adapter (forward pass logits)
+    checkpoint: str | None = None  # RUN:NAME when exported from a backend checkpoint
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def require_local_extra() -> None:
+    """One clear error when torch/transformers/peft/gguf are missing."""
+    missing = []
+    for name in ("torch", "transformers", "peft", "gguf", "safetensors"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise LoopsError(f"exporting needs {', '.join(missing)} (the [local] extra)", hint=f"Install it: {LOCAL_EXTRA_HINT}")
+
+
+def check_options(fmt: str, dtype: str) -> None:
+    """A known format and dtype, or a UsageError."""
+    if fmt not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def prepare_target(dest: Path, force: bool) -> None:
+    if dest.exists() or dest.is_symlink():
+        if not force:
+            raise UsageError(f"{dest} already exists", hint="Pick another -O, or pass --force to replace it.")
+
+
+def export_checkpoint(
+    client: "LoopsClient",
+    ref: str,
+    dest: Path,
+    *,
+    fmt: str = "peft",
+    dtype: str = "float32",
+    force: bool = False,
+    target: str | None = None,
+    progress: "Progress | None" = None,
+    command: str | None = None,
+) -> ExportResult:
+    """Resolve ``ref`` (id, bt:// URI or RUN:NAME), download its files, export them."""
+    from baseten_loops_cli.services import checkpoints as service
+    from baseten_loops_cli.services.resolve import display_name, resolve_checkpoint
+
+    check_options(fmt, dtype)
+    require_local_extra()
+    prepare_target(dest, force)
+    cp = resolve_checkpoint(client, ref, target, prefer="sampler")
+    label = display_name(cp)
+    if cp.target == "trainer":
+        raise UsageError(
+            f"{label} is a trainer checkpoint (optimizer state for resuming); export needs a sampler checkpoint",
+            hint=f"Save one with save_weights_for_sampler, or pick one from `loops checkpoints list --run-id {cp.run_id} --target sampler`"
+                 f" (for a shared name: `{label} --target sampler`).",
+        )
+    base = cp.base_model
+    if not base:
+        base = (cp.lora_adapter_config or {}).get("base_model_name_or_path") or ""
+    card = {"checkpoint": label, "uri": cp.uri, "run_id": cp.run_id, "base_model": base,
+            "lora_rank": cp.lora_rank, "created_at": str(cp.created_at or ""), "command": command}
+    try:
+        from baseten_loops_cli.services.resolve import get_run
+
+        run = get_run(client, cp.run_id)
+        card["run_name"] = run.name
+    except LoopsError:
+        pass
+    with tempfile.TemporaryDirectory(prefix="loops-export-") as tmp:
+        plan = service.plan_download(client, cp.id, Path(tmp) / "adapter", None)
+        service.download(client, plan, force=True, progress=progress)
+        if not base:
+            import json
+
+            base = json.loads((plan.dest / "adapter_config.json").read_text()).get("base_model_name_or_path", "")
+        result = export_adapter(plan.dest, base, dest, fmt=fmt, dtype=dtype, force=force, card=card, progress=progress)
+    result.checkpoint = label
+    return result
+
+
+def export_adapter(
+    adapter_dir: Path,
+    base_model: str,
+    dest: Path,
+    *,
+    fmt: str = "peft",
+    dtype: str = "float32",
+    force: bool = False,
+    card: dict[str, Any] | None = None,
+    progress: "Progress | None" = None,
+) -> ExportResult:
+    """Export a PEFT adapter folder trained on ``base_model`` into ``dest``."""
+    check_options(fmt, dtype)
+    require_local_extra()
+    prepare_target(dest, force)
+    from baseten_loops_cli.export import writers
+
+    dest = dest.expanduser().absolute()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+    try:
+        result = writers.write(adapter_dir, base_model, staging, dest, fmt=fmt, dtype=dtype,
+                               card=card or {"base_model": base_model}, progress=progress)
+        if dest.exists() or dest.is_symlink():
+            _remove(dest)
+        os.replace(staging, dest)
+    except BaseException as exc:
+        _remove(staging)
+        if _disk_full(exc):
+            raise LoopsError(f"the disk holding {dest.parent} filled up while exporting; nothing was left behind",
+                             hint="Free some space (or pick another -O) and run it again.") from None
+        raise
+    return result
+
+
+def _disk_full(exc: BaseException) -> bool:
+    # safetensors (Rust) reports ENOSPC as a SafetensorError whose text carries "os error 28".
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return f"(os error {errno.ENOSPC})" in str(exc) or "No space left on device" in str(exc)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,376 @@
+"""The torch side of export: load base + adapter, write peft / hf / gguf, verify by reloading.
+
+Imported only once :func:`baseten_loops_cli.export.require_local_extra` has checked the extra.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from baseten_loops_cli.errors import LoopsError
+from baseten_loops_cli.export import ExportResult
+from baseten_loops_cli.settings.model_files import TOKENIZER_FILES, find_model_dir
+
+TINY = "loops-local/tiny"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# Besides TOKENIZER_FILES, what slow/BPE tokenizers keep in separate files.
+EXTRA_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+# Token ids for the verification forward pass (below every vocab size we support).
+PROBE_IDS = [[1, 17, 42, 99, 128, 7, 200, 3]]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+class _NullProgress:
+    def start(self, **_: Any) -> None: ...
+    def advance(self, nbytes: int) -> None: ...
+    def file_done(self, name: str) -> None: ...
+
+
+# ── loading ─────────────────────────────────────────────────────────────────────────────────
+
+
+def base_dir(name: str) -> Path | None:
+    """The base's HF folder on this machine (None for the built-in tiny model)."""
+    if name == TINY:
+        return None
+    path = find_model_dir(name)
+    if path is None:
+        raise LoopsError(f"this machine has no files for the base model {name}",
+                         hint=f"Fetch it: `loops server pull-model {name}` (or name a local HF folder).")
+    return path
+
+
+def load_base(name: str) -> Any:
+    """The base model in float32, eval mode."""
+    if name == TINY:
+        from baseten_loops_cli.local.engine.model_zoo import build_tiny_model
+
+        model = build_tiny_model()
+    else:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(base_dir(name), dtype=torch.float32)
+    model.name_or_path = model.config._name_or_path = name
+    return model.eval()
+
+
+def load_adapted(adapter_dir: Path, base_model: str) -> Any:
+    from peft import PeftModel
+
+    if not (adapter_dir / ADAPTER_CONFIG).is_file():
+        raise LoopsError(f"{adapter_dir} has no {ADAPTER_CONFIG}: not a sampler checkpoint (LoRA adapter)")
+    return PeftModel.from_pretrained(load_base(base_model), str(adapter_dir)).eval()
+
+
+@torch.no_grad()
+def logits_of(model: Any) -> torch.Tensor:
+    return model(input_ids=torch.tensor(PROBE_IDS)).logits.float()
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+# ── writing ─────────────────────────────────────────────────────────────────────────────────
+
+
+def write(adapter_dir: Path, base_model: str, staging: Path, final: Path, *, fmt: str, dtype: str,
+          card: dict[str, Any], progress: Any = None) -> ExportResult:
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bar on stderr; none per shard or tensor
+    hf_logging.set_verbosity_error()
+    progress = progress or _NullProgress()
+    with warnings.catch_warnings():
+        # peft looks the base's name up on the hub to check the vocabulary; offline that is a
+        # warning about a lookup that does not matter here.
+        warnings.simplefilter("ignore")
+        return _write(adapter_dir, base_model, staging, final, fmt=fmt, dtype=dtype, card=card, progress=progress)
+
+
+def _write(adapter_dir: Path, base_model: str, staging: Path, final: Path, *, fmt: str, dtype: str,
+           card: dict[str, Any], progress: Any) -> ExportResult:
+    adapted = load_adapted(adapter_dir, base_model)
+    reference = logits_of(adapted)
+    if fmt == "peft":
+        diff = _write_peft(adapter_dir, base_model, adapted, staging, final, dtype, reference, progress)
+        path = final
+    elif fmt == "hf":
+        diff = _write_hf(base_model, adapted, staging, dtype, reference, progress)
+        path = final
+    else:
+        name = _safe_name(base_model) + ".gguf"
+        diff = _write_gguf(base_model, adapted, staging / name, dtype, reference, progress)
+        path = final / name
+    (staging / "README.md").write_text(model_card(fmt, dtype, base_model, card, diff))
+    files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+    size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+    return ExportResult(format=fmt, path=str(path), dtype=dtype, base_model=base_model, files=files,
+                        bytes=size, max_abs_diff=diff)
+
+
+def _safe_name(name: str) -> str:
+    return name.replace("/", "--")
+
+
+def _save_state_dict(tensors: dict[str, torch.Tensor], path: Path, progress: Any) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    progress.advance(path.stat().st_size)
+    progress.file_done(path.name)
+
+
+def _write_peft(adapter_dir: Path, base_model: str, adapted: Any, staging: Path, final: Path, dtype: str,
+                reference: torch.Tensor, progress: Any) -> float:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    progress.start(total_bytes=sum(t.numel() * t.element_size() for t in tensors.values()), completed_bytes=0, files=1)
+    if base_model == TINY:
+        # No hub has the tiny model (it is built in code): ship it as a real HF folder and
+        # point the adapter at it, so AutoPeftModelForCausalLM.from_pretrained(DIR) just works.
+        base = load_base(TINY)
+        base.save_pretrained(staging / "base", safe_serialization=True)
+        config["base_model_name_or_path"] = str(final / "base")
+    else:
+        local = Path(base_model).expanduser()
+        # A hub id stays a hub id (peft finds it online or in the HF cache); a local folder
+        # is named by its absolute path.
+        config["base_model_name_or_path"] = str(local.absolute()) if (local / "config.json").is_file() else base_model
+    config["inference_mode"] = True
+    _save_state_dict({k: v.to(torch_dtype(dtype)) for k, v in tensors.items()}, staging / ADAPTER_WEIGHTS, progress)
+    (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # Verify: plain peft on the written folder (the tiny base from the staged copy).
+    base = load_base(base_model) if base_model != TINY else _load_hf(staging / "base")
+    reloaded = PeftModel.from_pretrained(base, str(staging)).eval()
+    return max_abs_diff(logits_of(reloaded), reference)
+
+
+def _load_hf(path: Path, **kwargs: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
+
+
+def merged_model(adapted: Any, dtype: str) -> Any:
+    merged = adapted.merge_and_unload()
+    return merged.to(torch_dtype(dtype))
+
+
+def _write_hf(base_model: str, adapted: Any, staging: Path, dtype: str, reference: torch.Tensor, progress: Any) -> float:
+    merged = merged_model(adapted, dtype)
+    total = sum(p.numel() * p.element_size() for p in merged.state_dict().values())
+    progress.start(total_bytes=total, completed_bytes=0, files=1)
+    merged.config._name_or_path = base_model
+    merged.save_pretrained(staging, safe_serialization=True)
+    progress.advance(total)
+    progress.file_done("model.safetensors")
+    directory = base_dir(base_model)
+    if directory is not None:
+        for name in (*TOKENIZER_FILES, *EXTRA_TOKENIZER_FILES):
+            if (directory / name).is_file():
+                shutil.copyfile(directory / name, staging / name)
+    return max_abs_diff(logits_of(_load_hf(staging)), reference)
+
+
+# ── GGUF ────────────────────────────────────────────────────────────────────────────────────
+
+
+def llama_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """q/k rows reordered from HF's rotate-half RoPE layout to llama.cpp's interleaved one
+    (what llama.cpp's convert_hf_to_gguf does; readers such as transformers undo it)."""
+    rows = weight.shape[0]
+    return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_tensors(merged: Any) -> dict[str, torch.Tensor]:
+    """The merged state dict under llama.cpp's tensor names (q/k permuted)."""
+    import gguf
+
+    config = merged.config
+    if config.model_type != "llama":
+        raise LoopsError(f"GGUF export supports llama-architecture bases; {config._name_or_path} is {config.model_type}",
+                         hint="Export with --format hf and convert with llama.cpp's convert_hf_to_gguf.py.")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in merged.state_dict().items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise LoopsError(f"no GGUF name for tensor {key}")
+        if key.endswith("q_proj.weight"):
+            value = llama_permute(value, config.num_attention_heads)
+        elif key.endswith("k_proj.weight"):
+            value = llama_permute(value, config.num_key_value_heads)
+        out[name] = value
+    return out
+
+
+def _write_gguf(base_model: str, adapted: Any, path: Path, dtype: str, reference: torch.Tensor, progress: Any) -> float:
+    import gguf
+
+    merged = merged_model(adapted, "float32")
+    config = merged.config
+    tensors = gguf_tensors(merged)
+    file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(base_model)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or (config.rope_parameters or {}).get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(file_type)
+    _add_tokenizer(writer, base_model, config)
+    total = 0
+    for name, value in tensors.items():
+        data = value.detach().float().contiguous()
+        if value.ndim == 1 or dtype == "float32":  # norms stay F32, as llama.cpp writes them
+            writer.add_tensor(name, data.numpy())
+        elif dtype == "float16":
+            writer.add_tensor(name, data.half().numpy())
+        else:
+            raw = data.bfloat16().view(torch.int16).numpy()
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        total += data.numel() * (4 if value.ndim == 1 or dtype == "float32" else 2)
+    progress.start(total_bytes=total, completed_bytes=0, files=1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    progress.advance(total)
+    progress.file_done(path.name)
+    return _verify_gguf(path, merged, tensors, reference)
+
+
+def _add_tokenizer(writer: Any, base_model: str, config: Any) -> None:
+    """Tokenizer metadata for a BPE tokenizer.json base (GPT-2 style, as SmolLM2 has); the
+    tiny model's byte tokenizer has no llama.cpp equivalent, so its file carries ids only."""
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("pad_token_id", writer.add_pad_token_id)):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            add(value)
+    directory = base_dir(base_model)
+    if directory is None or not (directory / "tokenizer.json").is_file():
+        return
+    import gguf
+
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    model = spec.get("model", {})
+    if model.get("type") != "BPE":
+        return
+    vocab: dict[str, int] = model["vocab"]
+    added = {t["content"]: t for t in spec.get("added_tokens", [])}
+    for text, token in added.items():
+        vocab.setdefault(text, token["id"])
+    size = max(config.vocab_size, max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [gguf.TokenType.UNUSED] * size
+    for text, i in vocab.items():
+        tokens[i] = text
+        special = added.get(text, {}).get("special")
+        types[i] = gguf.TokenType.CONTROL if special else (gguf.TokenType.USER_DEFINED if text in added else gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm" if "smollm" in base_model.lower() else "default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    template = _chat_template(directory)
+    if template:
+        writer.add_chat_template(template)
+
+
+def _chat_template(directory: Path) -> str | None:
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        value = json.loads(config.read_text()).get("chat_template")
+        return value if isinstance(value, str) else None
+    return None
+
+
+def _verify_gguf(path: Path, merged: Any, tensors: dict[str, torch.Tensor], reference: torch.Tensor) -> float:
+    """Read the file back with gguf's reader (every tensor against what was written), then load
+    it with transformers' GGUF loader, an independent reader, and compare the logits."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    found = {t.name: t for t in reader.tensors}
+    if set(found) != set(tensors):
+        raise LoopsError(f"{path.name} read back with tensors {sorted(set(found) ^ set(tensors))} differing from what was written")
+    worst = 0.0
+    for name, value in tensors.items():
+        data = np.asarray(found[name].data)
+        if found[name].tensor_type == gguf.GGMLQuantizationType.BF16:
+            data = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+        worst = max(worst, float(np.abs(data.astype(np.float32).reshape(tuple(value.shape)) - value.float().numpy()).max()))
+    import contextlib
+    import io
+
+    try:
+        # transformers draws its own tqdm bar over the GGUF tensors on stderr; ours is enough.
+        with contextlib.redirect_stderr(io.StringIO()):
+            loaded = _load_hf(path.parent, gguf_file=path.name)
+    except Exception as exc:  # the reader above already checked every tensor
+        raise LoopsError(f"transformers could not load the written {path.name}: {exc}") from None
+    return max(worst, max_abs_diff(logits_of(loaded), reference))
+
+
+# ── model card ──────────────────────────────────────────────────────────────────────────────
+
+
+def model_card(fmt: str, dtype: str, base_model: str, card: dict[str, Any], diff: float) -> str:
+    how = {
+        "peft": ("A LoRA adapter (PEFT). Load it with:\n\n```python\nfrom peft import AutoPeftModelForCausalLM\n"
+                 "model = AutoPeftModelForCausalLM.from_pretrained(\"THIS_FOLDER\")\n```\n\n"
+                 + ("The base model (`loops-local/tiny`, built in code) is in `base/`; `adapter_config.json` names it by "
+                    "its absolute path. After moving the folder, load it with "
+                    "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER/base\"), \"THIS_FOLDER\")`."
+                    if base_model == TINY else
+                    f"`adapter_config.json` names the base as `{base_model}` (hub id or local path); to load it from another "
+                    "folder use `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PATH), \"THIS_FOLDER\")`.")),
+        "hf": "Base and adapter merged into one transformers model: `AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\")`, "
+              "or serve it with vLLM (`vllm serve THIS_FOLDER`)."
+              + (" The tiny model's byte tokenizer is built in code, so no tokenizer files are included." if base_model == TINY else ""),
+        "gguf": "Base and adapter merged into one GGUF file (llama architecture) for llama.cpp-compatible runtimes."
+                + (" The tiny model's byte tokenizer has no GGUF form: the file has no tokenizer metadata." if base_model == TINY else ""),
+    }[fmt]
+    rows = [("Base model", base_model), ("Format", fmt), ("Dtype", dtype),
+            ("Checkpoint", card.get("checkpoint")), ("URI", card.get("uri")), ("Run", card.get("run_id")),
+            ("Run name", card.get("run_name")), ("LoRA rank", card.get("lora_rank")), ("Saved", card.get("created_at")),
+            ("Verified", f"reloaded; forward-pass max abs diff vs base + adapter: {diff:.3g}")]
+    lines = [f"# {card.get('checkpoint') or 'LoRA adapter'} ({fmt})", "", "Exported with `loops checkpoints export`.", "",
+             "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows if v not in (None, "")]
+    lines += ["", "Training data, steps and metrics: see the run (`loops runs describe "
+              f"{card.get('run_id') or 'RUN'}`); the checkpoint itself does not record them.", "", how, ""]
+    if card.get("command"):
+        lines += ["Made with:", "", f"```\n{card['command']}\n```", ""]
+    return "\n".join(lines)

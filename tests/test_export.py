@@ -1,0 +1,186 @@
+"""`loops checkpoints export` against the real local server: the seeded tiny run's final sampler
+checkpoint exported as peft, hf and gguf and each reloaded independently (plain peft,
+AutoModelForCausalLM, gguf's reader); SmolLM2 merged and answering like its adapter; bad input
+(trainer checkpoint, existing target, unknown format/dtype, missing base, a full disk)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.cli_support import TINY, loops, one_line_error, seeded  # noqa: F401  (fixture)
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+gguf = pytest.importorskip("gguf")
+
+PROBE = [[257, 259, 72, 101, 108, 108, 111, 10]]
+
+
+@pytest.fixture(scope="module")
+def reference(seeded, tmp_path_factory) -> dict:
+    """Base + adapter of the seeded run's final sampler checkpoint (downloaded with the CLI)."""
+    from baseten_loops_cli.export.writers import load_adapted
+
+    adapter = tmp_path_factory.mktemp("adapter") / "s2"
+    got = loops(seeded.server, "checkpoints", "download", f"{seeded.run_id}:s2", "--target", "sampler", "-O", str(adapter))
+    assert got.code == 0, got
+    model = load_adapted(adapter, TINY)
+    merged = load_adapted(adapter, TINY).merge_and_unload()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits
+    return {"adapter": adapter, "logits": logits, "merged": merged.state_dict()}
+
+
+def export(seeded, *args: str):
+    return loops(seeded.server, "checkpoints", "export", f"{seeded.run_id}:s2", "--target", "sampler", *args)
+
+
+def logits(model) -> "torch.Tensor":
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(PROBE)).logits
+
+
+def test_peft_folder_loads_with_plain_peft(seeded, reference, tmp_path):
+    from peft import AutoPeftModelForCausalLM
+
+    out = tmp_path / "peft"
+    got = export(seeded, "-O", str(out), "-o", "json")
+    assert got.code == 0, got
+    doc = got.json()
+    assert doc["format"] == "peft" and doc["max_abs_diff"] <= 1e-5 and doc["checkpoint"] == f"{seeded.run_id}:s2"
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "base/config.json"} <= set(doc["files"])
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(out / "base")
+    model = AutoPeftModelForCausalLM.from_pretrained(str(out)).eval()
+    assert (logits(model) - reference["logits"]).abs().max() <= 1e-5
+    card = (out / "README.md").read_text()
+    assert TINY in card and seeded.run_id in card and "loops checkpoints export" in card
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_hf_merged_folder_matches_base_plus_adapter(seeded, reference, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    got = export(seeded, "-O", str(out), "--merge")
+    assert got.code == 0, got
+    assert "verified" in got.stderr
+    assert {"config.json", "generation_config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
+    assert not (out / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert (logits(model) - reference["logits"]).abs().max() <= 1e-4
+    # An existing target is refused without --force, replaced with it.
+    again = export(seeded, "-O", str(out), "--merge")
+    one_line_error(again, 2, "already exists", "--force")
+    half = export(seeded, "-O", str(out), "--format", "hf", "--dtype", "bfloat16", "--force", "-o", "json")
+    assert half.code == 0, half
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert half.json()["max_abs_diff"] < 0.5
+
+
+def test_gguf_tensors_read_back_as_the_merged_weights(seeded, reference, tmp_path):
+    from baseten_loops_cli.export.writers import llama_permute
+
+    out = tmp_path / "gguf"
+    got = export(seeded, "-O", str(out), "--format", "gguf", "-o", "json")
+    assert got.code == 0, got
+    path = Path(got.json()["path"])
+    assert path.suffix == ".gguf" and path.parent == out
+    reader = gguf.GGUFReader(str(path))
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    merged = reference["merged"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 4)
+    assert len(tensors) == len(merged)
+    for key, value in merged.items():
+        if key.endswith("q_proj.weight"):
+            value = llama_permute(value, 4)
+        elif key.endswith("k_proj.weight"):
+            value = llama_permute(value, 2)
+        read = tensors[names.get_name(key, try_suffixes=(".weight",))]
+        assert read.shape == value.shape and torch.equal(read, value), key
+    # transformers' GGUF loader, an independent reader, gives the same logits.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), gguf_file=path.name, dtype=torch.float32).eval()
+    assert (logits(model) - reference["logits"]).abs().max() <= 1e-4
+
+
+def test_bad_input(seeded, tmp_path):
+    trainer = loops(seeded.server, "checkpoints", "export", f"{seeded.run_id}:t1", "-O", str(tmp_path / "x"))
+    one_line_error(trainer, 2, "trainer checkpoint", "sampler")
+    one_line_error(export(seeded, "-O", str(tmp_path / "x"), "--format", "onnx"), 2, "--format", "peft, hf, gguf")
+    one_line_error(export(seeded, "-O", str(tmp_path / "x"), "--dtype", "int4"), 2, "--dtype", "bfloat16")
+    one_line_error(export(seeded, "-O", str(tmp_path / "x"), "--format", "peft", "--merge"), 2, "--merge")
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_base_says_how_to_get_it(tmp_path, monkeypatch):
+    from baseten_loops_cli.errors import LoopsError
+    from baseten_loops_cli.export import export_adapter
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    monkeypatch.setenv("LOOPS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(LoopsError) as err:
+        export_adapter(tmp_path / "adapter", "nobody/missing-model", tmp_path / "out", fmt="hf")
+    assert "no files for the base model nobody/missing-model" in str(err.value)
+    assert "loops server pull-model nobody/missing-model" in (err.value.hint or "")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*partial"))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (smaller than the tiny model's merged weights)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_leaves_nothing_behind(seeded, tiny_disk):
+    got = export(seeded, "-O", str(tiny_disk / "hf"), "--merge")
+    one_line_error(got, 1, "filled up")
+    assert list(tiny_disk.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.required_in_ci
+def test_smollm2_merged_answers_like_the_adapter(smollm2_cache, tmp_path, monkeypatch):
+    """A small LoRA on SmolLM2 (random, non-zero B, so it changes the answer), merged: the
+    merged folder loads with AutoModelForCausalLM and greedily answers the smol-sft prompt with
+    the same tokens as base + adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from baseten_loops_cli.export import export_adapter
+    from baseten_loops_cli.export.writers import load_adapted, load_base
+
+    monkeypatch.setenv("LOOPS_CACHE_DIR", str(smollm2_cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(load_base(name), lora).save_pretrained(tmp_path / "adapter")
+    result = export_adapter(tmp_path / "adapter", name, tmp_path / "merged", fmt="hf")
+    assert result.max_abs_diff <= 1e-3
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "merged"))
+    line = (Path(__file__).parent.parent / "examples" / "data" / "smol_sft_eval.jsonl").read_text().splitlines()[0]
+    question = json.loads(line)["messages"][:1]
+    ids = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    adapted = load_adapted(tmp_path / "adapter", name)
+    with torch.no_grad():
+        want = adapted.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
+        got = merged.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
+    assert got.tolist() == want.tolist()
