@@ -68,3 +68,18 @@ def test_sft_submits_the_next_step_before_waiting_and_keeps_the_op_order(local_s
     assert [("eval_loss" in r) for r in records if not r.get("final")] == [False, False, True, False, False, True]
     ckpts = [json.loads(l)["name"] for l in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
     assert ckpts == ["step-000002", "step-000004", "final"]
+
+
+def test_async_rl_with_two_steps_off_policy_never_trains_staler_groups(local_server, tmp_path):
+    run_dir = tmp_path / "async2"
+    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-rl.yaml"), "--run-dir", str(run_dir),
+                   "--set", "max_steps=5", "--set", "groups_per_batch=4", "--set", "group_size=4",
+                   "--set", "data.eval_prompts=null", "--set", "max_steps_off_policy=2")
+    assert result.code == 0, result.stderr
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(0 <= r["staleness"] <= 2 for r in records), [r["staleness"] for r in records]
+    assert any(r["staleness"] == 2 for r in records)  # two batches really were sampled ahead
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        sample = json.loads(line)
+        assert sample["step"] - 1 - sample["policy_version"] <= 2  # every group within the bound
