@@ -27,17 +27,20 @@ def arithmetic_pairs(rng: random.Random, limit: int) -> list[tuple[int, int]]:
 
 def main() -> None:
     rng = random.Random(0)
-    # SFT: answer small additions in a fixed format, "ANSWER: <sum>".
     pairs = arithmetic_pairs(rng, 10)
-    chat = [
+    # SFT (tiny): the tiny model has random weights, so it can only memorise: the addition table
+    # of 0..3 ("What is 2+3?" -> "ANSWER: 5"), each pair 5 times in the training file. After
+    # examples/tiny-sft.yaml (100 steps) every pair is answered right, greedily and mostly at
+    # temperature 1. The eval file is the table itself: it measures the fit, not generalisation.
+    table = [
         {"messages": [
             {"role": "user", "content": f"What is {a}+{b}?"},
             {"role": "assistant", "content": f"ANSWER: {a + b}"},
         ]}
-        for a, b in pairs
+        for a, b in arithmetic_pairs(random.Random(3), 4)
     ]  # fmt: skip
-    write("tiny_sft_train.jsonl", chat[:80])
-    write("tiny_sft_eval.jsonl", chat[80:])
+    write("tiny_sft_train.jsonl", [row for _ in range(5) for row in table])
+    write("tiny_sft_eval.jsonl", table)
     # RL (tiny): reply with digits only; the reward is the fraction of digit characters.
     prompts = [{"prompt": f"Say a number like {a}{b}.", "answer": f"{a}{b}"} for a, b in pairs]
     write("tiny_rl_prompts.jsonl", prompts[:64])

@@ -161,3 +161,16 @@ def test_a_samplers_sample_streams_through_the_sampler_client(seeded):
     text = "".join(c.text for c in chunks)
     assert text.startswith(SECRET) and text == tokenizer.decode([t for t in seq.tokens if t not in stops])
     assert chunks[-1].finish_reason == ("stop" if seq.stop_reason == "stop" else "length")
+
+
+def test_a_stop_string_is_never_streamed(client):
+    """Text that could be the start of a stop string is held back until it is known not to be."""
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(model="s2", messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                           stop=["fish"])
+    assert whole.choices[0].message.content == SECRET[:SECRET.index("fish")]
+    assert whole.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="s2", messages=messages, temperature=0,
+                                                 max_tokens=MAX_TOKENS, stop=["fish"], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"

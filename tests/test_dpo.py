@@ -108,6 +108,20 @@ def test_dpo_config_defaults_and_reference_errors(tmp_path):
         load_config(dpo_config(tmp_path, TRAIN, extra="label_smoothing: 0.5\n"))
 
 
+def test_reference_scores_survive_a_torn_append(tmp_path):
+    """A kill mid-append leaves a torn last line: it is dropped, and the next scores append on
+    a line of their own (read back whole, nothing lost after the tear)."""
+    from baseten_loops_cli.training.rundir import RunDir
+
+    rundir = RunDir(tmp_path)
+    rundir.append_references([{"key": "a", "ref_logprobs": [-1.5, 0.0]}])
+    with rundir.reference_file.open("a") as fh:
+        fh.write('{"key": "b", "ref_log')
+    assert [r["key"] for r in rundir.references()] == ["a"]
+    rundir.append_references([{"key": "b", "ref_logprobs": [-0.25, 0.0]}])
+    assert rundir.references() == [{"key": "a", "ref_logprobs": [-1.5, 0.0]}, {"key": "b", "ref_logprobs": [-0.25, 0.0]}]
+
+
 BAD_ROWS = [
     ({"prompt": "What is 1+1?", "chosen": "ANSWER: 2"}, "missing key 'rejected'"),
     ({"prompt": "What is 1+1?", "rejected": "2"}, "missing key 'chosen'"),
@@ -253,6 +267,8 @@ def test_tiny_dpo_example_raises_heldout_preference_accuracy(local_server, tmp_p
     assert final["eval_preference_accuracy"] >= 0.9 and final["eval_reward_margin"] > 0.5, final
     assert final["eval_loss"] < 0.5 * math.log(2)
     assert "preference accuracy 50% -> " in result.stderr
+    last_line = next(line for line in result.stderr.splitlines() if line.startswith("step 12/12"))
+    assert "pref_acc" in last_line and "eval_pref_acc" in last_line  # the per-step view
     # Every sequence was scored once by the reference and kept in the run directory.
     refs = [json.loads(line) for line in (run_dir / "reference_logprobs.jsonl").read_text().splitlines()]
     assert len(refs) == len({r["key"] for r in refs}) == 2 * (48 + 16)

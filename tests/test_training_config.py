@@ -119,6 +119,55 @@ def test_missing_data_file(tmp_path):
         load_data(load_config(path))
 
 
+def test_validate_lists_every_problem_in_line_order(tmp_path):
+    """One run of validate shows everything to fix: each with file, line, key and a fix, in line
+    order; a missing data file at the line of its key; the count is right."""
+    from baseten_loops_cli.training.config import ConfigProblems
+
+    text = (
+        "kind: sft\nname: x\nbase_model: loops-local/tiny\nbatch_size: -3\n"
+        "optimizer:\n  lerning_rate: 1e-3\n  warmup_steps: -1\n"
+        "data:\n  train: nope.jsonl\n  shufle: true\nloging:\n  run_dir: x\n"
+    )
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigProblems) as info:
+        load_config(path, check_files=True)
+    problems = info.value.problems
+    assert [p.line for p in problems] == [4, 6, 7, 9, 10, 11]
+    assert [p.key for p in problems] == [
+        "batch_size", "optimizer.lerning_rate", "optimizer.warmup_steps", "data.train", "data.shufle", "loging",
+    ]
+    assert all(p.fix for p in problems)
+    message = info.value.message
+    assert message.splitlines()[0] == f"{path}: 6 problems"
+    assert len(message.splitlines()) == 7
+    assert f"{path}:9: data.train:" in message and "data file not found" in message
+    assert "did you mean 'optimizer.learning_rate'" in message and "more problem" not in message
+
+
+def test_validate_lists_every_problem_through_the_cli(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    path = write(tmp_path, "kind: rl\nname: x\nbase_model: loops-local/tiny\ngroup_size: 1\n"
+                           "data:\n  prompts: missing.jsonl\nrewrd: exact_match\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPS_")}
+    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", LOOPS_CONFIG_DIR=str(tmp_path / "cfg"),
+               PYTHONPATH=str(EXAMPLES.parent))
+    proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "train", "validate", str(path), "--offline"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == f"Error: {path}: 4 problems", proc.stderr
+    listed = [line.strip().split(": ")[0] for line in lines[1:5]]
+    # The missing 'reward' has no line (it is not there): it comes first, then lines 4, 6, 7.
+    assert listed == [str(path), f"{path}:4", f"{path}:6", f"{path}:7"], proc.stderr
+    assert "missing required key 'reward'" in lines[1] and "data file not found" in lines[3]
+    assert "did you mean 'reward'" in lines[4]
+
+
 def test_sft_datum_shifts_by_one():
     datum = sft_datum(Example([1, 2, 3, 4], [0, 0, 1, 1], "x"))
     assert datum["model_input"]["chunks"][0]["tokens"] == [1, 2, 3]

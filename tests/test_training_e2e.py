@@ -214,7 +214,7 @@ def test_dry_run_and_validate_plan(local_server, tmp_path):
     result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-sft.yaml"), "--dry-run", "-o", "json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["plan"]
-    assert plan["examples"] == 80 and plan["steps"] == 60 and plan["train_tokens"] > 0
+    assert plan["examples"] == 80 and plan["steps"] == 100 and plan["train_tokens"] > 0
     bad = loops(local_server, "train", "validate", str(EXAMPLES / "tiny-sft.yaml"), "--set", "base_model=nope/model")
     assert bad.returncode == 1 and "Error:" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -141,3 +141,32 @@ def test_cli_init_validate_and_plot(tmp_path):
     except ImportError:
         result = runner.invoke(app, ["plot", str(rundir.path), "--out", str(tmp_path / "x.png")])
         assert result.exit_code != 0 and "matplotlib" in str(result.exception)
+        assert "pip install matplotlib" in result.exception.hint
+    else:
+        result = runner.invoke(app, ["plot", str(rundir.path), "--out", str(tmp_path / "x.png")])
+        assert result.exit_code == 0 and (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_plot_overlays_several_runs_one_legend_entry_each(tmp_path):
+    """`loops train plot runs/tiny-sft-*/` (the README runs the example twice): every run is
+    drawn on one chart, each with its own marker and legend entry."""
+    from typer.testing import CliRunner
+
+    from baseten_loops_cli.cli.train import app
+
+    dirs = []
+    for i, scale in enumerate((1.0, 3.0)):
+        rundir = RunDir(tmp_path / f"tiny-sft-{i}")
+        rundir.create({"kind": "sft"}, tmp_path / "c.yaml")
+        for step in range(1, 21):
+            rundir.append_metrics({"step": step, "loss": scale / step})
+        dirs.append(str(rundir.path) + "/")
+    result = CliRunner().invoke(app, ["plot", *dirs])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    for i, marker in enumerate("•x"):
+        label = str(tmp_path / f"tiny-sft-{i}")
+        assert f"{marker} {label}: steps 1-20" in text  # the summary line
+        assert f"│ {marker} tiny-sft-{i} │" in text  # the legend entry in the chart
+    chart = text[text.index("┌"):]
+    assert chart.count("•") > 5 and chart.count("x") > 5  # both curves drawn

@@ -53,8 +53,8 @@ def test_sft_submits_the_next_step_before_waiting_and_keeps_the_op_order(local_s
     n_eval = ops.count("forward") // 2  # eval batches, after steps 3 and 6
     step = ["forward_backward", "optim_step"]
     evals = ["forward"] * n_eval
-    expected = (step + step + ["save_state"] + step + evals + step + ["save_state"] + step + step + evals
-                + ["save_state", "save_weights_for_sampler"])
+    save = ["save_state", "save_weights_for_sampler"]
+    expected = step + step + save + step + evals + step + save + step + step + evals + save
     assert n_eval >= 1 and ops == expected, ops
     assert [seq for _, seq in submits] == sorted(seq for _, seq in submits)
     # Pipelining: step k+1's forward_backward is submitted before step k's results are awaited.

@@ -273,7 +273,10 @@ def test_download_honours_retry_after_then_gives_up_naming_the_link(server, tmp_
 # ── creates are reconciled, never re-sent blindly ────────────────────────────────────────────
 
 
-def _run(rid: str, session: str = "s1", created: str = "2026-01-01T00:00:00Z") -> dict:
+def _run(rid: str, session: str = "s1", age_s: float = 0.0) -> dict:
+    from datetime import datetime, timedelta, timezone
+
+    created = (datetime.now(timezone.utc) - timedelta(seconds=age_s)).isoformat()
     return {"id": rid, "session_id": session, "base_model": "b", "name": "n", "status": {"name": "ACTIVE"},
             "created_at": created}
 
@@ -282,10 +285,11 @@ def test_create_finds_what_a_502_made_and_deactivates_a_duplicate(server):
     """The POST is answered 502 (the server made run r1 anyway), the listing lags behind, so
     the create is sent again and makes r2; once both are listed, r2 is deactivated."""
     server.script("POST", "/v1/loops/runs", Reply(502))
-    server.route("POST", "/v1/loops/runs", lambda r: Reply(200, {"run": _run("r2", created="2026-01-01T00:00:01Z")}))
-    server.script("GET", "/v1/loops/runs", Reply(200, {"runs": []}))
-    server.route("GET", "/v1/loops/runs", lambda r: Reply(200, {"runs": [_run("r2", created="2026-01-01T00:00:01Z"),
-                                                                         _run("r1"), _run("x", session="other")]}))
+    server.route("POST", "/v1/loops/runs", lambda r: Reply(200, {"run": _run("r2")}))
+    # r0: made in the same session an hour ago (not by this create): never taken, never deactivated.
+    server.script("GET", "/v1/loops/runs", Reply(200, {"runs": [_run("r0", age_s=3600)]}))
+    server.route("GET", "/v1/loops/runs", lambda r: Reply(200, {"runs": [_run("r2"), _run("r1", age_s=1), _run("r0", age_s=3600),
+                                                                         _run("x", session="other")]}))
     server.route("POST", "/v1/loops/runs/*/deactivate", lambda r: Reply(200, {"id": r.path.split("/")[-2]}))
     with LoopsClient(server.url, "k", sleep=lambda s: None) as client:
         run = client.runs.create({"session_id": "s1", "base_model": "b", "name": "n"})

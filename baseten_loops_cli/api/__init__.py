@@ -1,5 +1,6 @@
-"""Control-plane client: ``http`` (httpx, retries, typed errors), ``models`` (pydantic),
-``client`` (``LoopsClient``), ``uri`` (``bt://`` checkpoint URIs), ``errors``.
+"""The client side's HTTP layer: ``http`` (the one transport: retry policy and decision, send,
+typed errors), ``models`` (pydantic), ``client`` (``LoopsClient``, the control plane),
+``download`` (checkpoint transfers), ``uri`` (``bt://`` checkpoint URIs), ``errors``.
 
 Attributes are resolved lazily so ``import baseten_loops_cli.api`` stays cheap; importing
 ``LoopsClient`` pulls in httpx and pydantic.

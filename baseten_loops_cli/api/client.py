@@ -14,6 +14,7 @@ session/run/trainer/sampler, list runs/samplers) use them.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import quote
 
@@ -98,8 +99,16 @@ class Sessions(_Resource):
         return SessionResponse.model_validate(self._get(f"/v1/loops/sessions/{_seg(session_id)}")).session
 
 
-def _oldest_first(items: list[Any]) -> list[Any]:
-    return sorted(items, key=lambda x: (x.created_at is None, x.created_at or 0, x.id))
+# How far the server's clock may be behind ours when telling "made by this create" from "was
+# already there" (a session can hold other objects: a run's paired sampler, earlier runs).
+CLOCK_SKEW_S = 30.0
+
+
+def _made_since(items: list[Any], since: float) -> list[Any]:
+    """The items created at or after ``since`` (unix time, less the clock skew), oldest first;
+    an item without ``created_at`` is kept (nothing tells it apart)."""
+    fresh = [x for x in items if x.created_at is None or x.created_at.timestamp() >= since - CLOCK_SKEW_S]
+    return sorted(fresh, key=lambda x: (x.created_at is None, x.created_at.timestamp() if x.created_at else 0, x.id))
 
 
 class Runs(_Resource):
@@ -115,11 +124,13 @@ class Runs(_Resource):
         return self._create("trainers", req)
 
     def _create(self, route: str, req: CreateTrainerRequest) -> LoopsRun:
+        since = time.time()
+
         def find() -> list[LoopsRun]:
-            # A session is made for one run (training.session, the SDK); a name narrows it further.
+            # Runs of this session, name and model made since the create began.
             runs = self.list(base_model=req.base_model)
-            return _oldest_first([r for r in runs if r.session_id == req.session_id and r.is_active
-                                  and (req.name is None or r.name in (None, req.name))])  # fmt: skip
+            return _made_since([r for r in runs if r.session_id == req.session_id and r.is_active
+                                and (req.name is None or r.name in (None, req.name))], since)  # fmt: skip
 
         return self._http.create(
             f"{self._client.create_root}/{route}",
@@ -153,6 +164,7 @@ class Samplers(_Resource):
                 "a sampler needs exactly one of base_model, run_id or model_path"
                 + (f" (got {', '.join(chosen)})" if chosen else "")
             )
+        since = time.time()
 
         def find() -> list[LoopsSampler]:
             # The listing carries each sampler's session and source (extra fields of LoopsSampler).
@@ -162,7 +174,7 @@ class Samplers(_Resource):
                         and all(extra.get(k) == getattr(req, k) for k in chosen if k != "base_model")
                         and (req.base_model is None or s.base_model == req.base_model))  # fmt: skip
 
-            return _oldest_first([s for s in self.list() if mine(s)])
+            return _made_since([s for s in self.list() if mine(s)], since)
 
         return self._http.create(
             f"{self._client.create_root}/samplers",

@@ -436,8 +436,7 @@ def connection_error(
     suffix = f"; {gave_up}" if gave_up else ""
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
         return RequestTimeoutError(f"timed out waiting for {shown} ({type(exc).__name__}{suffix})", url=shown)
-    return ConnectionFailedError(f"could not reach {shown}: {reason}{suffix}" if not gave_up else
-                                 f"could not reach {shown}: {reason} ({gave_up})", url=shown)
+    return ConnectionFailedError(f"could not reach {shown}: {reason}" + (f" ({gave_up})" if gave_up else ""), url=shown)
 
 
 def is_permanent_rejection(resp: httpx.Response) -> bool:
@@ -746,7 +745,7 @@ class HttpClient:
         elif decision.shutdown:
             err = ServerShutdownError(
                 f"{_display_url(request.url)} answered HTTP 503 {state.unavailable} times in a row without Retry-After "
-                f"(the worker is shutting down or gone; {gave_up})",
+                f"(the worker is shutting down or gone{'; ' + gave_up if gave_up else ''})",
                 url=self.base_url,
             )
         else:

@@ -20,6 +20,7 @@ from baseten_loops_cli.cli import (
     completion,
     config,
     deploy,
+    eval as eval_,
     runs,
     sample,
     samplers,
@@ -72,6 +73,7 @@ app.command("usage", rich_help_panel=RUNS)(usage.usage)
 app.command("sample", rich_help_panel=RUNS)(sample.sample)
 app.add_typer(checkpoints.app, name="checkpoints", rich_help_panel=CHECKPOINTS)
 app.add_typer(deploy.app, name="deploy", rich_help_panel=CHECKPOINTS)
+app.command("eval", rich_help_panel=CHECKPOINTS)(eval_.eval_command)
 app.add_typer(train.app, name="train", rich_help_panel=TRAINING)
 app.add_typer(auth.app, name="auth", rich_help_panel=SETUP)
 app.add_typer(config.app, name="config", rich_help_panel=SETUP)

@@ -90,58 +90,18 @@ def create(
 
       loops runs create -m Qwen/Qwen3-8B --from abc1234:step-400
     """
-    from baseten_loops_cli.errors import UsageError
-    from baseten_loops_cli.services.resolve import get_run, resolve_checkpoint, uri_of
-    from baseten_loops_cli.services.runs import trainer_deployment, wait_for_trainer
+    from baseten_loops_cli.services.runs import CreateRun, create_run, trainer_deployment, wait_for_trainer
 
     state = get_state(ctx)
     out = state.output
     client = state.backend().client
-    path = None
-    if from_checkpoint:
-        cp = resolve_checkpoint(client, from_checkpoint, prefer="trainer")
-        if cp.target != "trainer":
-            raise UsageError(
-                f"{from_checkpoint} holds sampler weights; --from needs trainer state (a weights/ checkpoint)",
-                hint="Use a checkpoint saved with save_state; list them with "
-                f"`loops checkpoints list --run-id {cp.run_id} --target trainer`.",
-            )
-        if cp.base_model and cp.base_model != base_model:
-            raise UsageError(
-                f"{from_checkpoint} was trained on {cp.base_model}, not {base_model}",
-                hint=f"Pass --base-model {cp.base_model}.",
-            )
-        path = uri_of(cp)
-        rank = cp.lora_rank
-        if rank is not None:
-            if lora_rank is None:
-                lora_rank = rank  # the run must match the checkpoint's adapter
-            elif lora_rank != rank:
-                raise UsageError(
-                    f"{from_checkpoint} has LoRA rank {rank}, not {lora_rank}",
-                    hint=f"Drop --lora-rank (it defaults to the checkpoint's) or pass --lora-rank {rank}.",
-                )
-    if reuse_from:
-        prior = get_run(client, reuse_from)
-        if prior.base_model != base_model:
-            raise UsageError(
-                f"--reuse-from {reuse_from} runs {prior.base_model}, not {base_model}",
-                hint="Warm reuse needs the same base model.",
-            )
-        if replicas and replicas > 1:
-            out.warn("--replicas > 1 always provisions fresh capacity; --reuse-from is ignored by the backend.")
-    out.info(f"Provisioning Loops run and sampler for {base_model}...")
-    request = {
-        "session_id": client.sessions.create().id,
-        "base_model": base_model,
-        "name": name,
-        "lora_rank": lora_rank,
-        "max_seq_len": max_seq_len,
-        "replicas": replicas,
-        "path": path,
-        "reuse_from_run_id": reuse_from,
-    }
-    run = client.runs.create({k: v for k, v in request.items() if v is not None})
+    run = create_run(
+        client,
+        CreateRun(base_model=base_model, name=name, lora_rank=lora_rank, max_seq_len=max_seq_len, replicas=replicas,
+                  from_checkpoint=from_checkpoint, reuse_from=reuse_from),
+        on_status=out.info,
+        on_warning=out.warn,
+    )
     _complete.invalidate("runs")
     if wait:
         out.info(f"Created Loops run {run.id} for {base_model}. Waiting for its trainer...")
@@ -155,6 +115,7 @@ def create(
         out.success(f"Created Loops run {run.id} for {base_model}. The trainer and sampler finish coming up in the background.")
         out.hint(f"Follow it with `loops runs watch {run.id}`.")
     out.emit(run, fields=describe_fields(run, trainer_deployment(client, run.deployment_id), [], None, None))
+
 
 # ── list ──────────────────────────────────────────────────────────────────────────────────
 
@@ -213,6 +174,14 @@ def list_runs(
 # ── describe ──────────────────────────────────────────────────────────────────────────────
 
 
+def _resumed_from(name: str | None) -> str | None:
+    """The run a `loops train resume` continued, from the suffix its run name carries."""
+    import re
+
+    match = re.search(r" \(resumed from ([A-Za-z0-9_-]+)\)$", name or "")
+    return match.group(1) if match else None
+
+
 def describe_fields(run, dep, checkpoints: list, usage: dict | None, policy_version: int | None) -> list:
     """The key/value view of a run (``runs create`` and ``runs describe``)."""
     from baseten_loops_cli.output.format import human_duration, human_size, human_time
@@ -235,6 +204,8 @@ def describe_fields(run, dep, checkpoints: list, usage: dict | None, policy_vers
         ("Max Seq Len", "max_seq_len"),
         ("Step", lambda r: policy_version),
     ]
+    if _resumed_from(run.name):
+        fields.insert(2, ("Resumed From", lambda r: _resumed_from(run.name)))
     sampler = run.sampler
     fields.append(("#Sampler", None))
     if sampler:
@@ -373,6 +344,38 @@ def _print_log(out, entry) -> None:
     out.stream(entry, text=format_log(entry), quiet_text=entry.message)
 
 
+def _log_window(tail: bool, since: str | None, start: str | None, end: str | None,
+                min_level: str | None) -> tuple[float, float, str | None]:
+    """(start, end) in epoch seconds and the minimum level, from the logs options."""
+    from baseten_loops_cli.errors import UsageError
+
+    if tail and (since or start or end):
+        raise UsageError("--tail cannot be combined with --since, --start or --end", hint="--tail starts from the last 30 minutes.")
+    if since and (start or end):
+        raise UsageError("--since cannot be combined with --start or --end")
+    level = None
+    if min_level is not None:
+        if min_level.lower() not in LOG_LEVELS:
+            raise UsageError(f"--min-level must be one of {', '.join(LOG_LEVELS)}, got {min_level!r}")
+        level = min_level.upper()
+    now = time.time()
+    end_s = parse_when(end, "--end").timestamp() if end else now
+    if since:
+        window = parse_duration(since)
+        if window > MAX_LOG_WINDOW_S:
+            raise UsageError(f"--since {since} is longer than 7 days", hint="Logs can be fetched 7 days at a time.")
+        start_s = end_s - window
+    elif start:
+        start_s = parse_when(start, "--start").timestamp()
+    else:
+        start_s = end_s - DEFAULT_LOG_WINDOW_S
+    if start_s > end_s:
+        raise UsageError("--start is after --end")
+    if end_s - start_s > MAX_LOG_WINDOW_S:
+        raise UsageError("the log window is longer than 7 days", hint="Narrow --start/--end; logs are fetched 7 days at a time.")
+    return start_s, end_s, level
+
+
 @app.command("logs")
 def logs(
     ctx: typer.Context,
@@ -399,36 +402,10 @@ def logs(
 
       loops runs logs abc1234 --start 2026-01-02T09:00 --end 2026-01-02T10:00 -o jsonl
     """
-    from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.services.resolve import get_run
-
-    if tail and (since or start or end):
-        raise UsageError("--tail cannot be combined with --since, --start or --end", hint="--tail starts from the last 30 minutes.")
-    if since and (start or end):
-        raise UsageError("--since cannot be combined with --start or --end")
-    level = None
-    if min_level is not None:
-        if min_level.lower() not in LOG_LEVELS:
-            raise UsageError(f"--min-level must be one of {', '.join(LOG_LEVELS)}, got {min_level!r}")
-        level = min_level.upper()
-    now = time.time()
-    end_s = parse_when(end, "--end").timestamp() if end else now
-    if since:
-        window = parse_duration(since)
-        if window > MAX_LOG_WINDOW_S:
-            raise UsageError(f"--since {since} is longer than 7 days", hint="Logs can be fetched 7 days at a time.")
-        start_s = end_s - window
-    elif start:
-        start_s = parse_when(start, "--start").timestamp()
-    else:
-        start_s = end_s - DEFAULT_LOG_WINDOW_S
-    if start_s > end_s:
-        raise UsageError("--start is after --end")
-    if end_s - start_s > MAX_LOG_WINDOW_S:
-        raise UsageError("the log window is longer than 7 days", hint="Narrow --start/--end; logs are fetched 7 days at a time.")
-
     from baseten_loops_cli.services.runs import LogFollower, LogSource, fetch_logs, log_ns
 
+    start_s, end_s, level = _log_window(tail, since, start, end, min_level)
     state = get_state(ctx)
     out = state.output
     client = state.backend().client

@@ -33,6 +33,7 @@ def sample(
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed, for reproducible samples.")] = None,
     target: Annotated[Optional[str], typer.Option("--target", "-t", help="With RUN:NAME: sampler (default) or trainer.")] = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Print the text as it is generated (one sample, text output).")] = False,
 ) -> None:
     """Generate from a run's latest weights or from a sampler checkpoint.
 
@@ -47,9 +48,11 @@ def sample(
       loops sample abc1234:final --chat --prompt "Write a haiku about LoRA." -n 3 --temperature 0.8
 
       echo "2 + 2 =" | loops sample bt://loops:abc1234/sampler_weights/step-100 --prompt - -o json
+
+      loops sample abc1234 --chat --prompt "Tell me a story." --max-tokens 256 --stream
     """
     from baseten_loops_cli.errors import UsageError
-    from baseten_loops_cli.services.sampling import SampleRequest, resolve_source, sample_text
+    from baseten_loops_cli.services.sampling import SampleRequest, resolve_source, sample_text, stream_text
 
     if system and not chat:
         raise UsageError("--system needs --chat", hint="A system message is part of a chat template.")
@@ -57,10 +60,15 @@ def sample(
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise UsageError("the prompt is empty", hint="Pass --prompt TEXT (or --prompt - to read it from stdin).")
-    request = SampleRequest(prompt=prompt, chat=chat, system=system, n=n, max_tokens=max_tokens,
-                            temperature=temperature, top_p=top_p, seed=seed)
     state = get_state(ctx)
     out = state.output
+    if stream and n != 1:
+        raise UsageError("--stream prints one sample", hint="Drop -n, or drop --stream to get several samples.")
+    if stream and out.format in ("json", "jsonl", "yaml"):
+        raise UsageError(f"--stream prints text as it is generated, not -o {out.format}",
+                         hint="Drop --stream to get the whole answer as a document.")
+    request = SampleRequest(prompt=prompt, chat=chat, system=system, n=n, max_tokens=max_tokens,
+                            temperature=temperature, top_p=top_p, seed=seed)
     backend = state.backend()
     source = resolve_source(backend.client, target_ref, target)
     if source.started_sampler:
@@ -68,6 +76,14 @@ def sample(
         sid = source.sampler.id
         out.info(f"Started sampler {sid} for {source.uri} (its run is inactive). It scales to zero when idle; "
                  f"stop it with `loops samplers deactivate {sid}`.")
+    if stream:
+        text = ""
+        for piece in stream_text(source, request, api_key=backend.api_key):
+            out.text_piece(piece)
+            text += piece
+        out.text_piece("" if text.endswith("\n") else "\n")
+        out.hint(f"Sampled {source.label} ({source.base_model}) with sampler {source.sampler.id}.")
+        return
     answer = sample_text(source, request, api_key=backend.api_key)
     out.emit(answer, rows=answer.samples, id_key=lambda s: s.text.rstrip("\n"), text=_sample_lines(answer),
              hint=f"Sampled {source.label} ({answer.base_model}"

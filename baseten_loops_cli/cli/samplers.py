@@ -150,7 +150,7 @@ def create(
     """
     from baseten_loops_cli.cli._args import exactly_one
     from baseten_loops_cli.errors import UsageError
-    from baseten_loops_cli.services.resolve import get_run, resolve_checkpoint, uri_of
+    from baseten_loops_cli.services.sampling import create_sampler
 
     chosen = exactly_one(base_model=base_model, run_id=run_id, checkpoint=checkpoint)
     if chosen is None:
@@ -158,27 +158,8 @@ def create(
     state = get_state(ctx)
     out = state.output
     client = state.backend().client
-    body: dict = {"max_seq_length": max_seq_len, "num_replicas": replicas}
-    if run_id:
-        run = get_run(client, run_id)
-        body["run_id"] = run.id
-        body["session_id"] = run.session_id
-        what = f"run {run.id}"
-    elif checkpoint:
-        cp = resolve_checkpoint(client, checkpoint, prefer="sampler")
-        if cp.target != "sampler":
-            raise UsageError(
-                f"{checkpoint} is trainer state; samplers serve sampler weights",
-                hint=f"Pick a sampler checkpoint: loops checkpoints list --run-id {cp.run_id} --target sampler",
-            )
-        body["model_path"] = uri_of(cp)
-        what = str(body["model_path"])
-    else:
-        body["base_model"] = base_model
-        what = str(base_model)
-    if not body.get("session_id"):
-        body["session_id"] = client.sessions.create().id
-    sampler = client.samplers.create({k: v for k, v in body.items() if v is not None})
+    sampler, what = create_sampler(client, base_model=base_model, run_id=run_id, checkpoint=checkpoint,
+                                   max_seq_len=max_seq_len, replicas=replicas)
     _complete.invalidate("samplers")
     out.success(f"Sampler {sampler.id} serves {what}.")
     out.emit(sampler, fields=_sampler_fields())

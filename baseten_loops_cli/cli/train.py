@@ -19,15 +19,14 @@ SetOpt = Annotated[
 
 # Paths inside a config that are resolved relative to the config file; the run directory keeps
 # absolute ones so `loops train resume` works from anywhere.
-_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"))
-
-
 def _absolute_raw(loaded) -> dict:
     import copy
 
+    from baseten_loops_cli.training.config import DATA_PATH_KEYS
+
     raw = copy.deepcopy(loaded.raw)
-    for section, key in _PATH_KEYS:
-        value = (raw.get(section) or {}).get(key)
+    for section, key in DATA_PATH_KEYS:
+        value = raw[section].get(key) if isinstance(raw.get(section), dict) else None
         if isinstance(value, str):
             raw[section][key] = str(loaded.resolve_path(value).resolve())
     reward = raw.get("reward")
@@ -45,7 +44,7 @@ def _absolute_raw(loaded) -> dict:
 def _load_config(config: Path, overrides: list[str] | None):
     from baseten_loops_cli.training.config import load_config
 
-    return load_config(config, overrides or [])
+    return load_config(config, overrides or [], check_files=True)
 
 
 def _load_data(loaded):
@@ -202,6 +201,13 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
             sink.close()
         if session is not None:
             session.close(deactivate=session.created_run and not keep_run)
+            # `status` is how training ended (completed, interrupted, failed); `run_status` is
+            # the run's own status on the backend, in the backend's words (what `loops runs
+            # list` shows: ACTIVE, INACTIVE, ...), read back rather than assumed.
+            try:
+                rundir.update_state(run_status=session.client.runs.get(session.run_id).status_name)
+            except LoopsError:
+                pass
 
     status = "failed"
     try:
@@ -308,15 +314,18 @@ def run(
 
       loops train run my.yaml -o jsonl > metrics.jsonl
     """
+    import time
+
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training.plan import check_base_model, make_plan
     from baseten_loops_cli.training.rundir import RunDir
 
+    started = time.monotonic()
     state = get_state(ctx)
     out = state.output
     loaded = _load_config(config, overrides)
     if run_dir is None and loaded.config.logging.run_dir:
-        run_dir = loaded.resolve_path(loaded.config.logging.run_dir)
+        run_dir = Path(loaded.config.logging.run_dir).expanduser()  # relative to the working directory
     rundir = RunDir(run_dir or _default_run_dir(loaded.config.name))
     if rundir.exists():
         raise UsageError(
@@ -332,9 +341,9 @@ def run(
     if dry_run:
         if out.human:
             _show_plan(out, plan, loaded, desc)
-            out.info("Dry run: nothing provisioned.")
+            out.info(f"Dry run: nothing provisioned (run directory would be {rundir.path}).")
         else:
-            out.emit({"dry_run": True, "plan": plan.as_dict()}, id_key="kind")
+            out.emit({"dry_run": True, "run_dir": str(rundir.path), "plan": plan.as_dict()}, id_key="kind")
         return
     if not out.quiet and out.format == "table":
         _show_plan(out, plan, loaded, desc)
@@ -343,6 +352,12 @@ def run(
     rundir.create(_absolute_raw(loaded), loaded.path)
     out.info(f"Run directory: {rundir.path}")
     _execute(state, backend, loaded, data, rundir, resume=False, keep_run=keep_run)
+    if backend.kind == "local":
+        # The next plan of this model on this machine is calibrated by this run's measured speed.
+        from baseten_loops_cli.training import calibration
+
+        calibration.record(loaded.config.kind, loaded.config.base_model, seconds=time.monotonic() - started,
+                           tokens=plan.train_tokens + plan.sample_tokens)
 
 
 @app.command("resume")
@@ -383,34 +398,44 @@ def resume(
 @app.command("plot")
 def plot(
     ctx: typer.Context,
-    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    run_dirs: Annotated[list[Path], typer.Argument(help="One or more run directories (overlaid, one colour and legend entry each).")],
     metric: Annotated[Optional[list[str]], typer.Option("--metric", "-m", help="Metric(s) to plot (default: loss or reward).")] = None,
     out_file: Annotated[Optional[Path], typer.Option("--out", help="Write a PNG here (needs matplotlib).")] = None,
 ) -> None:
-    """Draw a run's metric curves in the terminal, or to a PNG.
+    """Draw runs' metric curves in the terminal, or to a PNG; several runs are overlaid.
 
     Examples:
 
       loops train plot runs/tiny-sft-20261203-091500
 
+      loops train plot runs/tiny-sft-*/
+
       loops train plot runs/my-rl --metric reward --metric pass_rate --out curves.png
     """
+    import os
+    import shutil
+
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training.plot import plot_png, plot_terminal
     from baseten_loops_cli.training.rundir import RunDir
 
     state = get_state(ctx)
-    rundir = RunDir(run_dir)
-    records = [r for r in rundir.metrics() if not r.get("final")]
-    if not records:
-        raise UsageError(f"{run_dir}: no metrics.jsonl records to plot")
-    names = metric or (["reward"] if "reward" in records[0] else ["loss"])
-    available = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
+    runs: dict[str, list[dict]] = {}
+    for run_dir in run_dirs:
+        records = [r for r in RunDir(run_dir).metrics() if not r.get("final")]
+        if not records:
+            raise UsageError(f"{run_dir}: no metrics.jsonl records to plot", hint="Pass run directories of `loops train run`.")
+        runs[str(run_dir).rstrip("/") or str(run_dir)] = records
+    first = next(iter(runs.values()))
+    names = metric or (["reward"] if "reward" in first[0] else ["loss"])
+    available = sorted({k for rs in runs.values() for r in rs for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
     for name in names:
         if name not in available:
-            raise UsageError(f"no metric {name!r} in {run_dir}", hint=f"Available: {', '.join(available)}.")
+            raise UsageError(f"no metric {name!r} in {', '.join(runs)}", hint=f"Available: {', '.join(available)}.")
     if out_file is not None:
-        plot_png(records, names, out_file)
+        plot_png(runs, names, out_file)
         state.output.success(f"Wrote {out_file}.")
         return
-    typer.echo(plot_terminal(records, names))
+    color = bool(state.output.streams.stdout_tty) and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+    width = max(40, min(120, shutil.get_terminal_size((80, 24)).columns - 2))
+    typer.echo(plot_terminal(runs, names, width=width, color=color))

@@ -88,3 +88,38 @@ class SilentProgress:
 
     def file_done(self, name: str) -> None:
         pass
+
+
+class CountBar:
+    """Items done out of a total and the time left (e.g. rows scored by ``loops eval``); draws
+    nothing when ``console`` is None."""
+
+    def __init__(self, console: Any, label: str):
+        self._console = console
+        self._label = label
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> "CountBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def start(self, total: int) -> None:
+        if self._console is None or total <= 0 or self._progress is not None:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            console=self._console, transient=True,
+        )  # fmt: skip
+        self._task = self._progress.add_task(self._label, total=total)
+        self._progress.start()
+
+    def advance(self, n: int = 1) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, n)

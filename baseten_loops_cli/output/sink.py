@@ -251,7 +251,7 @@ class Output:
         columns: Sequence[Column] | None = None,
         fields: Sequence[Column] | None = None,
         title: str | None = None,
-        id_key: str | Callable[[dict], Any] = "id",
+        id_key: str | Callable[[Any], Any] = "id",
         empty: str | None = None,
         empty_hint: str | None = None,
         text: Iterable[str] | None = None,
@@ -328,6 +328,13 @@ class Output:
         elif self.format == "table" and text is not None:
             self._write(text)
 
+    def text_piece(self, piece: str) -> None:
+        """Text printed as it comes (a streamed answer): no newline added, flushed at once;
+        ``none`` prints nothing."""
+        if self.format != "none":
+            self.streams.stdout.write(piece)
+            self.streams.stdout.flush()
+
     def live(self) -> "LiveLine":
         """A line redrawn in place on stderr for a person at a terminal; elsewhere its
         :meth:`LiveLine.update` streams each state like :meth:`stream` (with a time stamp in
@@ -343,6 +350,13 @@ class Output:
         if self.streams.stderr_tty and not self.quiet:
             return TransferBar(self.err_console, label)
         return SilentProgress()
+
+    def count_progress(self, label: str):
+        """A bar of items done out of a total (with the time left) on stderr for a person at a
+        terminal, silent otherwise; ``start(total)``/``advance(n)``, a context manager."""
+        from baseten_loops_cli.output.progress import CountBar
+
+        return CountBar(self.err_console if (self.streams.stderr_tty and not self.quiet) else None, label)
 
     # ------------------------------------------------------------------ renderers
     def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None) -> None:

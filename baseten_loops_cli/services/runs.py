@@ -168,6 +168,76 @@ def describe_run(backend: "Backend", run_id: str, *, checkpoints: int = 5) -> Ru
 # ── create / wait ─────────────────────────────────────────────────────────────────────────
 
 
+class CreateRun(BaseModel):
+    """What ``loops runs create`` asks for; checkpoint and run references are resolved by
+    :func:`create_run`."""
+
+    base_model: str
+    name: str | None = None
+    lora_rank: int | None = None
+    max_seq_len: int | None = None
+    replicas: int | None = None
+    from_checkpoint: str | None = None  # a trainer checkpoint to start from (id, URI, RUN:NAME)
+    reuse_from: str | None = None  # an earlier run whose warm trainer and sampler to reuse
+
+
+def create_run(
+    client: "LoopsClient",
+    request: CreateRun,
+    *,
+    on_status: Callable[[str], None] = lambda _s: None,
+    on_warning: Callable[[str], None] = lambda _s: None,
+) -> LoopsRun:
+    """Check the request (the checkpoint holds trainer state of the same base model and LoRA
+    rank; a reused run has the same base model) and create the run."""
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.services.resolve import resolve_checkpoint, uri_of
+
+    base_model, lora_rank, path = request.base_model, request.lora_rank, None
+    if request.from_checkpoint:
+        ref = request.from_checkpoint
+        cp = resolve_checkpoint(client, ref, prefer="trainer")
+        if cp.target != "trainer":
+            raise UsageError(
+                f"{ref} holds sampler weights; --from needs trainer state (a weights/ checkpoint)",
+                hint="Use a checkpoint saved with save_state; list them with "
+                f"`loops checkpoints list --run-id {cp.run_id} --target trainer`.",
+            )
+        if cp.base_model and cp.base_model != base_model:
+            raise UsageError(f"{ref} was trained on {cp.base_model}, not {base_model}", hint=f"Pass --base-model {cp.base_model}.")
+        path = uri_of(cp)
+        rank = cp.lora_rank
+        if rank is not None:
+            if lora_rank is None:
+                lora_rank = rank  # the run must match the checkpoint's adapter
+            elif lora_rank != rank:
+                raise UsageError(
+                    f"{ref} has LoRA rank {rank}, not {lora_rank}",
+                    hint=f"Drop --lora-rank (it defaults to the checkpoint's) or pass --lora-rank {rank}.",
+                )
+    if request.reuse_from:
+        prior = get_run(client, request.reuse_from)
+        if prior.base_model != base_model:
+            raise UsageError(
+                f"--reuse-from {request.reuse_from} runs {prior.base_model}, not {base_model}",
+                hint="Warm reuse needs the same base model.",
+            )
+        if request.replicas and request.replicas > 1:
+            on_warning("--replicas > 1 always provisions fresh capacity; --reuse-from is ignored by the backend.")
+    on_status(f"Provisioning Loops run and sampler for {base_model}...")
+    body = {
+        "session_id": client.sessions.create().id,
+        "base_model": base_model,
+        "name": request.name,
+        "lora_rank": lora_rank,
+        "max_seq_len": request.max_seq_len,
+        "replicas": request.replicas,
+        "path": path,
+        "reuse_from_run_id": request.reuse_from,
+    }
+    return client.runs.create({k: v for k, v in body.items() if v is not None})
+
+
 def wait_for_trainer(
     client: "LoopsClient",
     run: LoopsRun,

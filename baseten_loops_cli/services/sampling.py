@@ -21,7 +21,7 @@ Use from Python::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from pydantic import BaseModel, ConfigDict
 
@@ -160,27 +160,81 @@ def _checkpoint_source(client: "LoopsClient", ref: str, cp: LoopsCheckpoint) -> 
     return SampleSource(sampler=sampler, base_model=cp.base_model or sampler.base_model, started_sampler=True, **common)
 
 
-def sample_text(source: SampleSource, request: SampleRequest, *, api_key: str) -> SampleResponse:
-    """Tokenize ``request.prompt``, sample from ``source`` and decode the answers."""
-    from baseten_loops_cli.tokenization import get_tokenizer, render_chat
-    from baseten_loops_cli.workers.sampler import SamplerClient
+def create_sampler(
+    client: "LoopsClient",
+    *,
+    base_model: str | None = None,
+    run_id: str | None = None,
+    checkpoint: str | None = None,
+    max_seq_len: int | None = None,
+    replicas: int | None = None,
+) -> tuple[LoopsSampler, str]:
+    """A sampler for a base model, a run (its paired sampler) or a sampler checkpoint (give one),
+    and a few words saying what it serves."""
+    from baseten_loops_cli.services.resolve import get_run
 
-    tokenizer = get_tokenizer(source.base_model)
+    body: dict = {"max_seq_length": max_seq_len, "num_replicas": replicas}
+    if run_id:
+        run = get_run(client, run_id)
+        body.update(run_id=run.id, session_id=run.session_id)
+        what = f"run {run.id}"
+    elif checkpoint:
+        cp = resolve_checkpoint(client, checkpoint, prefer="sampler")
+        if cp.target != "sampler":
+            raise UsageError(
+                f"{checkpoint} is trainer state; samplers serve sampler weights",
+                hint=f"Pick a sampler checkpoint: loops checkpoints list --run-id {cp.run_id} --target sampler",
+            )
+        body["model_path"] = uri_of(cp)
+        what = str(body["model_path"])
+    else:
+        body["base_model"] = base_model
+        what = str(base_model)
+    if not body.get("session_id"):
+        body["session_id"] = client.sessions.create().id
+    return client.samplers.create({k: v for k, v in body.items() if v is not None}), what
+
+
+def _tokenizer(base_model: str):
+    from baseten_loops_cli.tokenization import get_tokenizer
+
+    return get_tokenizer(base_model)
+
+
+def _prompt_tokens(tokenizer, request: SampleRequest) -> list[int]:
+    from baseten_loops_cli.tokenization import render_chat
+
     if request.chat:
         system = [{"role": "system", "content": request.system}] if request.system else []
         tokens, _ = render_chat(tokenizer, system + [{"role": "user", "content": request.prompt}], add_generation_prompt=True)
-        tokens = list(tokens)
-    else:
-        tokens = list(tokenizer.encode(request.prompt))
+        return list(tokens)
+    return list(tokenizer.encode(request.prompt))
+
+
+def _stop_ids(tokenizer) -> list[int]:
     stops = list(getattr(tokenizer, "stop_token_ids", ()) or ())
     if not stops and getattr(tokenizer, "eos_token_id", None) is not None:
         stops = [tokenizer.eos_token_id]
-    with SamplerClient(
+    return stops
+
+
+def _sampler_client(source: SampleSource, api_key: str):
+    from baseten_loops_cli.workers.sampler import SamplerClient
+
+    return SamplerClient(
         source.sampler.base_url,
         api_key=api_key,
         run_id=source.run_header,
         sampler_id=None if source.run_header else source.sampler.id,
-    ) as sc:
+    )
+
+
+def sample_text(source: SampleSource, request: SampleRequest, *, api_key: str) -> SampleResponse:
+    """Tokenize ``request.prompt``, sample from ``source`` and decode the answers."""
+    tokenizer = _tokenizer(source.base_model)
+    tokens = _prompt_tokens(tokenizer, request)
+    stops = _stop_ids(tokenizer)
+    with _sampler_client(source, api_key) as sc:
         result = sc.sample(
             tokens,
             n=request.n,
@@ -217,4 +271,27 @@ def sample_text(source: SampleSource, request: SampleRequest, *, api_key: str) -
     )
 
 
-__all__ = ["SampleRequest", "SampleResponse", "SampleSource", "Sample", "paired_sampler", "resolve_source", "sample_text"]
+def stream_text(source: SampleSource, request: SampleRequest, *, api_key: str) -> Iterator[str]:
+    """:func:`sample_text` for one sample, as text pieces in the order the sampler decodes
+    them (its ``/sample`` with ``stream: true``): the first arrives while the rest is still
+    being generated."""
+    if request.n != 1:
+        raise UsageError("streaming prints one sample", hint="Drop -n, or drop --stream to get several samples.")
+    tokenizer = _tokenizer(source.base_model)
+    stops = _stop_ids(tokenizer)
+    with _sampler_client(source, api_key) as sc:
+        for chunk in sc.sample_stream(
+            _prompt_tokens(tokenizer, request),
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=stops or None,
+            checkpoint_path=source.pin,
+        ):
+            if chunk.text:
+                yield chunk.text
+
+
+__all__ = ["SampleRequest", "SampleResponse", "SampleSource", "Sample", "create_sampler", "paired_sampler", "resolve_source", "sample_text",
+           "stream_text"]

@@ -7,12 +7,22 @@ a typo in a config that provisions GPUs should cost seconds, not a run.
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError, UsageError
+
+
+# The data keys that name files (relative to the config file).
+DATA_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"), ("eval", "data"))
+
+
+def _kinds_text() -> str:
+    """'sft', 'rl' or 'dpo': the config kinds (KINDS, below), for messages."""
+    return ", ".join(repr(k) for k in KINDS[:-1]) + f" or {KINDS[-1]!r}"
 
 
 class _Strict(BaseModel):
@@ -40,7 +50,7 @@ class CheckpointConfig(_Strict):
 class LoggingConfig(_Strict):
     run_dir: str | None = Field(
         None,
-        description="Relative to the config file; --run-dir wins. Default: runs/<name>-<timestamp> in the current directory.",
+        description="Relative to the working directory; --run-dir wins. Default: runs/<name>-<timestamp>.",
     )
     wandb_project: str | None = None
     wandb_name: str | None = None
@@ -112,6 +122,18 @@ class SamplingConfig(_Strict):
     stop: list[str] = Field(default_factory=list)
 
 
+class EvalConfig(_Strict):
+    """``eval:``: when training ends, score the final checkpoint (and the base model with
+    ``base: true``) as ``loops eval`` does; the table goes to eval.json and eval.txt in the run
+    directory. ``eval: true`` (or an empty ``eval:``) takes every default."""
+
+    data: str | None = Field(None, description="JSONL to score (default: data.eval, or data.eval_prompts for RL).")
+    base: bool = Field(False, description="Also score the base model, to show what training bought.")
+    limit: int | None = Field(None, ge=1, description="Score only the first N rows.")
+    samples: int | None = Field(None, ge=1, description="RL: completions per prompt (default: group_size).")
+    k: int | None = Field(None, ge=1, description="RL: the k of pass@k (default: samples).")
+
+
 class _Common(_Strict):
     name: str = Field(..., min_length=1, max_length=255)
     base_model: str
@@ -127,13 +149,23 @@ class _Common(_Strict):
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
+    eval: EvalConfig | None = Field(None, description="Evaluate the final checkpoint when training ends.")
+    EVAL_SUPPORTED: ClassVar[bool] = True  # the loop ends with evaluate_final()
+
+    @field_validator("eval", mode="before")
+    @classmethod
+    def _eval_shorthand(cls, value: Any) -> Any:
+        value = {} if value is True else None if value is False else value
+        if value is not None and not cls.EVAL_SUPPORTED:
+            raise ValueError("not offered for this kind; score the final checkpoint with `loops eval RUN:final --data FILE`")
+        return value
 
     @model_validator(mode="before")
     @classmethod
     def _empty_sections(cls, data: Any) -> Any:
         """A section whose keys are all commented out (``logging:`` alone) means the defaults."""
         if isinstance(data, dict):
-            empty = [k for k in ("optimizer", "checkpointing", "logging", "pricing", "loss", "sampling") if k in data and data[k] is None]
+            empty = [k for k in ("optimizer", "checkpointing", "logging", "pricing", "loss", "sampling", "eval") if k in data and data[k] is None]
             if empty:
                 data = {**data, **{k: {} for k in empty}}
         return data
@@ -163,6 +195,7 @@ class RLConfig(_Common):
 
 
 class DPOConfig(_Common):
+    EVAL_SUPPORTED = False
     kind: Literal["dpo"]
     data: DPOData
     beta: float = Field(0.1, gt=0, description="DPO temperature: how far the policy may move from the reference.")
@@ -283,34 +316,82 @@ def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(getattr(current, "model_fields", {}))
 
 
-def _format_validation_error(exc: ValidationError, path: Path, lines: dict[tuple, int], raw: dict) -> ConfigError:
-    err = exc.errors()[0]
+@dataclass
+class Problem:
+    """One thing wrong with a config: where it is, which key, what is wrong and how to fix it."""
+
+    line: int | None
+    key: str
+    message: str  # already names the key, e.g. "unknown key 'lr'; did you mean 'optimizer.lr'?"
+    fix: str | None = None
+
+    def where(self, path: Path) -> str:
+        return f"{path}:{self.line}" if self.line else str(path)
+
+
+class ConfigProblems(ConfigError):
+    """Every problem found in one config file, in line order. With one problem it reads like any
+    other one-line error (message + hint); with several, the message lists them all."""
+
+    def __init__(self, path: Path, problems: list[Problem]):
+        self.path = path
+        self.problems = sorted(problems, key=lambda p: p.line or 0)
+        if len(self.problems) == 1:
+            only = self.problems[0]
+            super().__init__(f"{only.where(path)}: {only.message}", hint=only.fix)
+            return
+        lines = [f"{path}: {len(self.problems)} problems"]
+        for p in self.problems:
+            sep = " " if p.message.endswith(("?", ".")) else ". "
+            lines.append(f"  {p.where(path)}: {p.message}" + (f"{sep}Fix: {p.fix}" if p.fix else ""))
+        super().__init__("\n".join(lines), hint="Fix them all, then run `loops train validate` again.")
+
+
+def _line_of(lines: dict[tuple, int], loc: tuple) -> int | None:
+    """The line of ``loc``, or of its nearest parent that has one."""
+    probe = loc
+    while probe:
+        if probe in lines:
+            return lines[probe]
+        probe = probe[:-1]
+    return None
+
+
+def _problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
     loc = tuple(p for p in err["loc"] if p not in KINDS)
     key = ".".join(str(p) for p in loc) or "(top level)"
-    line = None
-    probe = loc
-    while probe and line is None:
-        line = lines.get(probe)
-        probe = probe[:-1]
-    where = f"{path}:{line}" if line else str(path)
-    hint = None
+    line = _line_of(lines, loc)
     if err["type"] == "extra_forbidden":
         valid = _valid_keys(_model_for(raw), loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
-        message = f"{where}: unknown key {key!r}"
+        message = f"unknown key {key!r}"
         if close:
-            message += f"; did you mean {'.'.join(str(p) for p in loc[:-1] + (close[0],))!r}?"
-        elif valid:
-            hint = f"Valid keys here: {', '.join(valid)}."
-    elif err["type"] == "missing":
-        message = f"{where}: missing required key {key!r}"
-    elif err["type"] == "union_tag_invalid" or (err["type"] == "literal_error" and loc == ("kind",)):
-        message = f"{where}: kind must be 'sft', 'rl' or 'dpo'"
-    else:
-        message = f"{where}: {key}: {err['msg'].removeprefix('Value error, ')}"
-    if len(exc.errors()) > 1:
-        hint = (hint + " " if hint else "") + f"({len(exc.errors()) - 1} more problem(s) after this one.)"
-    return ConfigError(message, hint=hint)
+            better = ".".join(str(p) for p in loc[:-1] + (close[0],))
+            return Problem(line, key, message + f"; did you mean {better!r}?", f"Rename it to {better!r}.")
+        return Problem(line, key, message, f"Valid keys here: {', '.join(valid)}." if valid else "Remove it.")
+    if err["type"] == "missing":
+        return Problem(line, key, f"missing required key {key!r}", f"Add `{loc[-1]}: ...` here.")
+    if err["type"] == "union_tag_invalid" or (err["type"] == "literal_error" and loc == ("kind",)):
+        return Problem(line, key, f"kind must be {_kinds_text()}", f"Set kind to {_kinds_text()}.")
+    value = err.get("input")
+    fix = f"Change the value ({value!r})." if not isinstance(value, (dict, list)) else None
+    return Problem(line, key, f"{key}: {err['msg'].removeprefix('Value error, ')}", fix)
+
+
+def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path) -> list[Problem]:
+    """A data path that does not exist, reported at the line of its key (not later, at load)."""
+    problems = []
+    for loc in DATA_PATH_KEYS:
+        value = (raw.get(loc[0]) or {}).get(loc[1]) if isinstance(raw.get(loc[0]), dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        resolved = Path(value).expanduser()
+        resolved = resolved if resolved.is_absolute() else base_dir / resolved
+        if not resolved.exists():
+            key = ".".join(loc)
+            problems.append(Problem(lines.get(loc), key, f"{key}: {resolved}: data file not found",
+                                    "Check the path (relative to the config file)."))
+    return problems
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -337,7 +418,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> LoadedConfig:
+def load_config(path: str | Path, overrides: list[str] | None = None, *, check_files: bool = False) -> LoadedConfig:
+    """Load and validate a config; every problem is reported at once (:class:`ConfigProblems`).
+
+    ``check_files`` also reports data files that do not exist, at the line of their key (what
+    `loops train validate` and `run` want; loading a run directory's config does not need it)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -356,11 +441,17 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> LoadedC
         raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft`, `kind: rl` or `kind: dpo`.")
     if raw.get("kind") not in KINDS:
         line = lines.get(("kind",))
-        raise ConfigError(f"{path}:{line or 1}: kind must be 'sft', 'rl' or 'dpo', not {raw.get('kind')!r}")
+        raise ConfigError(f"{path}:{line or 1}: kind must be {_kinds_text()}, not {raw.get('kind')!r}")
     from pydantic import TypeAdapter
 
+    # Collect every problem before failing: the schema's (pydantic reports them all) and the
+    # data files that do not exist, so one `validate` shows everything to fix.
+    problems = _missing_data_files(raw, lines, path.resolve().parent) if check_files else []
+    config = None
     try:
         config = TypeAdapter(TrainConfig).validate_python(raw)
     except ValidationError as exc:
-        raise _format_validation_error(exc, path, lines, raw) from None
+        problems += [_problem(err, lines, raw) for err in exc.errors()]
+    if problems:
+        raise ConfigProblems(path, problems)
     return LoadedConfig(config, path.resolve(), raw, lines)

@@ -6,18 +6,49 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from typing import Any, TextIO
 
 SPARK = "▁▂▃▄▅▆▇█"
 
 
 def sparkline(values: list[float], width: int = 30) -> str:
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))][-width:]
+    """The last ``width`` values, scaled to the range of ALL values: a flat tail after a big drop
+    stays flat instead of being stretched into noise."""
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     if not values:
         return ""
     lo, hi = min(values), max(values)
     span = hi - lo or 1.0
-    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in values)
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in values[-width:])
+
+
+class EtaEstimator:
+    """Seconds left, from the mean step time of this session (steps resumed from are not timed).
+
+    The mean over all steps so far, not the last few, so one slow step (an eval, a checkpoint)
+    moves it a little; after the first 10% of steps each new estimate is also kept within 2x of
+    the previous one, so the live view never jumps."""
+
+    WARMUP = 0.1
+    MAX_RATIO = 2.0
+
+    def __init__(self, total_steps: int, start_step: int = 0, now: float | None = None) -> None:
+        self.total = total_steps
+        self.start_step = start_step
+        self.started = time.monotonic() if now is None else now
+        self.seconds: float | None = None
+
+    def update(self, step: int, now: float | None = None) -> float | None:
+        now = time.monotonic() if now is None else now
+        done = step - self.start_step
+        if done <= 0:
+            return self.seconds
+        estimate = (now - self.started) / done * max(0, self.total - step)
+        if self.seconds is not None and step >= self.WARMUP * self.total and estimate > 0:
+            estimate = min(max(estimate, self.seconds / self.MAX_RATIO), self.seconds * self.MAX_RATIO)
+        self.seconds = estimate
+        return estimate
 
 
 def _fmt(value: Any, spec: str = ".4f") -> str:
@@ -95,15 +126,16 @@ class LiveReporter:
 
     def start(self, total_steps: int, start_step: int, main_metric: str) -> None:
         from rich.live import Live
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.total = total_steps
         self.main_metric = main_metric
+        self.eta = EtaEstimator(total_steps, start_step)
         self._progress = Progress(
             TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+            TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"), console=self.console,
         )  # fmt: skip
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step)
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, eta="-:--:--")
         self._live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
         self._live.start()
 
@@ -124,7 +156,9 @@ class LiveReporter:
         value = record.get(self.main_metric)
         if isinstance(value, (int, float)):
             self.history.append(float(value))
-        self._progress.update(self._task, completed=record["step"])
+        seconds = self.eta.update(int(record["step"]))
+        eta = "-:--:--" if seconds is None else time.strftime("%H:%M:%S", time.gmtime(seconds))
+        self._progress.update(self._task, completed=record["step"], eta=eta)
         self._live.update(self._render())
 
     def message(self, text: str) -> None:

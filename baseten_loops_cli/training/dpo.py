@@ -88,9 +88,12 @@ def _reference_sampler(session: TrainingSession) -> tuple[Any, str | None]:
     return session.new_base_sampler_client(), None
 
 
-def reference_logprobs(session: TrainingSession, pairs: list[PreferencePair], sink: Any) -> dict[str, list[float]]:
+def reference_logprobs(
+    session: TrainingSession, pairs: list[PreferencePair], sink: Any, stop: StopRequested | None = None
+) -> dict[str, list[float]]:
     """Every sequence's ``ref_logprobs`` by :func:`sequence_key`: those in the run directory,
-    plus any missing ones, scored now and appended as they arrive."""
+    plus any missing ones, scored now and appended as they arrive (a Ctrl-C stops after the
+    chunk in flight, keeping what was scored)."""
     config = session.config
     rundir = session.rundir
     scores = {r["key"]: r["ref_logprobs"] for r in rundir.references()}
@@ -124,11 +127,15 @@ def reference_logprobs(session: TrainingSession, pairs: list[PreferencePair], si
 
         try:
             for start in range(0, len(items), _SCORES_PER_APPEND):
+                if stop is not None and stop.requested:
+                    return
                 chunk = items[start : start + _SCORES_PER_APPEND]
                 results = await asyncio.gather(*(score(tokens) for _, tokens in chunk))
                 records = [{"key": key, "ref_logprobs": lps} for (key, _), lps in zip(chunk, results)]
                 rundir.append_references(records)
                 scores.update((r["key"], r["ref_logprobs"]) for r in records)
+                if len(items) > _SCORES_PER_APPEND:
+                    sink.message(f"Reference: {min(start + _SCORES_PER_APPEND, len(items))}/{len(items)} sequences scored")
         finally:
             await sampler.aclose()
             sampler.close()
@@ -227,7 +234,10 @@ def run_dpo(
     steps = total_steps(len(train), config)
     opt = config.optimizer
     sink.start(steps, session.start_step, "loss")
-    scores = reference_logprobs(session, train + (eval_pairs or []), sink)
+    scores = reference_logprobs(session, train + (eval_pairs or []), sink, stop)
+    if stop.requested:
+        save_checkpoint(session, session.start_step)
+        return "interrupted"
     baseline = None
     if eval_pairs:
         before = [r for r in session.rundir.metrics() if r.get("step") == 0 and "eval_loss" in r]

@@ -15,10 +15,11 @@ from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig
 
 ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
 
-# Rough rates for the time estimate: (tokens/s through forward+backward, sampled tokens/s,
+# Rough rates for an uncalibrated time estimate (before the first local run of a model has been
+# measured on this machine; see calibration.py): (tokens/s through forward+backward, sampled tokens/s,
 # seconds of fixed cost per step). Local rates are measured on 2 CPU cores; remote GPUs are far
 # faster, and the estimate there leaves out provisioning (minutes for a cold trainer).
-_LOCAL_RATES = {"loops-local/tiny": (1500.0, 150.0, 0.3)}
+_LOCAL_RATES = {"loops-local/tiny": (15000.0, 2000.0, 0.3)}  # fitted to tiny-sft/tiny-rl, 2026-12-04
 _LOCAL_DEFAULT = (250.0, 25.0, 1.0)  # a ~100M-parameter model such as SmolLM2-135M
 _REMOTE_RATES = (50000.0, 5000.0, 1.0)
 _STARTUP_S = {"local": 5.0}
@@ -143,35 +144,52 @@ def check_base_model(client: Any, base_model: str, max_seq_len: int, use_case: s
     return notes
 
 
-def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan:
+def planned_tokens(config, data: LoadedData) -> tuple[int, int, int]:
+    """(steps, tokens trained, tokens sampled), counted on the real batches of every step.
+
+    SFT counts are exact: the datums' input tokens of each step's batch, as the loop builds them.
+    RL counts take each step's real prompts and ``sampling.max_tokens`` per completion, so they
+    are upper bounds (completions may stop early; groups without signal are not trained)."""
     from baseten_loops_cli.training import rl as rl_mod
     from baseten_loops_cli.training import sft as sft_mod
+    from baseten_loops_cli.training.data import batches_for_step
+
+    if isinstance(config, DPOConfig):
+        steps = sft_mod.total_steps(len(data.train), config)
+        avg = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in data.train) / len(data.train)
+        return steps, int(steps * config.batch_size * avg), 0
+    if isinstance(config, RLConfig):
+        steps = rl_mod.total_steps(len(data.train), config)
+        completions = config.groups_per_batch * config.group_size
+        prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in rl_mod.prompts_for_step(data.train, step, config))
+        sample_tokens = steps * completions * config.sampling.max_tokens
+        return steps, prompt_tokens * config.group_size + sample_tokens - steps * completions, sample_tokens
+    steps = sft_mod.total_steps(len(data.train), config)
+    train_tokens = sum(
+        len(data.train[i].tokens) - 1
+        for step in range(steps)
+        for i in batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
+    )
+    return steps, train_tokens, 0
+
+
+def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan:
+    from baseten_loops_cli.training import calibration
 
     config = loaded.config
     pricing = config.pricing
-    if isinstance(config, RLConfig):
-        steps = rl_mod.total_steps(len(data.train), config)
-        per_step_prompts = config.groups_per_batch * config.group_size
-        avg_prompt = sum(len(p.tokens) for p in data.train) / len(data.train)
-        sample_tokens = int(steps * per_step_prompts * config.sampling.max_tokens)
-        train_tokens = int(steps * per_step_prompts * (avg_prompt + config.sampling.max_tokens))
-    elif isinstance(config, DPOConfig):
-        steps = sft_mod.total_steps(len(data.train), config)
-        pairs = data.train + (data.eval or [])
-        avg = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in data.train) / len(data.train)
-        train_tokens = int(steps * config.batch_size * avg)
-        # The reference scores every sequence once (a prefill each); nothing is sampled.
-        sample_tokens = 0
-        scored = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in pairs)
+    steps, train_tokens, sample_tokens = planned_tokens(config, data)
+    measured = calibration.lookup(config.kind, config.base_model) if backend_kind == "local" else None
+    if measured is not None:
+        # Seconds per planned token, measured on this machine by the last run of this model.
+        est = measured.startup_s + (train_tokens + sample_tokens) * measured.s_per_token
     else:
-        steps = sft_mod.total_steps(len(data.train), config)
-        avg = sum(len(e.tokens) for e in data.train) / len(data.train)
-        train_tokens = int(steps * config.batch_size * avg)
-        sample_tokens = 0
-    train_rate, sample_rate, per_step = _rates(backend_kind, config.base_model)
-    est = _STARTUP_S.get(backend_kind, 0.0) + steps * per_step + train_tokens / train_rate + sample_tokens / sample_rate
+        train_rate, sample_rate, per_step = _rates(backend_kind, config.base_model)
+        est = _STARTUP_S.get(backend_kind, 0.0) + steps * per_step + train_tokens / train_rate + sample_tokens / sample_rate
     if isinstance(config, DPOConfig):
-        est += scored / train_rate / 3  # reference scoring: a forward pass, no backward
+        # The reference scores every sequence once (a prefill each, no backward).
+        scored = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in data.train + (data.eval or []))
+        est += scored * (measured.s_per_token if measured is not None else 1 / _rates(backend_kind, config.base_model)[0]) / 3
     cost = None
     if any(v is not None for v in (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour)):
         cost = (
@@ -180,6 +198,10 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
             + est / 3600 * (pricing.usd_per_hour or 0.0)
         )
     notes = []
+    if backend_kind == "local" and measured is None:
+        notes.append("time estimate not calibrated yet: it is measured on this machine by the first run of this model")
+    if isinstance(config, RLConfig):
+        notes.append("RL token counts are upper bounds (every completion at sampling.max_tokens)")
     if backend_kind != "local":
         notes.append("the time estimate leaves out provisioning (a cold trainer can take minutes)")
         if cost is None:

@@ -1,14 +1,21 @@
-"""Metric curves: in the terminal (a small character chart per metric) or to a PNG."""
+"""Metric curves of one or more runs: in the terminal (plotext, one chart per metric, one colour,
+marker and legend entry per run) or to a PNG (matplotlib, optional)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Mapping, Sequence
 
 from baseten_loops_cli.errors import LoopsError
 
+# One marker per run, so overlaid runs stay distinguishable without colour (NO_COLOR, pipes).
+MARKERS = "•x+o*#@%"
 
-def _series(records: list[dict], name: str) -> list[tuple[int, float]]:
+Runs = Mapping[str, Sequence[dict]]  # label (a run directory) -> its metric records
+
+
+def _series(records: Sequence[dict], name: str) -> list[tuple[int, float]]:
     return [
         (int(r["step"]), float(r[name]))
         for r in records
@@ -16,37 +23,54 @@ def _series(records: list[dict], name: str) -> list[tuple[int, float]]:
     ]
 
 
-def plot_terminal(records: list[dict], names: list[str], width: int = 60, height: int = 10) -> str:
+def _as_runs(runs: Runs | Sequence[dict]) -> Runs:
+    return runs if isinstance(runs, Mapping) else {"run": runs}
+
+
+def summary(points: list[tuple[int, float]]) -> str:
+    return f"steps {points[0][0]}-{points[-1][0]}, first {points[0][1]:.4g}, last {points[-1][1]:.4g}"
+
+
+def plot_terminal(runs: Runs | Sequence[dict], names: list[str], width: int = 72, height: int = 16,
+                  color: bool = False) -> str:
+    """One chart per metric with every run overlaid, each chart under a summary line per run."""
+    import plotext
+
+    runs = _as_runs(runs)
     blocks = []
     for name in names:
-        points = _series(records, name)
-        if not points:
+        series = {label: _series(records, name) for label, records in runs.items()}
+        drawn = {label: points for label, points in series.items() if points}
+        if not drawn:
             blocks.append(f"{name}: no values")
             continue
-        steps = [s for s, _ in points]
-        values = [v for _, v in points]
-        lo, hi = min(values), max(values)
-        span = (hi - lo) or 1.0
-        columns = min(width, len(values))
-        # Average the points falling in each column.
-        buckets: list[list[float]] = [[] for _ in range(columns)]
-        for i, v in enumerate(values):
-            buckets[min(columns - 1, i * columns // len(values))].append(v)
-        col_values = [sum(b) / len(b) for b in buckets if b]
-        grid = [[" "] * len(col_values) for _ in range(height)]
-        for x, v in enumerate(col_values):
-            y = int(round((v - lo) / span * (height - 1)))
-            grid[height - 1 - y][x] = "•"
-        lines = [f"{name}  (steps {steps[0]}-{steps[-1]}, first {values[0]:.4g}, last {values[-1]:.4g})"]
-        for row_index, row in enumerate(grid):
-            label = hi - (hi - lo) * row_index / (height - 1) if height > 1 else hi
-            lines.append(f"{label:>10.4g} │{''.join(row)}")
-        lines.append(" " * 11 + "└" + "─" * len(col_values))
-        blocks.append("\n".join(lines))
+        if len(runs) == 1:
+            header = [f"{name}  ({summary(next(iter(drawn.values())))})"]
+        else:
+            header = [name] + [
+                f"  {MARKERS[i % len(MARKERS)]} {label}: " + (summary(series[label]) if series[label] else "no values")
+                for i, label in enumerate(runs)
+            ]
+        figure = plotext.figure
+        figure.clear()
+        figure.plot_size(width, height)
+        figure.theme("default" if color else "colorless")
+        for i, label in enumerate(runs):
+            points = series[label]
+            if points:
+                signal = figure.signal([s for s, _ in points], [v for _, v in points], marker=MARKERS[i % len(MARKERS)])
+                if len(runs) > 1:
+                    signal.label(Path(label).name or label)  # the chart is narrow; the header has the path
+                figure.draw(signal)
+        if len(runs) > 1:
+            figure.legend(x=width - 8, ha="right")  # top right: curves that fall start top left
+        figure.label("step")
+        chart = figure.build().string(colorless=not color).rstrip("\n")
+        blocks.append("\n".join(header + [chart]))
     return "\n\n".join(blocks)
 
 
-def plot_png(records: list[dict], names: list[str], out: Path) -> None:
+def plot_png(runs: Runs | Sequence[dict], names: list[str], out: Path) -> None:
     try:
         import matplotlib
 
@@ -55,15 +79,19 @@ def plot_png(records: list[dict], names: list[str], out: Path) -> None:
     except ImportError:
         raise LoopsError(
             "--out needs matplotlib, which is not installed",
-            hint="pip install matplotlib, or drop --out to plot in the terminal.",
+            hint="Install it with `pip install matplotlib`, or drop --out to plot in the terminal.",
         ) from None
+    runs = _as_runs(runs)
     fig, axes = plt.subplots(len(names), 1, figsize=(8, 3 * len(names)), squeeze=False)
     for ax, name in zip(axes[:, 0], names):
-        points = _series(records, name)
-        ax.plot([s for s, _ in points], [v for _, v in points], marker=".")
+        for label, records in runs.items():
+            points = _series(records, name)
+            ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=label)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
+        if len(runs) > 1:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

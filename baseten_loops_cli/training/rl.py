@@ -66,6 +66,15 @@ def prompts_for_step(prompts: list[Prompt], step: int, config) -> list[Prompt]:
     return [prompts[i] for i in idx]
 
 
+def completion_text(tokenizer: Any, tokens: list[int], stop: list[str]) -> str:
+    """What the reward sees: the decoded completion, cut at the stop strings."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    for stop_text in stop:
+        if stop_text in text:
+            text = text[: text.index(stop_text)]
+    return text
+
+
 class Rollouts:
     """Samples groups through the sampler (async, all requests in flight) and scores them."""
 
@@ -99,10 +108,7 @@ class Rollouts:
         )
         rollouts = []
         for seq in result.sequences:
-            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-            for stop_text in sampling.stop:
-                if stop_text in text:
-                    text = text[: text.index(stop_text)]
+            text = completion_text(self.tokenizer, seq.tokens, sampling.stop)
             value = score(self.reward_name, self.reward_fn, text, prompt.row, prompt.source)
             rollouts.append(Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, value, seq.stop_reason))
         served = result.policy_version if result.policy_version is not None else version
@@ -302,10 +308,19 @@ def run_rl(
             save_checkpoint(session, step)
     for thread, _ in ahead.values():
         thread.join()
+    if stop.requested:
+        # Ctrl-C during the last step is honoured like any other: saved, resumable, exit 130
+        # (resume then only runs the final eval and checkpoint).
+        save_checkpoint(session, step)
+        return "interrupted"
     if eval_prompts:
         final = evaluate(rollouts, eval_prompts, config, version)
         sink.message(f"Final eval: mean reward {final['eval_reward_mean']:.3f}, pass rate {final['eval_pass_rate']:.0%}")
         sink.final({"step": steps, **final})
     record = save_checkpoint(session, steps, final=True)
     sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
+    if config.eval is not None:
+        from baseten_loops_cli.training.evaluation import evaluate_final
+
+        evaluate_final(session, record, sink)
     return "completed"

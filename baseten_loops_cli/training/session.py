@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.config import LoadedConfig, RLConfig, SFTConfig
+from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig, SFTConfig
 from baseten_loops_cli.training.rundir import RunDir
 
 
@@ -91,7 +91,7 @@ class TrainingSession:
     _base_sampler: Any = field(default=None, repr=False)
 
     @property
-    def config(self) -> SFTConfig | RLConfig:
+    def config(self) -> SFTConfig | RLConfig | DPOConfig:
         return self.loaded.config
 
     @property
@@ -133,7 +133,20 @@ class TrainingSession:
                 pass  # best effort: the run may already be gone
 
 
-def _create_run(client: Any, config: SFTConfig | RLConfig) -> Any:
+RESUMED_FROM = " (resumed from {run_id})"
+
+
+def run_name(name: str, resumed_from: str | None = None) -> str:
+    """The run's name on the control plane. A resumed run's name says which run it continues:
+    the name is the one free-text field every backend keeps, so `loops runs describe` can show
+    the lineage without the run directory (which keeps it too: state.json ``resumed_from``)."""
+    if not resumed_from:
+        return name
+    suffix = RESUMED_FROM.format(run_id=resumed_from)
+    return name[: 255 - len(suffix)] + suffix
+
+
+def _create_run(client: Any, config: SFTConfig | RLConfig | DPOConfig, resumed_from: str | None = None) -> Any:
     """Create the run in a session of its own. Creating is not idempotent: the client never
     re-sends it blindly but looks for it in this session after a lost answer, and deactivates
     a duplicate (``HttpClient.create``)."""
@@ -141,7 +154,7 @@ def _create_run(client: Any, config: SFTConfig | RLConfig) -> Any:
     return client.runs.create({
         "session_id": session.id,
         "base_model": config.base_model,
-        "name": config.name,
+        "name": run_name(config.name, resumed_from),
         "lora_rank": config.lora_rank,
         "max_seq_len": config.max_seq_len,
         "seed": config.seed,
@@ -182,10 +195,18 @@ def open_session(
                     announce(f"Deactivated run {existing.id}: no checkpoint to resume it from; starting over.")
                 except LoopsError:
                     pass
+    lineage = list(state.get("resumed_from") or [])
     if run is None:
-        run = _create_run(client, config)
+        previous = state.get("run_id") if resume else None
+        run = _create_run(client, config, resumed_from=previous)
         created = True
         announce(f"Created run {run.id} ({config.base_model}, LoRA rank {config.lora_rank}).")
+        if previous and previous != run.id:
+            # The old run is gone (deactivated at the end of the last attempt, or never
+            # resumable): training continues in a new run, and state.json keeps the lineage.
+            lineage.append(previous)
+            announce(f"Run {previous} is no longer active: continuing in the new run {run.id} "
+                     f"(state.json records resumed_from).")
     else:
         announce(f"Reattached to run {run.id}.")
     trainer = TrainerClient(run.base_url, api_key=backend.api_key, run_id=run.id, base_model=config.base_model)
@@ -207,12 +228,15 @@ def open_session(
         base_url=backend.base_url,
         status="running",
         step=start_step,
+        **({"resumed_from": lineage} if lineage else {}),
     )
     return TrainingSession(loaded, rundir, client, backend.api_key, run, trainer, created, start_step)
 
 
 def save_checkpoint(session: TrainingSession, step: int, *, final: bool = False) -> dict:
-    """Save trainer state (the resume point) and record it; ``final`` also publishes sampler weights."""
+    """Save trainer state (the resume point) and sampler weights of the same name, and record
+    them. Sampler weights are what can be sampled, deployed and compared (`loops eval RUN:*`);
+    a LoRA adapter is small, so every checkpoint gets them."""
     return submit_checkpoint(session, step, final=final)()
 
 
@@ -223,13 +247,12 @@ def submit_checkpoint(session: TrainingSession, step: int, *, final: bool = Fals
     name = "final" if final else f"step-{step:06d}"
     ttl = None if final and config.checkpointing.keep_final else config.checkpointing.ttl_seconds
     state_future = session.trainer.save_state(name, ttl_seconds=ttl)
-    sampler_future = session.trainer.save_weights_for_sampler(name, ttl_seconds=ttl) if final else None
+    sampler_future = session.trainer.save_weights_for_sampler(name, ttl_seconds=ttl)
 
     def record_checkpoint() -> dict:
         saved = state_future.result()
         record = {"step": step, "name": name, "path": saved["path"], "time": time.time()}
-        if sampler_future is not None:
-            record["sampler_path"] = sampler_future.result()["path"]
+        record["sampler_path"] = sampler_future.result()["path"]
         session.rundir.append_checkpoint(record)
         session.rundir.update_state(step=step)
         return record

@@ -123,4 +123,8 @@ def run_sft(
         sink.final({"step": steps, "eval_loss": final_eval})
     record = save_checkpoint(session, steps, final=True)
     sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
+    if config.eval is not None:
+        from baseten_loops_cli.training.evaluation import evaluate_final
+
+        evaluate_final(session, record, sink)
     return "completed"

@@ -30,7 +30,7 @@ checkpointing:
   keep_final: true
 
 logging:
-  # run_dir: runs/my-run        # relative to this file; default: ./runs/<name>-<time>; --run-dir wins
+  # run_dir: runs/my-run        # relative to the working directory; default: runs/<name>-<time>; --run-dir wins
   # wandb_project: my-project   # when wandb is installed
 
 # pricing:                      # optional: a cost line in the plan
@@ -49,6 +49,9 @@ data:
   # eval: data/eval.jsonl       #    or: {{"prompt": "...", "completion": "..."}}
   train_on: last_assistant      # last_assistant | all_assistant | all
   shuffle: true
+# eval:                         # optional: when training ends, score the final checkpoint as `loops eval` does
+#   base: true                  # also score the base model (eval.json + eval.txt in the run directory)
+#   # data: data/eval.jsonl     # default: data.eval (SFT) or data.eval_prompts (RL)
 """
 
 RL = """\
@@ -78,6 +81,9 @@ sampling:
 
 max_steps_off_policy: 0         # 0 = synchronous; N >= 1 = sample the next batch while training this one
 # kl_penalty_coef: 0.0          # per-token KL penalty against the base model
+# eval:                         # optional: when training ends, score the final checkpoint as `loops eval` does
+#   base: true                  # also score the base model (eval.json + eval.txt in the run directory)
+#   # data: data/eval.jsonl     # default: data.eval (SFT) or data.eval_prompts (RL)
 """
 
 DPO = """\

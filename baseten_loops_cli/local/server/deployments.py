@@ -196,7 +196,7 @@ class _Vocab:
                 "text_offset": offsets}
 
 
-def _text_tokens(seq: SampledSequence, stop_ids: list[int]) -> int:
+def _text_token_count(seq: SampledSequence, stop_ids: list[int]) -> int:
     """How many of ``seq``'s tokens have text (all but a final stop token)."""
     if seq.finish_reason == "stop" and seq.tokens and seq.tokens[-1] in stop_ids:
         return len(seq.tokens) - 1
@@ -297,7 +297,7 @@ async def chat_completions(request: Request) -> Response:
     completion_tokens = _record_usage(ctx, dep, out)
     choices_ = []
     for i, s in enumerate(out.sequences):
-        count = _text_tokens(s, stop_ids)
+        count = _text_token_count(s, stop_ids)
         logprobs = {"content": [vocab.chat_entry(t, lp, top) for t, lp, top in zip(
             s.tokens[:count], s.logprobs, _tops(s, count))]} if want_logprobs else None
         choices_.append({"index": i, "message": {"role": "assistant", "content": s.text},
@@ -361,7 +361,7 @@ async def completions(request: Request) -> Response:
     completion_tokens = _record_usage(ctx, dep, out)
     choices_ = []
     for i, s in enumerate(out.sequences):
-        count = _text_tokens(s, stop_ids)
+        count = _text_token_count(s, stop_ids)
         logprobs = vocab.completion_logprobs(s.tokens[:count], s.logprobs[:count],
                                              _tops(s, count), 0) \
             if want_logprobs is not None else None

@@ -1,0 +1,242 @@
+"""`loops eval`: score sampler checkpoints (and the base model) side by side on a data set.
+
+Parse the checkpoints into candidates, call :func:`training.evaluation.evaluate`, render the
+report. Which sampler serves a checkpoint (opened only when its result is not cached):
+
+- a checkpoint of an active run: the run's paired sampler, pinned to it (``X-Checkpoint-Path``);
+- a checkpoint of an inactive run, or the base model (``--base``): a live standalone sampler
+  serving it when one exists, else one started for this command and stopped at its end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from baseten_loops_cli.cli import _complete
+from baseten_loops_cli.cli._state import get_state
+
+
+def _run_checkpoints(client: Any, text: str) -> list:
+    """``RUN:*``: the run's sampler checkpoints, oldest first."""
+    from baseten_loops_cli.services.resolve import NotFound, checkpoints_of_run, created_key
+
+    run_id = text[: -len(":*")]
+    cps = [c for c in checkpoints_of_run(client, run_id) if c.target == "sampler"]
+    if not cps:
+        raise NotFound(
+            f"run {run_id} has no sampler checkpoints",
+            hint=f"Trainer checkpoints cannot be scored; list them with `loops checkpoints list --run-id {run_id}`.",
+        )
+    return sorted(cps, key=lambda c: (created_key(c), c.checkpoint_id))
+
+
+def _sampler_checkpoint(client: Any, text: str) -> Any:
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.services.resolve import resolve_checkpoint
+
+    cp = resolve_checkpoint(client, text, prefer="sampler")
+    if cp.target != "sampler":
+        raise UsageError(
+            f"{text} is a trainer checkpoint (training state); eval scores sampler weights",
+            hint=f"Pick a sampler checkpoint: loops checkpoints list --run-id {cp.run_id} --target sampler",
+        )
+    return cp
+
+
+class _Samplers:
+    """Finds or starts the samplers that serve the candidates (on a cache miss only) and stops
+    the ones it started: an evaluation leaves no capacity behind."""
+
+    def __init__(self, client: Any, api_key: str, out: Any) -> None:
+        self.client = client
+        self.api_key = api_key
+        self.out = out
+        self.started: list[str] = []
+
+    def _started(self, sampler_id: str, what: str) -> None:
+        self.started.append(sampler_id)
+        self.out.info(f"Started sampler {sampler_id} for {what} (stopped when the evaluation ends).")
+
+    def for_checkpoint(self, uri: str) -> Any:
+        from baseten_loops_cli.services.sampling import resolve_source
+        from baseten_loops_cli.workers.sampler import SamplerClient
+
+        source = resolve_source(self.client, uri)
+        if source.started_sampler:
+            self._started(source.sampler.id, uri)
+        return SamplerClient(source.sampler.base_url, api_key=self.api_key, run_id=source.run_header,
+                             sampler_id=None if source.run_header else source.sampler.id, checkpoint_path=source.pin)  # fmt: skip
+
+    def for_base(self, base_model: str) -> Any:
+        from baseten_loops_cli.services.resolve import extra, sampler_is_terminal
+        from baseten_loops_cli.services.sampling import create_sampler
+        from baseten_loops_cli.workers.sampler import SamplerClient
+
+        live = [s for s in self.client.samplers.list() if not sampler_is_terminal(s) and s.base_model == base_model
+                and not extra(s, "run_id") and not extra(s, "model_path")]  # fmt: skip
+        sampler = live[0] if live else None
+        if sampler is None:
+            sampler, what = create_sampler(self.client, base_model=base_model)
+            self._started(sampler.id, f"the base model {what}")
+        return SamplerClient(sampler.base_url, api_key=self.api_key, sampler_id=sampler.id)
+
+    def close(self) -> None:
+        from baseten_loops_cli.errors import LoopsError
+
+        for sampler_id in self.started:
+            try:
+                self.client.samplers.deactivate(sampler_id)
+            except LoopsError:
+                self.out.warn(f"could not stop sampler {sampler_id}; stop it with `loops samplers deactivate {sampler_id}`")
+        if self.started:
+            _complete.invalidate("samplers")
+
+
+def _task(data: Optional[Path], config: Optional[Path], *, limit, seed, samples, k) -> Any:
+    """The evaluation task from --data and --config (an RL config brings the reward)."""
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.training import evaluation as ev
+
+    loaded = None
+    if config is not None:
+        from baseten_loops_cli.training.config import RLConfig, load_config
+
+        loaded = load_config(config)
+        cfg = loaded.config
+        if data is None:
+            default = cfg.data.eval_prompts if isinstance(cfg, RLConfig) else cfg.data.eval
+            if not default:
+                key = "data.eval_prompts" if isinstance(cfg, RLConfig) else "data.eval"
+                raise UsageError(f"--data is missing and {config} has no {key}", hint="Pass --data FILE.jsonl.")
+            data = loaded.resolve_path(default)
+        if isinstance(cfg, RLConfig):
+            return ev.RLTask(
+                data, cfg.reward, loaded.base_dir, cfg.sampling, samples or cfg.group_size, k, cfg.pass_threshold,
+                cfg.seed if seed is None else seed, cfg.max_seq_len, limit,
+            )  # fmt: skip
+        return ev.SFTTask(data, cfg.data.train_on, cfg.max_seq_len, limit)
+    if data is None:
+        raise UsageError("nothing to score: pass --data FILE.jsonl (or --config with eval data)")
+    if samples or k:
+        raise UsageError("--samples and --k need an RL config (--config) with a reward", hint="SFT rows are scored by likelihood, not sampled.")
+    return ev.SFTTask(data, limit=limit)
+
+
+def eval_command(
+    ctx: typer.Context,
+    checkpoints: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            metavar="CKPT",
+            help="Sampler checkpoints: id, bt:// URI, RUN:NAME, or RUN:* for all of a run's.",
+            autocompletion=_complete.complete_checkpoint,
+            show_default=False,
+        ),
+    ] = None,
+    data: Annotated[Optional[Path], typer.Option("--data", "-d", help="JSONL rows to score (default: the config's eval data).", show_default=False)] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="A training config: SFT rendering, or an RL config's reward and sampling.", show_default=False)] = None,
+    base: Annotated[bool, typer.Option("--base", help="Also score the base model (one row per base model).")] = False,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Score only the first N rows.", show_default=False)] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="RL: sampling seed (default: the config's seed).", show_default=False)] = None,
+    samples: Annotated[Optional[int], typer.Option("--samples", "-n", min=1, max=64, help="RL: completions per prompt (default: the config's group_size).", show_default=False)] = None,
+    k: Annotated[Optional[int], typer.Option("--k", min=1, help="RL: the k of pass@k (default: --samples).", show_default=False)] = None,
+    fail_under: Annotated[Optional[list[str]], typer.Option("--fail-under", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is below VALUE (accuracy, reward, pass_rate, pass_at_k).", show_default=False)] = None,
+    fail_over: Annotated[Optional[list[str]], typer.Option("--fail-over", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is above VALUE (nll, perplexity).", show_default=False)] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Score again even when a result is cached.")] = False,
+) -> None:
+    """Score checkpoints side by side on a data set; the best value per column is marked *.
+
+    SFT rows (chat messages or prompt/completion) give NLL per token, perplexity and next-token accuracy on the assistant tokens, from one forward pass per row through a sampler (no training). Prompt rows with an RL config (--config) give the mean reward, pass rate at the config's pass_threshold, unbiased pass@k and mean completion length over --samples completions per prompt.
+
+    Results are cached per checkpoint, data and settings, so re-running a table is instant. Exit 1 when a gate (--fail-under / --fail-over) fails or a reward raises on a row.
+
+    Examples:
+
+      loops eval abc1234:step-000010 abc1234:final --base --data eval.jsonl
+
+      loops eval abc1234:* --config examples/tiny-rl.yaml --samples 8 --k 4
+
+      loops eval abc1234:final --data eval.jsonl --fail-under accuracy=0.8 -o json
+    """
+    from baseten_loops_cli.errors import LoopsError, UsageError
+    from baseten_loops_cli.settings.paths import cache_dir
+    from baseten_loops_cli.training import evaluation as ev
+
+    state = get_state(ctx)
+    out = state.output
+    refs = list(checkpoints or [])
+    if not refs and not base:
+        raise UsageError("name at least one checkpoint, or --base", hint="For example: loops eval RUN:final --base --data eval.jsonl")
+    task = _task(data, config, limit=limit, seed=seed, samples=samples, k=k)
+    gates = [ev.parse_gate(g, task.kind, "under") for g in fail_under or []]
+    gates += [ev.parse_gate(g, task.kind, "over") for g in fail_over or []]
+
+    backend = state.backend()
+    client = backend.client
+    resolved: list = []
+    for text in refs:
+        found = _run_checkpoints(client, text) if text.endswith(":*") else [_sampler_checkpoint(client, text)]
+        resolved += [cp for cp in found if cp.id not in {c.id for c in resolved}]
+
+    from baseten_loops_cli.services.resolve import display_name, uri_of
+
+    samplers = _Samplers(client, backend.api_key, out)
+    candidates: list[ev.Candidate] = []
+    if base:
+        models = list(dict.fromkeys(cp.base_model for cp in resolved if cp.base_model))
+        if not models:
+            if config is None:
+                raise UsageError("--base alone needs --config (its base_model)", hint="Or name a checkpoint of that model too.")
+            from baseten_loops_cli.training.config import load_config
+
+            models = [load_config(config).config.base_model]
+        for model in models:
+            candidates.append(ev.Candidate(
+                f"base ({model})" if len(models) > 1 else "base", model, f"{backend.base_url}|base|{model}",
+                lambda model=model: samplers.for_base(model), is_base=True,
+            ))  # fmt: skip
+    for cp in resolved:
+        uri = uri_of(cp) or cp.uri
+        if not cp.base_model:
+            raise LoopsError(f"checkpoint {display_name(cp)} does not say its base model", hint="It cannot be scored.")
+        created = cp.created_at.isoformat() if cp.created_at else ""
+        candidates.append(ev.Candidate(
+            display_name(cp), cp.base_model, f"{backend.base_url}|{cp.id}|{uri}|{created}",
+            lambda uri=uri: samplers.for_checkpoint(uri), uri=uri,
+        ))  # fmt: skip
+
+    try:
+        with out.count_progress("Scoring rows") as bar:
+            report = ev.evaluate(candidates, task, cache_dir=None if no_cache else cache_dir() / "eval", progress=bar)
+    finally:
+        samplers.close()
+    _render(out, report)
+    for error in report.errors[:5]:
+        out.warn(f"{error.source}: {error.message}")
+    if report.errors:
+        first = report.errors[0]
+        more = f" (and {len(report.errors) - 1} more row(s))" if len(report.errors) > 1 else ""
+        raise LoopsError(
+            f"the reward failed on {first.source}: {first.message}{more}",
+            hint="Those rows are left out of the numbers above; fix the reward and run again.",
+        )
+    failures = ev.check_gates(report, gates)
+    if failures:
+        raise LoopsError("; ".join(failures), hint="The gate was set with --fail-under / --fail-over.")
+
+
+def _render(out: Any, report: Any) -> None:
+    doc = report.as_dict()
+    if out.format == "jsonl" and not out.quiet:
+        for row in doc["results"]:
+            out.emit_record(row)
+        return
+    rows, columns = report.table()
+    out.emit(doc, rows=rows, columns=columns, id_key="checkpoint")
+    if out.human and len(report.results) > 1:
+        cached = sum(r.cached for r in report.results)
+        note = f"; {cached} of {len(report.results)} from the cache (--no-cache to score again)" if cached else ""
+        out.hint(f"* best per column{note}.")

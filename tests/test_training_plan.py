@@ -1,0 +1,89 @@
+"""The plan's numbers against what the run then does: token counts of the real batches, and a
+local time estimate calibrated by a measured run that lands within ±35% of the actual."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.local
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _loops(server, cache: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "WANDB_"))}
+    env.update(server.env, LOOPS_CACHE_DIR=str(cache), NO_COLOR="1")  # a calibration of our own
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=env,
+                          capture_output=True, text=True, timeout=900)
+    return proc, time.monotonic() - started
+
+
+def _plan(server, cache: Path, config: str, *sets: str) -> dict:
+    proc, _ = _loops(server, cache, "train", "run", str(EXAMPLES / config), "--dry-run", "-o", "json", *sets)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["plan"]
+
+
+@pytest.mark.parametrize("config, calibrate, measure", [
+    ("tiny-sft.yaml", ["--set", "max_steps=15", "--set", "eval_every=0"], ["--set", "max_steps=30", "--set", "eval_every=0"]),
+    ("tiny-rl.yaml", ["--set", "max_steps=3"], ["--set", "max_steps=6"]),
+])
+def test_local_estimate_is_calibrated_and_within_35_percent(local_server, tmp_path, config, calibrate, measure):
+    cache = tmp_path / "cache"
+    first = _plan(local_server, cache, config, *calibrate)
+    assert any("not calibrated" in note for note in first["notes"])
+    proc, _ = _loops(local_server, cache, "train", "run", str(EXAMPLES / config), "--run-dir", str(tmp_path / "a"), *calibrate)
+    assert proc.returncode == 0, proc.stderr
+    plan = _plan(local_server, cache, config, *measure)
+    assert not any("not calibrated" in note for note in plan["notes"])
+    proc, actual = _loops(local_server, cache, "train", "run", str(EXAMPLES / config), "--run-dir", str(tmp_path / "b"), *measure)
+    assert proc.returncode == 0, proc.stderr
+    estimate = plan["estimated_seconds"]
+    assert abs(estimate - actual) <= 0.35 * actual, (estimate, actual)
+
+
+def test_planned_sft_tokens_are_the_trained_tokens(local_server, tmp_path):
+    cache = tmp_path / "cache"
+    sets = ["--set", "max_steps=4", "--set", "eval_every=0", "--set", "data.eval=null"]
+    plan = _plan(local_server, cache, "tiny-sft.yaml", *sets)
+    proc, _ = _loops(local_server, cache, "train", "run", str(EXAMPLES / "tiny-sft.yaml"), "--run-dir", str(tmp_path / "r"), *sets)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert plan["train_tokens"] == sum(r["tokens"] for r in records if not r.get("final"))
+
+
+def test_planned_rl_tokens_bound_the_sampled_tokens(local_server, tmp_path):
+    cache = tmp_path / "cache"
+    plan = _plan(local_server, cache, "tiny-rl.yaml", "--set", "max_steps=2")
+    proc, _ = _loops(local_server, cache, "train", "run", str(EXAMPLES / "tiny-rl.yaml"), "--run-dir", str(tmp_path / "r"),
+                     "--set", "max_steps=2")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    sampled = sum(r["sampled_tokens"] for r in records if not r.get("final"))
+    assert 0 < sampled <= plan["sample_tokens"] == 2 * 8 * 8 * 8
+
+
+def test_logging_run_dir_is_relative_to_the_working_directory(local_server, tmp_path):
+    """As the README says: `runs/...` lands under the directory the command runs in, not next to
+    the config file (data paths stay relative to the config)."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    text = (EXAMPLES / "tiny-sft.yaml").read_text().replace("data/", f"{EXAMPLES}/data/")
+    (configs / "c.yaml").write_text(text + "logging:\n  run_dir: runs/mine\n")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "WANDB_"))}
+    env.update(local_server.env, LOOPS_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(EXAMPLES.parent))
+    proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "train", "run", str(configs / "c.yaml"),
+                           "--dry-run", "-o", "json"], env=env, cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["run_dir"] == "runs/mine"  # not configs/runs/mine
