@@ -210,7 +210,7 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
         notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
     if isinstance(config, DPOConfig):
         notes.append(
-            f"before step 1 the reference ({config.reference}) scores {2 * len(pairs)} sequences (~{scored:,} tokens) once"
+            f"before step 1 the reference ({config.reference}) scores {2 * (len(data.train) + len(data.eval or []))} sequences (~{scored:,} tokens) once"
         )
     return Plan(
         kind=config.kind,
