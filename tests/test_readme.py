@@ -99,9 +99,10 @@ def _env(server, workdir: Path) -> dict[str, str]:
 
 
 def _run(command: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", command], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(["bash", "-c", command], env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.timeout(1800)  # two tiny SFT and two tiny RL runs: ~4 min on two idle cores
 def test_readme_first_command_and_tour_run_as_written(local_server, tmp_path):
     blocks = bash_blocks(README.read_text(encoding="utf-8"))
     workdir = tmp_path / "clone"

@@ -27,7 +27,7 @@ def _loops(server, *args: str) -> subprocess.CompletedProcess:
 
 def test_ctrl_c_at_the_last_step_then_resume_in_a_new_run_with_lineage(local_server, tmp_path, monkeypatch):
     from baseten_loops_cli.cli.train import _absolute_raw
-    from baseten_loops_cli.settings.backend import open_backend
+    from baseten_loops_cli.cli._backend import open_backend
     from baseten_loops_cli.training.config import load_config
     from baseten_loops_cli.training.metrics import MetricsSink
     from baseten_loops_cli.training.plan import load_data

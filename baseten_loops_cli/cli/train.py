@@ -356,8 +356,9 @@ def run(
         # The next plan of this model on this machine is calibrated by this run's measured speed.
         from baseten_loops_cli.training import calibration
 
+        step_seconds = sum(float(r.get("step_time_s") or 0.0) for r in rundir.metrics() if not r.get("final"))
         calibration.record(loaded.config.kind, loaded.config.base_model, seconds=time.monotonic() - started,
-                           tokens=plan.train_tokens + plan.sample_tokens)
+                           step_seconds=step_seconds, tokens=plan.train_tokens + plan.sample_tokens)
 
 
 @app.command("resume")
@@ -368,6 +369,10 @@ def resume(
     keep_run: Annotated[bool, typer.Option("--keep-run", help="Leave the run active when training ends.")] = False,
 ) -> None:
     """Continue an interrupted run from its last checkpoint: no step repeated or skipped.
+
+    A run that `loops train run` deactivated when it stopped cannot take more steps, so training
+    continues in a new run from the saved state; the output says so, state.json lists the earlier
+    runs under resumed_from, and `loops runs describe` shows "Resumed From".
 
     Examples:
 

@@ -1,8 +1,9 @@
 """Measured training speed on this machine, for the local backend's time estimates.
 
-A finished local run records how long it took per planned token (the plan's own token counts,
-so eval, checkpoints and sampling are all in the rate) under the cache dir, per (kind, base
-model); the next plan of that model uses it. Remote backends are not calibrated: provisioning
+A finished local run records, under the cache dir and per (kind, base model), its step time per
+planned token (the plan's own token counts, so sampling and in-run evals are in the rate) and
+its fixed cost (the wall time outside steps: run creation, final eval and checkpoint); the next
+plan of that model uses both. Remote backends are not calibrated: provisioning
 dominates there and the rates belong to the service.
 """
 
@@ -13,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-STARTUP_S = 3.0  # process start, run creation and the final checkpoint, outside the per-token rate
+STARTUP_S = 3.0  # fixed cost of a run when an old calibration file does not say
 
 
 @dataclass
@@ -42,13 +43,17 @@ def lookup(kind: str, base_model: str) -> Measured | None:
     return Measured(float(entry["s_per_token"]), float(entry.get("startup_s", STARTUP_S)))
 
 
-def record(kind: str, base_model: str, *, seconds: float, tokens: int) -> None:
-    """Remember a completed run's speed: ``seconds`` of wall time for ``tokens`` planned tokens."""
-    if tokens <= 0 or seconds <= STARTUP_S:
+def record(kind: str, base_model: str, *, seconds: float, step_seconds: float, tokens: int) -> None:
+    """Remember a completed run's speed: ``step_seconds`` of its ``seconds`` of wall time were
+    spent in steps, for ``tokens`` planned tokens; the rest (run creation, final eval and
+    checkpoint) is the fixed cost of a run."""
+    if tokens <= 0 or step_seconds <= 0:
         return
     data = _read()
     data[f"{kind}:{base_model}"] = {
-        "s_per_token": (seconds - STARTUP_S) / tokens, "startup_s": STARTUP_S, "measured_at": time.time(),
+        "s_per_token": step_seconds / tokens,
+        "startup_s": max(0.0, seconds - step_seconds),
+        "measured_at": time.time(),
     }
     path = _file()
     try:
