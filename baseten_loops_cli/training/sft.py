@@ -117,6 +117,11 @@ def run_sft(
 
         pipeline.push(collect)
     pipeline.drain()
+    if stop.requested:
+        # Ctrl-C during the last step is honoured like any other: saved, resumable, exit 130
+        # (resume then only runs the final eval and checkpoint).
+        save_checkpoint(session, step)
+        return "interrupted"
     if eval_examples and (not config.eval_every or steps % config.eval_every):
         final_eval = evaluate(session, eval_examples, config.batch_size)
         sink.message(f"Final eval loss: {final_eval:.4f}")
