@@ -317,6 +317,8 @@ CREATE TABLE IF NOT EXISTS operations (
     PRIMARY KEY (run_id, id)
 );
 CREATE INDEX IF NOT EXISTS operations_by_status ON operations(status);
+-- The janitor's expire/purge sweeps (every janitor tick) select by finish time.
+CREATE INDEX IF NOT EXISTS operations_by_finish ON operations(finished_at);
 CREATE TABLE IF NOT EXISTS usage (
     owner_id TEXT PRIMARY KEY,
     owner_kind TEXT NOT NULL,

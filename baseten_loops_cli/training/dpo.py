@@ -25,7 +25,10 @@ from typing import Any
 
 from baseten_loops_cli.errors import ConfigError, LoopsError
 from baseten_loops_cli.training.data import PreferencePair, batches_for_step, dpo_datum, reference_logprobs_field
-from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint
+from baseten_loops_cli.training.pipeline import StepPipeline
+from baseten_loops_cli.training.session import (
+    StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, submit_checkpoint,
+)  # fmt: skip
 from baseten_loops_cli.training.sft import total_steps
 
 # A pair whose policy-vs-reference log-ratio gap is within this many nats is a tie and counts
@@ -194,15 +197,27 @@ def preference_metrics(datums: list[dict], outputs: list[dict], beta: float, lab
 def evaluate(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]]) -> dict:
     """The eval split's DPO metrics under the current policy (``forward``: no gradient),
     prefixed ``eval_``."""
+    return submit_eval(session, pairs, scores)()
+
+
+def submit_eval(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]]) -> Any:
+    """Submit :func:`evaluate`'s ``forward`` passes now; the returned function waits for them
+    (a pipelined loop submits them right behind a step's ``optim_step``)."""
     config = session.config
-    datums, outputs = [], []
+    batches = []
     for start in range(0, len(pairs), config.batch_size):
         batch = pair_datums(pairs[start : start + config.batch_size], scores)
-        out = session.trainer.forward(batch, "dpo", loss_config(config)).result()
-        datums += batch
-        outputs += out["loss_fn_outputs"]
-    metrics = preference_metrics(datums, outputs, config.beta, config.label_smoothing)
-    return {f"eval_{k}": v for k, v in metrics.items()}
+        batches.append((batch, session.trainer.forward(batch, "dpo", loss_config(config))))
+
+    def metrics() -> dict:
+        datums, outputs = [], []
+        for batch, future in batches:
+            datums += batch
+            outputs += future.result()["loss_fn_outputs"]
+        values = preference_metrics(datums, outputs, config.beta, config.label_smoothing)
+        return {f"eval_{k}": v for k, v in values.items()}
+
+    return metrics
 
 
 # ------------------------------------------------------------------ the loop
@@ -232,43 +247,57 @@ def run_dpo(
             # Where the policy starts (0.5 accuracy: it is the reference), for the final comparison.
             baseline = {"step": 0, **evaluate(session, eval_pairs, scores)}
             sink.step(baseline)
-    started = time.monotonic()
+    started = last_collected = time.monotonic()
+    pipeline = StepPipeline()  # see training/pipeline.py and run_sft
     step = session.start_step
     while step < steps:
         if stop.requested:
+            pipeline.drain()
             save_checkpoint(session, step)
             return "interrupted"
-        step_started = time.monotonic()
         indices = batches_for_step(len(train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
         datums = pair_datums([train[i] for i in indices], scores)
         lr = learning_rate(opt, step, steps)
         fb = session.trainer.forward_backward(datums, "dpo", loss_config(config))
         optim = session.trainer.optim_step(adam_params(opt, lr))
-        fb_result = fb.result()
-        optim_result = optim.result()
-        tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
         step += 1
-        elapsed = time.monotonic() - step_started
-        record = {
-            "step": step,
-            **preference_metrics(datums, fb_result["loss_fn_outputs"], config.beta, config.label_smoothing),
-            "learning_rate": lr,
-            "pairs": len(indices),
-            "tokens": tokens,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
-            "step_time_s": elapsed,
-            "time_s": time.monotonic() - started,
-            "policy_version": step,
-            "progress": step / steps,
-        }
-        grad_norm = (optim_result.get("metrics") or {}).get("grad_norm")
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm
-        if eval_pairs and config.eval_every and step % config.eval_every == 0:
-            record.update(evaluate(session, eval_pairs, scores))
-        sink.step(record)
-        if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
-            save_checkpoint(session, step)
+        eval_metrics = (submit_eval(session, eval_pairs, scores)
+                        if eval_pairs and config.eval_every and step % config.eval_every == 0 else None)
+        checkpoint = (submit_checkpoint(session, step)
+                      if config.checkpointing.save_every and step % config.checkpointing.save_every == 0
+                      and step < steps else None)  # fmt: skip
+
+        def collect(step=step, datums=datums, indices=indices, lr=lr, fb=fb, optim=optim,
+                    eval_metrics=eval_metrics, checkpoint=checkpoint) -> None:
+            nonlocal last_collected
+            fb_result = fb.result()
+            optim_result = optim.result()
+            tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
+            now = time.monotonic()
+            elapsed, last_collected = now - last_collected, now
+            record = {
+                "step": step,
+                **preference_metrics(datums, fb_result["loss_fn_outputs"], config.beta, config.label_smoothing),
+                "learning_rate": lr,
+                "pairs": len(indices),
+                "tokens": tokens,
+                "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+                "step_time_s": elapsed,
+                "time_s": now - started,
+                "policy_version": step,
+                "progress": step / steps,
+            }
+            grad_norm = (optim_result.get("metrics") or {}).get("grad_norm")
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm
+            if eval_metrics is not None:
+                record.update(eval_metrics())
+            sink.step(record)
+            if checkpoint is not None:
+                checkpoint()
+
+        pipeline.push(collect)
+    pipeline.drain()
     if eval_pairs:
         last = next((r for r in reversed(session.rundir.metrics()) if r.get("step") == steps and "eval_loss" in r), None)
         if last is None:

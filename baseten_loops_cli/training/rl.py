@@ -212,17 +212,32 @@ def run_rl(
 
     step = session.start_step
     version = publish(step)
-    pending: tuple[threading.Thread, dict] | None = None  # async mode: the next batch in flight
-    prefetched: Batch | None = None
+    # Async mode: batches being sampled ahead, by step. The batch for step s + k is sampled with
+    # the weights published after step s, so it trains k <= max_steps_off_policy versions stale.
+    ahead: dict[int, tuple[threading.Thread, dict]] = {}
+
+    def prefetch(for_step: int, with_version: int) -> None:
+        box: dict = {}
+
+        def work() -> None:
+            try:
+                box["batch"] = sample(for_step, with_version)
+            except BaseException as exc:  # surfaced on join
+                box["error"] = exc
+
+        thread = threading.Thread(target=work, name=f"loops-rl-prefetch-{for_step}", daemon=True)
+        thread.start()
+        ahead[for_step] = (thread, box)
+
     while step < steps:
         if stop.requested:
             save_checkpoint(session, step)
             return "interrupted"
         step_started = time.monotonic()
-        if pending is not None:
-            thread, box = pending
+        prefetched: Batch | None = None
+        if step in ahead:
+            thread, box = ahead.pop(step)
             thread.join()
-            pending = None
             if "error" in box:
                 raise box["error"]
             prefetched = box["batch"]
@@ -230,36 +245,28 @@ def run_rl(
             batch = prefetched
         else:
             batch = sample(step, version)  # synchronous, or the prefetched batch was too stale
-        prefetched = None
         stale = step - batch.version
-        if bound and step + 1 < steps:
-            # Overlap: sample the next batch with the weights published so far while this trains.
-            box: dict = {}
-
-            def prefetch(next_step: int = step + 1, with_version: int = version) -> None:
-                try:
-                    box["batch"] = sample(next_step, with_version)
-                except BaseException as exc:  # surfaced on join
-                    box["error"] = exc
-
-            thread = threading.Thread(target=prefetch, name="loops-rl-prefetch", daemon=True)
-            thread.start()
-            pending = (thread, box)
+        # Overlap: keep the next `bound` steps sampling with the weights published so far.
+        for next_step in range(step + 1, min(step + bound, steps - 1) + 1):
+            if next_step not in ahead:
+                prefetch(next_step, version)
         datums, kept, kl_estimate = _datums(batch.groups, config.kl_penalty_coef)
         lr = learning_rate(opt, step, steps)
-        metrics_out: dict = {}
+        fb = None
         if datums:
-            adam = adam_params(opt, lr)
             fb = session.trainer.forward_backward(datums, config.loss.name, config.loss.config or None)
-            optim = session.trainer.optim_step(adam)
-            metrics_out = fb.result().get("metrics") or {}
-            optim.result()
+            optim = session.trainer.optim_step(adam_params(opt, lr))
         else:
             # No group had signal: still take the (empty) step so step == policy version.
-            session.trainer.optim_step(AdamParams(learning_rate=0.0)).result()
+            optim = session.trainer.optim_step(AdamParams(learning_rate=0.0))
         step += 1
-        if step < steps or eval_prompts:
-            version = publish(step)
+        # Submitted behind the optim_step (the trainer runs them in seq_id order), awaited together.
+        published = (session.trainer.save_weights_for_sampler(f"rl-{step:06d}", bump_version=True)
+                     if step < steps or eval_prompts else None)
+        metrics_out = (fb.result().get("metrics") or {}) if fb is not None else {}
+        optim.result()
+        if published is not None:
+            version = int(published.result().get("version") or step)
         rewards = [r.reward for g in batch.groups for r in g]
         sampled_tokens = sum(len(r.tokens) for g in batch.groups for r in g)
         elapsed = time.monotonic() - step_started
@@ -299,8 +306,8 @@ def run_rl(
             sink.step(record)
         if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
             save_checkpoint(session, step)
-    if pending is not None:
-        pending[0].join()
+    for thread, _ in ahead.values():
+        thread.join()
     if stop.requested:
         # Ctrl-C during the last step is honoured like any other: saved, resumable, exit 130
         # (resume then only runs the final eval and checkpoint).

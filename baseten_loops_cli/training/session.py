@@ -237,14 +237,24 @@ def save_checkpoint(session: TrainingSession, step: int, *, final: bool = False)
     """Save trainer state (the resume point) and sampler weights of the same name, and record
     them. Sampler weights are what can be sampled, deployed and compared (`loops eval RUN:*`);
     a LoRA adapter is small, so every checkpoint gets them."""
+    return submit_checkpoint(session, step, final=final)()
+
+
+def submit_checkpoint(session: TrainingSession, step: int, *, final: bool = False) -> Callable[[], dict]:
+    """Submit the saves of :func:`save_checkpoint` now; the returned function waits for them and
+    records the checkpoint (a pipelined loop calls it once the step's results are in)."""
     config = session.config
     name = "final" if final else f"step-{step:06d}"
     ttl = None if final and config.checkpointing.keep_final else config.checkpointing.ttl_seconds
     state_future = session.trainer.save_state(name, ttl_seconds=ttl)
     sampler_future = session.trainer.save_weights_for_sampler(name, ttl_seconds=ttl)
-    saved = state_future.result()
-    record = {"step": step, "name": name, "path": saved["path"], "time": time.time()}
-    record["sampler_path"] = sampler_future.result()["path"]
-    session.rundir.append_checkpoint(record)
-    session.rundir.update_state(step=step)
-    return record
+
+    def record_checkpoint() -> dict:
+        saved = state_future.result()
+        record = {"step": step, "name": name, "path": saved["path"], "time": time.time()}
+        record["sampler_path"] = sampler_future.result()["path"]
+        session.rundir.append_checkpoint(record)
+        session.rundir.update_state(step=step)
+        return record
+
+    return record_checkpoint

@@ -1,16 +1,22 @@
 """The supervised fine-tuning loop.
 
 Per step: build the batch's datums (order is a pure function of seed and epoch, so a resumed
-run sees the same batches), submit ``forward_backward`` and ``optim_step`` before awaiting
-either (the trainer pipelines them), record metrics, evaluate and checkpoint on schedule.
+run sees the same batches), submit ``forward_backward`` and ``optim_step`` (and, on schedule,
+the eval's ``forward`` passes and a checkpoint save), then collect the *previous* step's results
+and record them (``training/pipeline.py``): the trainer never waits for the client.
 """
 
 from __future__ import annotations
 
 import time
 
+from typing import Callable
+
 from baseten_loops_cli.training.data import Example, batches_for_step, sft_datum, weighted_nll
-from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint
+from baseten_loops_cli.training.pipeline import StepPipeline
+from baseten_loops_cli.training.session import (
+    StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, submit_checkpoint,
+)  # fmt: skip
 
 
 def total_steps(n_examples: int, config) -> int:
@@ -20,14 +26,26 @@ def total_steps(n_examples: int, config) -> int:
 
 
 def evaluate(session: TrainingSession, eval_examples: list[Example], batch_size: int) -> float:
-    total, count = 0.0, 0
+    return submit_eval(session, eval_examples, batch_size)()
+
+
+def submit_eval(session: TrainingSession, eval_examples: list[Example], batch_size: int) -> Callable[[], float]:
+    """Submit the eval's ``forward`` passes now; the returned function waits for them and gives
+    the mean per-token NLL (of the policy as it was when they were submitted)."""
+    batches = []
     for start in range(0, len(eval_examples), batch_size):
         datums = [sft_datum(e) for e in eval_examples[start : start + batch_size]]
-        out = session.trainer.forward(datums, "cross_entropy").result()
-        nll, n = weighted_nll(datums, out["loss_fn_outputs"])
-        total += nll * n
-        count += n
-    return total / count if count else float("nan")
+        batches.append((datums, session.trainer.forward(datums, "cross_entropy")))
+
+    def mean_nll() -> float:
+        total, count = 0.0, 0
+        for datums, future in batches:
+            nll, n = weighted_nll(datums, future.result()["loss_fn_outputs"])
+            total += nll * n
+            count += n
+        return total / count if count else float("nan")
+
+    return mean_nll
 
 
 def run_sft(
@@ -46,47 +64,59 @@ def run_sft(
     steps = total_steps(len(train), config)
     opt = config.optimizer
     sink.start(steps, session.start_step, "loss")
-    started = time.monotonic()
-    tokens_total = 0
+    started = last_collected = time.monotonic()
+    pipeline = StepPipeline()
     step = session.start_step
     while step < steps:
         if stop.requested:
+            pipeline.drain()
             save_checkpoint(session, step)
             return "interrupted"
-        step_started = time.monotonic()
         batch = [train[i] for i in batches_for_step(len(train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)]
         datums = [sft_datum(e) for e in batch]
         lr = learning_rate(opt, step, steps)
-        adam = adam_params(opt, lr)
         fb = session.trainer.forward_backward(datums, "cross_entropy")
-        optim = session.trainer.optim_step(adam)
-        fb_result = fb.result()
-        optim_result = optim.result()
-        nll, trained = weighted_nll(datums, fb_result["loss_fn_outputs"])
-        tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
-        tokens_total += tokens
+        optim = session.trainer.optim_step(adam_params(opt, lr))
         step += 1
-        elapsed = time.monotonic() - step_started
-        record = {
-            "step": step,
-            "loss": nll,
-            "learning_rate": lr,
-            "tokens": tokens,
-            "trained_tokens": trained,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
-            "step_time_s": elapsed,
-            "time_s": time.monotonic() - started,
-            "policy_version": step,
-            "progress": step / steps,
-        }
-        grad_norm = (optim_result.get("metrics") or {}).get("grad_norm")
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm
-        if eval_examples and config.eval_every and step % config.eval_every == 0:
-            record["eval_loss"] = evaluate(session, eval_examples, config.batch_size)
-        sink.step(record)
-        if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
-            save_checkpoint(session, step)
+        # Submitted right behind this step's optim_step, so they see exactly its weights.
+        eval_loss = (submit_eval(session, eval_examples, config.batch_size)
+                     if eval_examples and config.eval_every and step % config.eval_every == 0 else None)
+        checkpoint = (submit_checkpoint(session, step)
+                      if config.checkpointing.save_every and step % config.checkpointing.save_every == 0
+                      and step < steps else None)  # fmt: skip
+
+        def collect(step=step, datums=datums, lr=lr, fb=fb, optim=optim, eval_loss=eval_loss,
+                    checkpoint=checkpoint) -> None:
+            nonlocal last_collected
+            fb_result = fb.result()
+            optim_result = optim.result()
+            nll, trained = weighted_nll(datums, fb_result["loss_fn_outputs"])
+            tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
+            now = time.monotonic()
+            elapsed, last_collected = now - last_collected, now  # one step's share of the wall time
+            record = {
+                "step": step,
+                "loss": nll,
+                "learning_rate": lr,
+                "tokens": tokens,
+                "trained_tokens": trained,
+                "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+                "step_time_s": elapsed,
+                "time_s": now - started,
+                "policy_version": step,
+                "progress": step / steps,
+            }
+            grad_norm = (optim_result.get("metrics") or {}).get("grad_norm")
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm
+            if eval_loss is not None:
+                record["eval_loss"] = eval_loss()
+            sink.step(record)
+            if checkpoint is not None:
+                checkpoint()
+
+        pipeline.push(collect)
+    pipeline.drain()
     if stop.requested:
         # Ctrl-C during the last step is honoured like any other: saved, resumable, exit 130
         # (resume then only runs the final eval and checkpoint).

@@ -11,7 +11,10 @@ This module owns the records and the waiting, not the execution (that is
   on the echo), unique per run. A retried submit with the same key finds the existing
   record and gets the same id back; the op is applied once.
 - **Waiting.** Each unfinished op has an ``asyncio.Event`` set when it finishes, so a
-  poll wakes the moment the result exists, not on a timer.
+  poll wakes the moment the result exists, not on a timer. The finished record is also kept
+  in memory until its first poll answers from it, so the hot path (submit, run, poll) never
+  reads a result back out of SQLite and parses its JSON again; the database copy serves
+  retried polls and restarts.
 - **Retention.** Results are kept ``result_ttl`` (1 h) after finishing, then dropped
   (polls answer 404, as on the hosted platform); the record itself stays for the
   idempotency window so late retries are still deduplicated.
@@ -23,6 +26,7 @@ This module owns the records and the waiting, not the execution (that is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -42,6 +46,8 @@ class OperationRegistry:
         self.result_ttl_s = result_ttl_s
         self.idempotency_window_s = max(idempotency_window_s, result_ttl_s)
         self._events: dict[tuple[str, str], asyncio.Event] = {}
+        self._finished: dict[tuple[str, str], st.OperationRow] = {}
+        self._submitted: dict[tuple[str, str], st.OperationRow] = {}
 
     # ── submission ──
 
@@ -53,7 +59,9 @@ class OperationRegistry:
         op_id = idempotency_key or uuid.uuid4().hex
         row = self.store.insert_operation(run_id=run_id, op_id=op_id, op=op,
                                           idempotency_key=idempotency_key, seq_id=seq_id)
-        self._events[(run_id, op_id)] = asyncio.Event()
+        if row.status not in st.FINISHED_OP_STATUSES and (run_id, op_id) not in self._events:
+            self._events[(run_id, op_id)] = asyncio.Event()
+            self._submitted[(run_id, op_id)] = row
         return row
 
     # ── progress ──
@@ -65,12 +73,29 @@ class OperationRegistry:
                error_class: str | None = None) -> None:
         self.store.finish_operation(run_id, op_id, result=result, error=error,
                                     error_class=error_class)
+        row = self._finished_row(run_id, op_id, result, error, error_class)
+        if row is not None:
+            self._finished[(run_id, op_id)] = row
         event = self._events.pop((run_id, op_id), None)
         if event is not None:
             event.set()
 
+    def _finished_row(self, run_id: str, op_id: str, result: Any, error: str | None,
+                      error_class: str | None) -> st.OperationRow | None:
+        if (run_id, op_id) not in self._events:
+            return None  # not submitted through this registry (e.g. before a restart)
+        now = time.time()
+        status = st.OP_DONE if error is None else st.OP_ERROR
+        row = self._submitted.pop((run_id, op_id), None)
+        if row is None:
+            return None
+        return dataclasses.replace(row, status=status, result=result if error is None else None,
+                                   error=error, error_class=(error_class or "Error") if error else None,
+                                   finished_at=now)
+
     def fail_pending(self, run_id: str, error: str, error_class: str) -> None:
         for op_id in self.store.fail_pending_operations_of_run(run_id, error, error_class):
+            self._submitted.pop((run_id, op_id), None)
             event = self._events.pop((run_id, op_id), None)
             if event is not None:
                 event.set()
@@ -79,16 +104,19 @@ class OperationRegistry:
 
     async def wait(self, run_id: str, op_id: str, hold_s: float) -> st.OperationRow | None:
         """The op's record once finished, or as it stands after ``hold_s``; None if unknown."""
-        row = self.store.get_operation(run_id, op_id)
-        if row is None or row.status in st.FINISHED_OP_STATUSES:
-            return row
+        finished = self._finished.pop((run_id, op_id), None)
+        if finished is not None:
+            return finished
         event = self._events.get((run_id, op_id))
-        if event is not None and hold_s > 0:
+        if event is None:
+            return self.store.get_operation(run_id, op_id)  # finished earlier, or unknown
+        if hold_s > 0:
             try:
                 await asyncio.wait_for(event.wait(), hold_s)
             except asyncio.TimeoutError:
                 pass
-        return self.store.get_operation(run_id, op_id)
+        finished = self._finished.pop((run_id, op_id), None)
+        return finished if finished is not None else self.store.get_operation(run_id, op_id)
 
     # ── housekeeping ──
 
@@ -97,5 +125,8 @@ class OperationRegistry:
 
     def expire(self, now: float | None = None) -> None:
         now = now or time.time()
+        for key, row in list(self._finished.items()):  # never polled: the database has them
+            if row.finished_at is not None and row.finished_at < now - self.result_ttl_s:
+                del self._finished[key]
         self.store.expire_operation_results(now - self.result_ttl_s)
         self.store.purge_operations(now - self.idempotency_window_s)
