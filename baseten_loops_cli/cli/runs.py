@@ -10,7 +10,7 @@ of LoopsRun objects, `runs describe -o json` is the LoopsRun with `deployment`,
 import re
 import time
 from datetime import datetime, timezone
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 

@@ -24,7 +24,6 @@ from baseten_loops_cli.services.resolve import (
     display_name,
     parse_checkpoint_ref,
     resolve_checkpoint,
-    uri_of,
 )
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.engine.sample_types import SampleRequest, SampleResult
