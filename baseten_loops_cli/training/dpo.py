@@ -25,7 +25,7 @@ from typing import Any
 
 from baseten_loops_cli.errors import ConfigError, LoopsError
 from baseten_loops_cli.training.data import PreferencePair, batches_for_step, dpo_datum, reference_logprobs_field
-from baseten_loops_cli.training.pipeline import StepPipeline
+from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
 from baseten_loops_cli.training.session import (
     StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, submit_checkpoint,
 )  # fmt: skip
@@ -247,7 +247,7 @@ def run_dpo(
             # Where the policy starts (0.5 accuracy: it is the reference), for the final comparison.
             baseline = {"step": 0, **evaluate(session, eval_pairs, scores)}
             sink.step(baseline)
-    started = last_collected = time.monotonic()
+    clock = StepClock()
     pipeline = StepPipeline()  # see training/pipeline.py and run_sft
     step = session.start_step
     while step < steps:
@@ -269,27 +269,13 @@ def run_dpo(
 
         def collect(step=step, datums=datums, indices=indices, lr=lr, fb=fb, optim=optim,
                     eval_metrics=eval_metrics, checkpoint=checkpoint) -> None:
-            nonlocal last_collected
             fb_result = fb.result()
             optim_result = optim.result()
             tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
-            now = time.monotonic()
-            elapsed, last_collected = now - last_collected, now
-            record = {
-                "step": step,
-                **preference_metrics(datums, fb_result["loss_fn_outputs"], config.beta, config.label_smoothing),
-                "learning_rate": lr,
-                "pairs": len(indices),
-                "tokens": tokens,
-                "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
-                "step_time_s": elapsed,
-                "time_s": now - started,
-                "policy_version": step,
-                "progress": step / steps,
-            }
-            grad_norm = (optim_result.get("metrics") or {}).get("grad_norm")
-            if grad_norm is not None:
-                record["grad_norm"] = grad_norm
+            record = step_record(step, steps, clock, learning_rate=lr, tokens=tokens, optim_result=optim_result,
+                                 **preference_metrics(datums, fb_result["loss_fn_outputs"], config.beta,
+                                                      config.label_smoothing),
+                                 pairs=len(indices))
             if eval_metrics is not None:
                 record.update(eval_metrics())
             sink.step(record)

@@ -16,7 +16,8 @@ checkpoint is redone on resume.
 from __future__ import annotations
 
 import collections
-from typing import Callable
+import time
+from typing import Any, Callable
 
 # Steps submitted ahead of the one being collected. One is enough to hide the client's
 # round trip and bookkeeping (both far shorter than a step); more would only delay Ctrl-C.
@@ -46,3 +47,39 @@ class StepPipeline:
         """Collect every queued step (before a stop, an unpipelined op, or the end)."""
         while self._pending:
             self._pending.popleft()()
+
+
+class StepClock:
+    """Wall time per collected step. In a pipeline a step's share of the wall time is the time
+    since the previous step was collected (its ops overlapped the previous step's)."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.monotonic()
+
+    def lap(self) -> tuple[float, float]:
+        """(this step's share, time since the loop started), in seconds."""
+        now = time.monotonic()
+        elapsed, self._last = now - self._last, now
+        return elapsed, now - self.started
+
+
+def step_record(step: int, steps: int, clock: StepClock, *, learning_rate: float, tokens: int,
+                optim_result: dict, **metrics: Any) -> dict:
+    """One step's metrics record, the fields every supervised loop (SFT, DPO) writes, around the
+    loop's own ``metrics`` (loss, preference accuracy, ...)."""
+    elapsed, time_s = clock.lap()
+    record = {
+        "step": step,
+        **metrics,
+        "learning_rate": learning_rate,
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+        "step_time_s": elapsed,
+        "time_s": time_s,
+        "policy_version": step,
+        "progress": step / steps,
+    }
+    grad_norm = (optim_result.get("metrics") or {}).get("grad_norm")
+    if grad_norm is not None:
+        record["grad_norm"] = grad_norm
+    return record

@@ -8,12 +8,11 @@ and record them (``training/pipeline.py``): the trainer never waits for the clie
 
 from __future__ import annotations
 
-import time
 
 from typing import Callable
 
 from baseten_loops_cli.training.data import Example, batches_for_step, sft_datum, weighted_nll
-from baseten_loops_cli.training.pipeline import StepPipeline
+from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
 from baseten_loops_cli.training.session import (
     StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, submit_checkpoint,
 )  # fmt: skip
@@ -64,7 +63,7 @@ def run_sft(
     steps = total_steps(len(train), config)
     opt = config.optimizer
     sink.start(steps, session.start_step, "loss")
-    started = last_collected = time.monotonic()
+    clock = StepClock()
     pipeline = StepPipeline()
     step = session.start_step
     while step < steps:
@@ -87,28 +86,12 @@ def run_sft(
 
         def collect(step=step, datums=datums, lr=lr, fb=fb, optim=optim, eval_loss=eval_loss,
                     checkpoint=checkpoint) -> None:
-            nonlocal last_collected
             fb_result = fb.result()
             optim_result = optim.result()
             nll, trained = weighted_nll(datums, fb_result["loss_fn_outputs"])
             tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
-            now = time.monotonic()
-            elapsed, last_collected = now - last_collected, now  # one step's share of the wall time
-            record = {
-                "step": step,
-                "loss": nll,
-                "learning_rate": lr,
-                "tokens": tokens,
-                "trained_tokens": trained,
-                "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
-                "step_time_s": elapsed,
-                "time_s": now - started,
-                "policy_version": step,
-                "progress": step / steps,
-            }
-            grad_norm = (optim_result.get("metrics") or {}).get("grad_norm")
-            if grad_norm is not None:
-                record["grad_norm"] = grad_norm
+            record = step_record(step, steps, clock, learning_rate=lr, tokens=tokens, optim_result=optim_result,
+                                 loss=nll, trained_tokens=trained)
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss()
             sink.step(record)
