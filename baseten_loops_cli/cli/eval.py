@@ -1,11 +1,7 @@
 """`loops eval`: score sampler checkpoints (and the base model) side by side on a data set.
 
-Parse the checkpoints into candidates, call :func:`training.evaluation.evaluate`, render the
-report. Which sampler serves a checkpoint (opened only when its result is not cached):
-
-- a checkpoint of an active run: the run's paired sampler, pinned to it (``X-Checkpoint-Path``);
-- a checkpoint of an inactive run, or the base model (``--base``): a live standalone sampler
-  serving it when one exists, else one started for this command and stopped at its end.
+Parse, call :func:`services.evaluation.candidates` (the rows, and the samplers that serve them:
+see there) and :func:`training.evaluation.evaluate`, render the report.
 """
 
 from __future__ import annotations
@@ -17,82 +13,6 @@ import typer
 
 from baseten_loops_cli.cli import _complete
 from baseten_loops_cli.cli._state import get_state
-
-
-def _run_checkpoints(client: Any, text: str) -> list:
-    """``RUN:*``: the run's sampler checkpoints, oldest first."""
-    from baseten_loops_cli.services.resolve import NotFound, checkpoints_of_run, created_key
-
-    run_id = text[: -len(":*")]
-    cps = [c for c in checkpoints_of_run(client, run_id) if c.target == "sampler"]
-    if not cps:
-        raise NotFound(
-            f"run {run_id} has no sampler checkpoints",
-            hint=f"Trainer checkpoints cannot be scored; list them with `loops checkpoints list --run-id {run_id}`.",
-        )
-    return sorted(cps, key=lambda c: (created_key(c), c.checkpoint_id))
-
-
-def _sampler_checkpoint(client: Any, text: str) -> Any:
-    from baseten_loops_cli.errors import UsageError
-    from baseten_loops_cli.services.resolve import resolve_checkpoint
-
-    cp = resolve_checkpoint(client, text, prefer="sampler")
-    if cp.target != "sampler":
-        raise UsageError(
-            f"{text} is a trainer checkpoint (training state); eval scores sampler weights",
-            hint=f"Pick a sampler checkpoint: loops checkpoints list --run-id {cp.run_id} --target sampler",
-        )
-    return cp
-
-
-class _Samplers:
-    """Finds or starts the samplers that serve the candidates (on a cache miss only) and stops
-    the ones it started: an evaluation leaves no capacity behind."""
-
-    def __init__(self, client: Any, api_key: str, out: Any) -> None:
-        self.client = client
-        self.api_key = api_key
-        self.out = out
-        self.started: list[str] = []
-
-    def _started(self, sampler_id: str, what: str) -> None:
-        self.started.append(sampler_id)
-        self.out.info(f"Started sampler {sampler_id} for {what} (stopped when the evaluation ends).")
-
-    def for_checkpoint(self, uri: str) -> Any:
-        from baseten_loops_cli.services.sampling import resolve_source
-        from baseten_loops_cli.workers.sampler import SamplerClient
-
-        source = resolve_source(self.client, uri)
-        if source.started_sampler:
-            self._started(source.sampler.id, uri)
-        return SamplerClient(source.sampler.base_url, api_key=self.api_key, run_id=source.run_header,
-                             sampler_id=None if source.run_header else source.sampler.id, checkpoint_path=source.pin)  # fmt: skip
-
-    def for_base(self, base_model: str) -> Any:
-        from baseten_loops_cli.services.resolve import extra, sampler_is_terminal
-        from baseten_loops_cli.services.sampling import create_sampler
-        from baseten_loops_cli.workers.sampler import SamplerClient
-
-        live = [s for s in self.client.samplers.list() if not sampler_is_terminal(s) and s.base_model == base_model
-                and not extra(s, "run_id") and not extra(s, "model_path")]  # fmt: skip
-        sampler = live[0] if live else None
-        if sampler is None:
-            sampler, what = create_sampler(self.client, base_model=base_model)
-            self._started(sampler.id, f"the base model {what}")
-        return SamplerClient(sampler.base_url, api_key=self.api_key, sampler_id=sampler.id)
-
-    def close(self) -> None:
-        from baseten_loops_cli.errors import LoopsError
-
-        for sampler_id in self.started:
-            try:
-                self.client.samplers.deactivate(sampler_id)
-            except LoopsError:
-                self.out.warn(f"could not stop sampler {sampler_id}; stop it with `loops samplers deactivate {sampler_id}`")
-        if self.started:
-            _complete.invalidate("samplers")
 
 
 def _task(data: Optional[Path], config: Optional[Path], *, limit, seed, samples, k) -> Any:
@@ -175,44 +95,27 @@ def eval_command(
     gates += [ev.parse_gate(g, task.kind, "over") for g in fail_over or []]
 
     backend = state.backend()
-    client = backend.client
-    resolved: list = []
-    for text in refs:
-        found = _run_checkpoints(client, text) if text.endswith(":*") else [_sampler_checkpoint(client, text)]
-        resolved += [cp for cp in found if cp.id not in {c.id for c in resolved}]
 
-    from baseten_loops_cli.services.resolve import display_name, uri_of
+    def config_base_model() -> str:  # --base without a checkpoint: the config's base model
+        from baseten_loops_cli.training.config import load_config
 
-    samplers = _Samplers(client, backend.api_key, out)
-    candidates: list[ev.Candidate] = []
-    if base:
-        models = list(dict.fromkeys(cp.base_model for cp in resolved if cp.base_model))
-        if not models:
-            if config is None:
-                raise UsageError("--base alone needs --config (its base_model)", hint="Or name a checkpoint of that model too.")
-            from baseten_loops_cli.training.config import load_config
+        return load_config(config).config.base_model
 
-            models = [load_config(config).config.base_model]
-        for model in models:
-            candidates.append(ev.Candidate(
-                f"base ({model})" if len(models) > 1 else "base", model, f"{backend.base_url}|base|{model}",
-                lambda model=model: samplers.for_base(model), is_base=True,
-            ))  # fmt: skip
-    for cp in resolved:
-        uri = uri_of(cp) or cp.uri
-        if not cp.base_model:
-            raise LoopsError(f"checkpoint {display_name(cp)} does not say its base model", hint="It cannot be scored.")
-        created = cp.created_at.isoformat() if cp.created_at else ""
-        candidates.append(ev.Candidate(
-            display_name(cp), cp.base_model, f"{backend.base_url}|{cp.id}|{uri}|{created}",
-            lambda uri=uri: samplers.for_checkpoint(uri), uri=uri,
-        ))  # fmt: skip
+    from baseten_loops_cli.services.evaluation import SamplerPool, candidates as eval_candidates
 
+    samplers = SamplerPool(backend.client, backend.api_key,
+                           lambda sampler_id, what: out.info(f"Started sampler {sampler_id} for {what} "
+                                                             "(stopped when the evaluation ends)."))
+    candidates = eval_candidates(backend, refs, samplers, base=base,
+                                 config_base_model=config_base_model if config is not None else None)
     try:
         with out.count_progress("Scoring rows") as bar:
             report = ev.evaluate(candidates, task, cache_dir=None if no_cache else cache_dir() / "eval", progress=bar)
     finally:
-        samplers.close()
+        for sampler_id in samplers.close():
+            out.warn(f"could not stop sampler {sampler_id}; stop it with `loops samplers deactivate {sampler_id}`")
+        if samplers.started:
+            _complete.invalidate("samplers")
     _render(out, report)
     for error in report.errors[:5]:
         out.warn(f"{error.source}: {error.message}")

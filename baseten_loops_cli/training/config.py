@@ -150,7 +150,7 @@ class _Common(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
     eval: EvalConfig | None = Field(None, description="Evaluate the final checkpoint when training ends.")
-    EVAL_SUPPORTED: ClassVar[bool] = True  # the loop ends with evaluate_final()
+    EVAL_SUPPORTED: ClassVar[bool] = True  # the loop ends with final_eval.evaluate_final()
 
     @field_validator("eval", mode="before")
     @classmethod

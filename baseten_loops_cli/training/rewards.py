@@ -132,3 +132,12 @@ def score(name: str, fn: RewardFn, completion: str, row: dict, source: str) -> f
     if not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
         raise RewardError(f"reward {name!r} returned {value!r}, not a finite number (prompt {source})")
     return float(value)
+
+
+def completion_text(tokenizer: Any, tokens: list[int], stop: list[str]) -> str:
+    """What the reward sees: the decoded completion, cut at the stop strings."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    for stop_text in stop:
+        if stop_text in text:
+            text = text[: text.index(stop_text)]
+    return text

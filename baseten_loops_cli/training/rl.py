@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from baseten_loops_cli.training.data import Prompt, rl_datum
-from baseten_loops_cli.training.rewards import score
+from baseten_loops_cli.training.rewards import completion_text, score
 from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint
 
 
@@ -64,15 +64,6 @@ def prompts_for_step(prompts: list[Prompt], step: int, config) -> list[Prompt]:
 
     idx = batches_for_step(len(prompts), config.groups_per_batch, step, seed=config.seed, shuffle=config.data.shuffle)
     return [prompts[i] for i in idx]
-
-
-def completion_text(tokenizer: Any, tokens: list[int], stop: list[str]) -> str:
-    """What the reward sees: the decoded completion, cut at the stop strings."""
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    for stop_text in stop:
-        if stop_text in text:
-            text = text[: text.index(stop_text)]
-    return text
 
 
 class Rollouts:
@@ -320,7 +311,7 @@ def run_rl(
     record = save_checkpoint(session, steps, final=True)
     sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
     if config.eval is not None:
-        from baseten_loops_cli.training.evaluation import evaluate_final
+        from baseten_loops_cli.training.final_eval import evaluate_final
 
         evaluate_final(session, record, sink)
     return "completed"

@@ -112,7 +112,7 @@ def run_sft(
     record = save_checkpoint(session, steps, final=True)
     sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
     if config.eval is not None:
-        from baseten_loops_cli.training.evaluation import evaluate_final
+        from baseten_loops_cli.training.final_eval import evaluate_final
 
         evaluate_final(session, record, sink)
     return "completed"
