@@ -1,18 +1,20 @@
 """SFT throughput through the local server's trainer protocol vs bare PEFT in-process.
 
     python bench/train_throughput.py [--model loops-local/tiny|HuggingFaceTB/SmolLM2-135M-Instruct]
-                                     [--steps N] [--rounds R] [--batch B] [--seq-len T] [--quick] [--json]
+                                     [--steps N] [--rounds R] [--batch B] [--seq-len T] [--equal-lengths]
+                                     [--quick] [--json]
 
 Both sides train the same kind of model (the tiny Llama built in code, or SmolLM2 loaded from
 the converted weights) with the same LoRA (rank, alpha 32, q/k/v/o/gate/up/down), the same
-batch (B datums of T tokens, cross entropy on every target) and torch AdamW with gradient
-clipping at 1.0:
+batch (B datums of T/4 to T tokens, as in a real SFT batch; ``--equal-lengths``: all T; cross
+entropy on every target) and torch AdamW with gradient clipping at 1.0:
 
 - **http**: ``TrainerClient`` against a private server (production timings): each step is
   ``forward_backward`` + ``optim_step``; the next step's ops are submitted before this step's
   results are awaited (pipelined, two steps in flight);
 - **local**: ``peft.get_peft_model`` on a freshly built/loaded model in this process, the
-  same steps in a plain loop.
+  same steps in a plain loop, each batch right-padded to its longest datum (the naive loop;
+  the server packs several datums into one row instead, ``local/engine/trainer.py``).
 
 Rounds alternate (http first on even rounds, local first on odd ones) so both sides see the
 same machine load; each round's tokens/s is the input tokens trained divided by the wall time
@@ -142,9 +144,18 @@ def emit(name: str, ratio: float, target: float, detail: str, as_json: bool,
 
 # ── the two sides ──
 
-def make_batch(vocab: int, batch: int, seq_len: int, seed: int = 0) -> list[list[int]]:
+def make_batch(vocab: int, batch: int, seq_len: int, seed: int = 0, equal: bool = False) -> list[list[int]]:
+    """``batch`` token sequences of ``seq_len`` + 1 tokens (``equal``), or, like a real SFT
+    batch, of lengths spread evenly from a quarter of that to all of it (the longest is
+    ``seq_len`` + 1 either way)."""
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(seq_len + 1)] for _ in range(batch)]
+    if equal or batch == 1:
+        lengths = [seq_len] * batch
+    else:
+        lo = max(1, seq_len // 4)
+        lengths = [lo + round(i * (seq_len - lo) / (batch - 1)) for i in range(batch)]
+        rng.shuffle(lengths)
+    return [[rng.randrange(vocab) for _ in range(n + 1)] for n in lengths]
 
 
 def wire_data(seqs: list[list[int]]) -> list[dict]:
@@ -169,13 +180,17 @@ class LocalTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
                                            weight_decay=0.0)
-        self.inputs = torch.tensor([s[:-1] for s in seqs])
-        self.targets = torch.tensor([s[1:] for s in seqs])
+        # The naive loop: every sequence right-padded to the longest, padding masked out of
+        # attention and of the loss.
+        width = max(len(s) for s in seqs) - 1
+        self.inputs = torch.tensor([s[:-1] + [0] * (width - len(s) + 1) for s in seqs])
+        self.targets = torch.tensor([s[1:] + [-100] * (width - len(s) + 1) for s in seqs])
+        self.mask = (self.targets != -100).long() if (self.targets == -100).any() else None
 
     def step(self) -> float:
         import torch
 
-        logits = self.model(input_ids=self.inputs, use_cache=False).logits.float()
+        logits = self.model(input_ids=self.inputs, attention_mask=self.mask, use_cache=False).logits.float()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                  self.targets.reshape(-1))
         loss.backward()
@@ -235,7 +250,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps per round per side")
     parser.add_argument("--rounds", type=int, help="alternating rounds")
     parser.add_argument("--batch", type=int, help="datums per step")
-    parser.add_argument("--seq-len", type=int, help="tokens per datum")
+    parser.add_argument("--seq-len", type=int, help="tokens of the longest datum")
+    parser.add_argument("--equal-lengths", action="store_true",
+                        help="every datum --seq-len tokens (default: lengths from a quarter of it to all of it)")
     parser.add_argument("--rank", type=int, default=LORA_RANK)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads on both sides (default 1; 0 = torch's default, "
@@ -255,7 +272,8 @@ def main() -> None:
         try:
             from baseten_loops_cli.local.engine.model_zoo import model_info
 
-            seqs = make_batch(int(model_info(args.model).vocab_size), batch, seq_len)
+            seqs = make_batch(int(model_info(args.model).vocab_size), batch, seq_len, equal=args.equal_lengths)
+            tokens_per_step = sum(len(s) - 1 for s in seqs)
             http.data = wire_data(seqs)
             local = LocalTrainer(args.model, args.rank, seqs)
             # Warm-up: model load, first-call allocations, thread pools.
@@ -286,11 +304,12 @@ def main() -> None:
         finally:
             http.close()
     ratios = [h / l for h, l in zip(http_rates, local_rates)]
+    shape = f"{seq_len}" if args.equal_lengths else f"{max(1, seq_len // 4)}-{seq_len}"
     ratio = statistics.median(ratios)
     name = f"train_throughput[{args.model.split('/')[-1]}]"
     detail = (f"http {statistics.median(http_rates):.0f} vs local "
               f"{statistics.median(local_rates):.0f} tokens/s (median of {rounds} alternating "
-              f"rounds x {steps} steps, batch {batch}x{seq_len}, rank {args.rank}, threads "
+              f"rounds x {steps} steps, batch of {batch} datums of {shape} tokens, rank {args.rank}, threads "
               f"{args.threads or 'torch default'}; server compute thread busy "
               f"{100 * statistics.median(busy):.0f}% of http wall; CPU-seconds local/http "
               f"{cpu['local'] / cpu['http']:.3f}; per-round ratios "

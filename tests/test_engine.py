@@ -227,6 +227,33 @@ def test_forward_output_shape_and_masking(make_trainer) -> None:
     assert out["metrics"]["tokens"] == 4.0
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_batch_of_unequal_lengths_matches_each_datum_alone(make_trainer, base, monkeypatch, layout) -> None:
+    """Packing (several datums in one row, positions restarting at 0) and padding (one row each,
+    an attention mask) both give each datum exactly what a forward pass of it alone gives:
+    the same logprobs and the same gradients."""
+    from baseten_loops_cli.local.engine import trainer as trainer_module
+
+    lengths = [41, 9, 26, 13, 31, 7, 18]
+    data = [sft_datum((TEXT * 2)[k : k + n]) for k, n in zip(range(0, 70, 10), lengths)]
+    assert len(trainer_module.pack_rows([n - 1 for n in lengths], max(lengths) - 1)) < len(data)
+    with base.activate(None) as module:
+        assert trainer_module._packable(module)  # else "packed" would silently test padding
+    if layout == "padded":
+        monkeypatch.setattr(trainer_module, "_PACKABLE_MODEL_TYPES", frozenset())
+    alone, together = make_trainer(rank=4, seed=3), make_trainer(rank=4, seed=3)
+    for t in (alone, together):  # a non-zero B, so the adapter takes part
+        t.forward_backward(data[:2])
+        t.optim_step({"learning_rate": 1e-2})
+    batch = together.forward_backward(data)
+    single = [alone.forward_backward([d]) for d in data]
+    for i, out in enumerate(single):
+        expected = out["loss_fn_outputs"][0]["logprobs"]["data"]
+        assert batch["loss_fn_outputs"][i]["logprobs"]["data"] == pytest.approx(expected, abs=1e-5)
+    for a, b in zip(alone._params, together._params):  # sums over all tokens: float32 rounding
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5 * float(b.grad.abs().max()))
+
+
 def test_skip_token_normalization_and_gradient_accumulation(make_trainer) -> None:
     """Default CE averages over trained tokens across accumulated calls (split calls equal one
     call); skip_token_normalization sums; the two cannot share an optimizer step."""

@@ -116,7 +116,7 @@ class LoraTrainer:
                 "or with an RL loss). Call optim_step first.", "MixedLossNormalization")
 
         with self.base.activate(self.adapter_name) as model, torch.set_grad_enabled(backward):
-            logits = _batched_logits(model, [p.tokens for p in parsed])
+            logits = _datum_logits(model, [p.tokens for p in parsed])
             loss_inputs, top_k = _target_logprobs(logits, parsed, top_k_logprobs)
             result = losses.compute(loss_fn, loss_inputs, config)
             if backward:
@@ -261,29 +261,79 @@ def _adam_params(given: dict | None) -> dict[str, float]:
     return {key: float(value) for key, value in params.items()}
 
 
-def _batched_logits(model: Any, sequences: list[list[int]]) -> torch.Tensor:
-    """One right-padded forward pass; (B, T, V) float32 logits (padding positions are junk
-    and never read)."""
-    longest = max(len(s) for s in sequences)
-    input_ids = torch.zeros((len(sequences), longest), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
+# Model families whose causal mask transformers builds from ``position_ids``
+# (masking_utils.find_packed_sequence_indices): in a row holding several sequences, each with
+# its positions restarting at 0, every token attends within its own sequence only.
+_PACKABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def _packable(model: Any) -> bool:
+    config = getattr(model, "config", None)
+    return (getattr(config, "model_type", None) in _PACKABLE_MODEL_TYPES
+            and getattr(config, "_attn_implementation", None) in ("sdpa", "eager"))
+
+
+def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """First-fit decreasing: datum indices grouped into rows of at most ``width`` tokens."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+        if row is None:
+            rows.append([i])
+            free.append(width - lengths[i])
+        else:
+            rows[row].append(i)
+            free[row] -= lengths[i]
+    return rows
+
+
+def _datum_logits(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence's (N, V) float32 logits, from one forward pass.
+
+    A batch of unequal lengths is packed: several sequences share a row of the longest one's
+    width (positions restart at 0 for each, so none sees another), which runs fewer rows than
+    padding every sequence to the longest. Where packing saves no row, or the model's attention
+    cannot take it, rows are right-padded with an attention mask; equal lengths need neither.
+    """
+    lengths = [len(s) for s in sequences]
+    width = max(lengths)
+    rows = pack_rows(lengths, width) if _packable(model) else []
+    if rows and len(rows) < len(sequences):
+        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        position_ids = torch.zeros_like(input_ids)
+        where: list[tuple[int, int]] = [(0, 0)] * len(sequences)
+        for r, members in enumerate(rows):
+            offset = 0
+            for i in members:
+                n = lengths[i]
+                input_ids[r, offset: offset + n] = torch.tensor(sequences[i])
+                position_ids[r, offset: offset + n] = torch.arange(n)
+                where[i] = (r, offset)
+                offset += n
+            # The unused tail is one more "sequence" of its own, attended by nothing real.
+            position_ids[r, offset:] = torch.arange(width - offset)
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits.float()
+        return [logits[r, offset: offset + n] for (r, offset), n in zip(where, lengths)]
+    input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
         input_ids[row, : len(seq)] = torch.tensor(seq)
-        attention_mask[row, : len(seq)] = 1
-    return model(input_ids=input_ids, attention_mask=attention_mask,
-                 use_cache=False).logits.float()
+    mask = None
+    if min(lengths) < width:
+        mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+    logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()
+    return [logits[row, :n] for row, n in enumerate(lengths)]
 
 
 TopK = tuple[torch.Tensor, torch.Tensor]  # (logprobs, token ids), each (N, k)
 
 
-def _target_logprobs(logits: torch.Tensor, parsed: list[ParsedDatum], top_k: int
+def _target_logprobs(logits: list[torch.Tensor], parsed: list[ParsedDatum], top_k: int
                      ) -> tuple[list[losses.DatumLossInput], list[TopK]]:
     """Each datum's logprobs of its targets (and optionally the top-k alternatives)."""
     inputs: list[losses.DatumLossInput] = []
     top: list[TopK] = []
-    for row, datum in enumerate(parsed):
-        row_logits = logits[row, : len(datum.tokens)]
+    for row_logits, datum in zip(logits, parsed):
         normalizer = torch.logsumexp(row_logits, dim=-1)  # (N,)
         targets = datum.inputs["target_tokens"]
         valid = targets != losses.IGNORE_INDEX
