@@ -12,6 +12,11 @@ from typing import Annotated, Optional
 import typer
 
 from baseten_loops_cli import __version__
+
+# httpx imports its own command line (click, pygments, rich.syntax) whenever click is installed,
+# as it is with the [local] extra (uvicorn needs it): 70 ms of every command that makes a
+# request. The CLI never runs it; httpx falls back to a stub when that import fails.
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
 from baseten_loops_cli.cli import (
     _complete,
     _help,
