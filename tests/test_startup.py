@@ -21,7 +21,8 @@ WRAPPER = f"""
 import atexit, json, os, sys
 HEAVY = {HEAVY!r}
 def _report():
-    loaded = sorted({{name.split(".")[0] for name in list(sys.modules)}} & set(HEAVY))
+    # A None entry is an import blocked on purpose (httpx._main), not a loaded module.
+    loaded = sorted({{name.split(".")[0] for name, mod in list(sys.modules.items()) if mod is not None}} & set(HEAVY))
     with open(os.environ["LOOPS_TEST_MODULES_OUT"], "w") as fh:
         json.dump(loaded, fh)
 atexit.register(_report)
