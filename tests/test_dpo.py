@@ -372,3 +372,62 @@ def test_dpo_killed_mid_run_then_resumed_gives_the_same_adapter(server_factory, 
     assert steps == clean_steps == 6
     assert_same_adapter(adapter_tensors(server, clean_run, clean_name), adapter_tensors(server, run_id, name))
 
+
+
+# ── Ctrl-C in-process, then `loops train resume` ───────────────────────────────────────────
+
+
+def _ctrl_c_at_step(server, run_dir: Path, monkeypatch, at_step: int, overrides: list[str], *,
+                    deactivate: bool = True) -> tuple[str, str]:
+    """Run the tiny DPO example in-process until the step ``at_step`` record, then "Ctrl-C" (set
+    the stop flag, what the SIGINT handler does) and end as `loops train run` does: state saved,
+    run deactivated (or kept active, as `--keep-run` or a killed client leaves it). Returns
+    (status, run id)."""
+    from baseten_loops_cli.cli._backend import open_backend
+    from baseten_loops_cli.cli.train import _absolute_raw
+    from baseten_loops_cli.training.dpo import run_dpo
+    from baseten_loops_cli.training.metrics import MetricsSink
+    from baseten_loops_cli.training.plan import load_data
+    from baseten_loops_cli.training.rundir import RunDir
+    from baseten_loops_cli.training.session import StopRequested, open_session
+
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)
+    loaded = load_config(EXAMPLES / "tiny-dpo.yaml", overrides)
+    data = load_data(loaded)
+    rundir = RunDir(run_dir)
+    rundir.create(_absolute_raw(loaded), loaded.path)
+    session = open_session(loaded, rundir, open_backend(), resume=False, announce=lambda _: None)
+    stop = StopRequested()  # not entered: no signal handler; the "Ctrl-C" is set below
+
+    class CtrlCAtStep(MetricsSink):
+        def step(self, record: dict) -> None:
+            super().step(record)
+            if record["step"] == at_step:
+                stop.requested = True
+
+    try:
+        status = run_dpo(session, data.train, data.eval, CtrlCAtStep(rundir), stop)
+        rundir.update_state(status=status)
+    finally:
+        session.close(deactivate=deactivate)
+    return status, session.run_id
+
+
+@pytest.mark.local
+def test_ctrl_c_during_the_last_step_is_honoured_then_resumed(local_server, tmp_path, monkeypatch):
+    rundir_path = tmp_path / "run"
+    status, old_run = _ctrl_c_at_step(local_server, rundir_path, monkeypatch, 2,
+                                      ["max_steps=2", "eval_every=0", "data.eval=null"])
+    assert status == "interrupted"  # -> exit 130 in `loops train run`, like any other step
+    checkpoints = [json.loads(line) for line in (rundir_path / "checkpoints.jsonl").read_text().splitlines()]
+    assert checkpoints[-1]["step"] == 2 and checkpoints[-1]["name"] != "final"
+
+    resumed = loops_subprocess(local_server, "train", "resume", str(rundir_path), timeout=300)
+    assert resumed.code == 0, resumed
+    assert "Scoring" not in resumed.stderr  # the reference scores were kept
+    state = json.loads((rundir_path / "state.json").read_text())
+    assert state["status"] == "completed" and state["resumed_from"] == [old_run]
+    assert [r["step"] for r in metrics(rundir_path)] == [1, 2]  # nothing repeated
+    assert json.loads((rundir_path / "checkpoints.jsonl").read_text().splitlines()[-1])["name"] == "final"
+
