@@ -431,3 +431,34 @@ def test_ctrl_c_during_the_last_step_is_honoured_then_resumed(local_server, tmp_
     assert [r["step"] for r in metrics(rundir_path)] == [1, 2]  # nothing repeated
     assert json.loads((rundir_path / "checkpoints.jsonl").read_text().splitlines()[-1])["name"] == "final"
 
+
+@pytest.mark.local
+def test_lost_reference_scores_are_scored_again_on_resume(local_server, tmp_path, monkeypatch):
+    """reference_logprobs.jsonl deleted after training began: the resumed run scores every
+    sequence again on the base model (the reference was the step-0 snapshot of a fresh LoRA,
+    which adds exactly zero) and gets the same numbers. The run is kept active, so its own
+    sampler serves trained weights: the reference must not be scored there."""
+    rundir_path = tmp_path / "run"
+    status, run_id = _ctrl_c_at_step(local_server, rundir_path, monkeypatch, 2, ["max_steps=4", "eval_every=2"],
+                                     deactivate=False)
+    assert status == "interrupted"
+    ref_file = rundir_path / "reference_logprobs.jsonl"
+    original = {r["key"]: r["ref_logprobs"] for r in map(json.loads, ref_file.read_text().splitlines())}
+    assert len(original) == 2 * (48 + 16)
+    done = [r["step"] for r in metrics(rundir_path) if "loss" in r]
+    assert done and max(done) < 4, done
+    ref_file.unlink()
+
+    resumed = loops_subprocess(local_server, "train", "resume", str(rundir_path), "-o", "jsonl", timeout=300)
+    assert resumed.code == 0, resumed
+    assert f"Scoring {len(original)} sequences with the reference policy (base)" in resumed.stderr
+    rescored = {r["key"]: r["ref_logprobs"] for r in map(json.loads, ref_file.read_text().splitlines())}
+    assert rescored.keys() == original.keys()
+    gaps = [max(abs(a - b) for a, b in zip(original[k], rescored[k])) for k in original]
+    assert all(len(original[k]) == len(rescored[k]) for k in original)
+    assert max(gaps) < 1e-4, max(gaps)
+    assert [r["step"] for r in metrics(rundir_path) if "loss" in r] == [1, 2, 3, 4]
+    final = [r for r in metrics(rundir_path) if r.get("step") == 4 and "eval_loss" in r]
+    assert final and final[-1]["eval_preference_accuracy"] > 0.5, final
+    state = json.loads((rundir_path / "state.json").read_text())
+    assert state["status"] == "completed" and state["step"] == 4 and state["run_id"] == run_id
