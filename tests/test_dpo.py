@@ -1,6 +1,7 @@
 """`kind: dpo`: preference pairs, the SDK's datum layout, the local engine's dpo loss against an
 independent torch computation, the tiny example learning a held-out preference, bad input
-refused before anything is provisioned, a checkpoint as the reference, and SIGKILL + resume.
+refused before anything is provisioned, a checkpoint as the reference, SIGKILL + resume, a
+Ctrl-C during the last step, and reference scores lost mid-run (scored again on resume).
 """
 
 from __future__ import annotations
