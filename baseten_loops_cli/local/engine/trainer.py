@@ -146,10 +146,11 @@ class LoraTrainer:
         if self._pending_mode == _TOKEN_MEAN and self._pending_tokens > 0:
             for grad in grads:
                 grad.div_(self._pending_tokens)
-        grad_norm = (float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0)
-        if params["grad_clip_norm"] > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(self._params, params["grad_clip_norm"])
+        grad_norm = 0.0
+        if grads and params["grad_clip_norm"] > 0:  # the norm before clipping, computed once
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, params["grad_clip_norm"]))
+        elif grads:
+            grad_norm = float(torch.nn.utils.get_total_norm(grads))
         with self.base.lock:
             self._optimizer.step()
         self.step += 1
