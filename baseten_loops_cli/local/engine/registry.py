@@ -4,11 +4,17 @@ One :class:`BaseModel` per name per process. LoRA adapters (trainers' and sample
 live on that one module through PEFT's multi-adapter support, so N runs on a base cost one
 copy of the base weights plus N small adapters. Only one adapter is active at a time:
 callers hold ``base.lock`` from :meth:`BaseModel.activate` until their compute is done.
+
+Each loaded base also has a :attr:`BaseModel.twin` for sampling: the same weight tensors (not a
+copy) in module objects of its own, with adapters of its own, so a sampler can generate on one
+thread while a trainer steps on another (PEFT's active adapter is per module, so two users of
+one module could not run at once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import re
 import threading
@@ -41,6 +47,24 @@ class BaseModel:
         # module (~40 ms a call on SmolLM2), so activate() skips it when nothing changed;
         # adding or deleting an adapter resets this (PEFT re-marks the layers then).
         self._active: str | None = None
+        self._twin: BaseModel | None = None
+
+    @property
+    def twin(self) -> "BaseModel":
+        """The sampling twin (see the module docstring); made by :func:`load_base` before any
+        adapter exists, because the twin copies the module's structure as it is."""
+        if self._twin is None:
+            raise RuntimeError(f"{self.name} was not loaded with a twin (registry.load_base makes it)")
+        return self._twin
+
+    def make_twin(self) -> "BaseModel":
+        """Module objects of their own around the same parameter and buffer tensors: costs
+        the module tree (milliseconds), not the weights."""
+        if self._peft is not None:
+            raise RuntimeError("a twin must be made before any adapter is attached")
+        shared = {id(t): t for t in (*self.module.parameters(), *self.module.buffers())}
+        self._twin = BaseModel(self.name, self.info, copy.deepcopy(self.module, memo=shared))
+        return self._twin
 
     @property
     def max_seq_len(self) -> int:
@@ -176,6 +200,7 @@ def load_base(name: str) -> BaseModel:
                 return _bases[name]
         module, info = load_model(name)
         base = BaseModel(name, info, module)
+        base.make_twin()
         with _registry_lock:
             _bases[name] = base
         return base

@@ -2,11 +2,11 @@
 
 Model compute never runs on the event loop: a forward/backward on CPU takes seconds, and
 the loop must keep answering long-polls, listings and health checks meanwhile. Instead
-each base model gets one :class:`ModelWorker`, a thread that owns everything touching
-that model's weights — the loaded base, every run's LoRA trainer on it, and its sampler
-engine — and runs jobs strictly in submission order. One thread per base model (not per
-run) because runs on the same base share its weights and PEFT swaps adapters in place;
-two threads mutating one module would race.
+each base model gets one :class:`ModelWorker`, which owns everything touching that model's
+weights: a compute thread for the loaded base and every run's LoRA trainer on it (jobs
+strictly in submission order: runs on the same base share its module, and PEFT swaps
+adapters in place, so two threads on it would race), and a sample thread for its sampler
+engine, which works on the base's twin (same weights, modules of its own).
 
 This is the only server module that imports the engine, and it does so lazily: the
 server starts (and answers ``/health``) before torch is even imported.
@@ -182,12 +182,66 @@ def _spec(info: Any) -> ModelSpec:
     )
 
 
-class ModelWorker:
-    """One thread, one base model, jobs in submission order.
+class _Lane:
+    """One thread running its jobs in submission order."""
 
-    Jobs are plain callables run on the worker thread; they may use ``self.base()``,
-    ``self.trainers`` (run id -> LoraTrainer) and ``self.sampler()``. Only the worker
-    thread touches those, so they need no locks.
+    def __init__(self, worker: "ModelWorker", name: str) -> None:
+        self.worker = worker
+        self.name = name
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_seconds = 0.0
+        self.jobs_done = 0
+        self.current_job: str | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"loops-{name}[{worker.model_name}]",
+                                       daemon=True)
+        self.thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self.current_job is not None
+
+    def _loop(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            future, label, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            self.current_job = label
+            started = time.monotonic()
+            try:
+                self.worker.set_thread_budget(self)
+                if self.worker.before_job is not None:
+                    self.worker.before_job(label)
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the awaiting coroutine
+                future.set_exception(exc)
+            finally:
+                self.busy_seconds += time.monotonic() - started
+                self.jobs_done += 1
+                self.current_job = None
+
+
+TRAIN = "compute"
+SAMPLE = "sample"
+
+
+class ModelWorker:
+    """Two threads on one base model: the *compute* lane (every run's LoRA trainer, checkpoints,
+    residency) and the *sample* lane (the sampler engine). Each runs its jobs in submission
+    order.
+
+    The lanes run at once - async RL samples the next batch while the trainer steps - because
+    the sampler works on the base's twin (registry.BaseModel.twin: the same weight tensors,
+    its own modules and adapters), never on the module the trainers' adapters live on. Jobs
+    may use ``self.base()`` and ``self.trainers`` (run id -> LoraTrainer) on the compute
+    lane, ``self.sampler()`` on the sample lane; each is touched by one thread only.
+
+    Torch threads: a lane working alone gets the process's whole intra-op budget; while the
+    other lane is busy too, each takes half (at least one), so the two never oversubscribe
+    the cores (multi-threaded OpenMP on an oversubscribed CPU makes small ops many times
+    slower). The budget is set per job, on the lane's own thread (it is per thread in torch).
     """
 
     def __init__(self, engine: Engine, model_name: str,
@@ -198,24 +252,20 @@ class ModelWorker:
         self.model_name = model_name
         self.trainers: dict[str, Any] = {}
         self._base: Any = None
+        self._base_lock = threading.Lock()
         self._sampler: Any = None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.busy_seconds = 0.0
-        self.jobs_done = 0
-        self.current_job: str | None = None
-        self._thread = threading.Thread(
-            target=self._loop, name=f"loops-compute[{model_name}]", daemon=True
-        )
-        self._thread.start()
+        self._threads_total: int | None = None
+        self._lanes = {TRAIN: _Lane(self, TRAIN), SAMPLE: _Lane(self, SAMPLE)}
 
-    # ── on the worker thread ──
+    # ── on a lane's thread ──
 
     def base(self) -> Any:
-        if self._base is None:
-            started = time.monotonic()
-            self._base = self.engine.load_base(self.model_name)
-            log.info("loaded base model %s in %.1fs", self.model_name, time.monotonic() - started)
-        return self._base
+        with self._base_lock:
+            if self._base is None:
+                started = time.monotonic()
+                self._base = self.engine.load_base(self.model_name)
+                log.info("loaded base model %s in %.1fs", self.model_name, time.monotonic() - started)
+            return self._base
 
     @property
     def base_loaded(self) -> bool:
@@ -223,7 +273,7 @@ class ModelWorker:
 
     def sampler(self) -> Any:
         if self._sampler is None:
-            self._sampler = self.engine.new_sampler(self.base())
+            self._sampler = self.engine.new_sampler(self.base().twin)
         return self._sampler
 
     def sampler_adapters(self) -> list[str]:
@@ -235,41 +285,44 @@ class ModelWorker:
         if self._sampler is not None:
             self._sampler.unload_adapter(key)
 
-    def _loop(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            future, label, fn = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            self.current_job = label
-            started = time.monotonic()
-            try:
-                if self.before_job is not None:
-                    self.before_job(label)
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the awaiting coroutine
-                future.set_exception(exc)
-            finally:
-                self.busy_seconds += time.monotonic() - started
-                self.jobs_done += 1
-                self.current_job = None
+    def set_thread_budget(self, lane: _Lane) -> None:
+        import torch
+
+        if self._threads_total is None:
+            self._threads_total = torch.get_num_threads()  # the process's (OMP_NUM_THREADS)
+        others_busy = any(other.busy for other in self._lanes.values() if other is not lane)
+        want = max(1, self._threads_total // 2) if others_busy else self._threads_total
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     # ── from any thread ──
 
-    def submit(self, label: str, fn: Callable[[], T]) -> "concurrent.futures.Future[T]":
+    @property
+    def busy_seconds(self) -> float:
+        return sum(lane.busy_seconds for lane in self._lanes.values())
+
+    @property
+    def jobs_done(self) -> int:
+        return sum(lane.jobs_done for lane in self._lanes.values())
+
+    @property
+    def current_jobs(self) -> list[str]:
+        return [job for job in (lane.current_job for lane in self._lanes.values()) if job]
+
+    def submit(self, label: str, fn: Callable[[], T], lane: str = TRAIN) -> "concurrent.futures.Future[T]":
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put((future, label, fn))
+        self._lanes[lane].jobs.put((future, label, fn))
         return future
 
-    async def run(self, label: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on this worker and await its result without blocking the loop."""
-        return await asyncio.wrap_future(self.submit(label, fn))
+    async def run(self, label: str, fn: Callable[[], T], lane: str = TRAIN) -> T:
+        """Run ``fn`` on a lane and await its result without blocking the loop."""
+        return await asyncio.wrap_future(self.submit(label, fn, lane))
 
     def stop(self, timeout: float | None = None) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout)
+        for lane in self._lanes.values():
+            lane.jobs.put(None)
+        for lane in self._lanes.values():
+            lane.thread.join(timeout)
 
 
 class ComputePool:
@@ -303,7 +356,9 @@ class ComputePool:
                 "base_loaded": w.base_loaded,
                 "trainers_in_memory": sorted(w.trainers),
                 "sampler_adapters_in_memory": w.sampler_adapters(),
-                "current_job": w.current_job,
+                # What each lane is running now (compute first); current_job: the first of them.
+                "current_jobs": w.current_jobs,
+                "current_job": (w.current_jobs or [None])[0],
                 "jobs_done": w.jobs_done,
                 "busy_seconds": round(w.busy_seconds, 3),
             }

@@ -37,7 +37,7 @@ from baseten_loops_cli.local.server.checkpoints import (
     parse_bt_path,
     require_bt_path,
 )
-from baseten_loops_cli.local.server.compute import ComputePool, ModelWorker
+from baseten_loops_cli.local.server.compute import SAMPLE, ComputePool, ModelWorker
 from baseten_loops_cli.local.server.context import ModelCatalog, ServerConfig
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, conflict, not_found
 from baseten_loops_cli.local.server.schemas import DEFAULT_SCALE_DOWN_DELAY_S, CreateSamplerRequest
@@ -100,7 +100,7 @@ class SampleBatcher:
         jobs = [job for job, _ in batch]
         worker = self.worker
         done = worker.submit(f"sample x{len(jobs)}",
-                             lambda: worker.engine.sample(worker.sampler(), jobs))
+                             lambda: worker.engine.sample(worker.sampler(), jobs), lane=SAMPLE)
         self._in_flight = asyncio.get_running_loop().create_task(self._deliver(done, batch))
 
     async def _deliver(self, done, batch: list[tuple[SampleRequest, asyncio.Future]]) -> None:
@@ -378,7 +378,7 @@ class SamplerService:
         if adapter is None:
             return
         worker = self.pool.worker(sampler.base_model)
-        worker.submit(f"unload {adapter.key}", lambda: worker.unload_sampler_adapter(adapter.key))
+        worker.submit(f"unload {adapter.key}", lambda: worker.unload_sampler_adapter(adapter.key), lane=SAMPLE)
 
     def wake(self, sampler: st.SamplerRow) -> st.SamplerRow:
         if sampler.status == st.SAMPLER_INACTIVE:
