@@ -54,7 +54,7 @@ SERVER_OPTIONS = {"op_poll_hold_s": 30.0, "snapshot_interval_s": 60.0, "janitor_
                   "min_version_hold_s": 10.0}
 # Per model: (batch, seq_len, steps per round, rounds); --quick uses the second set.
 DEFAULTS = {TINY: ((8, 256, 4, 12), (8, 256, 3, 5)),
-            SMOLLM2: ((2, 64, 2, 6), (2, 64, 1, 3))}
+            SMOLLM2: ((4, 128, 2, 6), (4, 128, 1, 3))}
 
 
 # ── setup shared with the other throughput benches ──

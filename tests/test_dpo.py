@@ -1,6 +1,7 @@
 """`kind: dpo`: preference pairs, the SDK's datum layout, the local engine's dpo loss against an
 independent torch computation, the tiny example learning a held-out preference, bad input
-refused before anything is provisioned, a checkpoint as the reference, and SIGKILL + resume.
+refused before anything is provisioned, a checkpoint as the reference, SIGKILL + resume, a
+Ctrl-C during the last step, and reference scores lost mid-run (scored again on resume).
 """
 
 from __future__ import annotations
@@ -347,3 +348,93 @@ def test_dpo_killed_mid_run_then_resumed_gives_the_same_adapter(server_factory, 
     resumed = kill_once_then_resume(server, dpo_config(tmp_path, train, steps=6), tmp_path, steps=6, timeout=300)
     assert "Resuming at step" in resumed.stderr and "Scoring" not in resumed.stderr  # references reused
 
+
+
+# ── Ctrl-C in-process, then `loops train resume` ───────────────────────────────────────────
+
+
+def _ctrl_c_at_step(server, run_dir: Path, monkeypatch, at_step: int, overrides: list[str], *,
+                    deactivate: bool = True) -> tuple[str, str]:
+    """Run the tiny DPO example in-process until the step ``at_step`` record, then "Ctrl-C" (set
+    the stop flag, what the SIGINT handler does) and end as `loops train run` does: state saved,
+    run deactivated (or kept active, as `--keep-run` or a killed client leaves it). Returns
+    (status, run id)."""
+    from baseten_loops_cli.cli._backend import open_backend
+    from baseten_loops_cli.cli.train import _absolute_raw
+    from baseten_loops_cli.training.dpo import run_dpo
+    from baseten_loops_cli.training.metrics import MetricsSink
+    from baseten_loops_cli.training.plan import load_data
+    from baseten_loops_cli.training.rundir import RunDir
+    from baseten_loops_cli.training.session import StopRequested, open_session
+
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)
+    loaded = load_config(EXAMPLES / "tiny-dpo.yaml", overrides)
+    data = load_data(loaded)
+    rundir = RunDir(run_dir)
+    rundir.create(_absolute_raw(loaded), loaded.path)
+    session = open_session(loaded, rundir, open_backend(), resume=False, announce=lambda _: None)
+    stop = StopRequested()  # not entered: no signal handler; the "Ctrl-C" is set below
+
+    class CtrlCAtStep(MetricsSink):
+        def step(self, record: dict) -> None:
+            super().step(record)
+            if record["step"] == at_step:
+                stop.requested = True
+
+    try:
+        status = run_dpo(session, data.train, data.eval, CtrlCAtStep(rundir), stop)
+        rundir.update_state(status=status)
+    finally:
+        session.close(deactivate=deactivate)
+    return status, session.run_id
+
+
+@pytest.mark.local
+def test_ctrl_c_during_the_last_step_is_honoured_then_resumed(local_server, tmp_path, monkeypatch):
+    rundir_path = tmp_path / "run"
+    status, old_run = _ctrl_c_at_step(local_server, rundir_path, monkeypatch, 2,
+                                      ["max_steps=2", "eval_every=0", "data.eval=null"])
+    assert status == "interrupted"  # -> exit 130 in `loops train run`, like any other step
+    checkpoints = [json.loads(line) for line in (rundir_path / "checkpoints.jsonl").read_text().splitlines()]
+    assert checkpoints[-1]["step"] == 2 and checkpoints[-1]["name"] != "final"
+
+    resumed = loops_subprocess(local_server, "train", "resume", str(rundir_path), timeout=300)
+    assert resumed.code == 0, resumed
+    assert "Scoring" not in resumed.stderr  # the reference scores were kept
+    state = json.loads((rundir_path / "state.json").read_text())
+    assert state["status"] == "completed" and state["resumed_from"] == [old_run]
+    assert [r["step"] for r in metrics(rundir_path)] == [1, 2]  # nothing repeated
+    assert json.loads((rundir_path / "checkpoints.jsonl").read_text().splitlines()[-1])["name"] == "final"
+
+
+@pytest.mark.local
+def test_lost_reference_scores_are_scored_again_on_resume(local_server, tmp_path, monkeypatch):
+    """reference_logprobs.jsonl deleted after training began: the resumed run scores every
+    sequence again on the base model (the reference was the step-0 snapshot of a fresh LoRA,
+    which adds exactly zero) and gets the same numbers. The run is kept active, so its own
+    sampler serves trained weights: the reference must not be scored there."""
+    rundir_path = tmp_path / "run"
+    status, run_id = _ctrl_c_at_step(local_server, rundir_path, monkeypatch, 2, ["max_steps=4", "eval_every=2"],
+                                     deactivate=False)
+    assert status == "interrupted"
+    ref_file = rundir_path / "reference_logprobs.jsonl"
+    original = {r["key"]: r["ref_logprobs"] for r in map(json.loads, ref_file.read_text().splitlines())}
+    assert len(original) == 2 * (48 + 16)
+    done = [r["step"] for r in metrics(rundir_path) if "loss" in r]
+    assert done and max(done) < 4, done
+    ref_file.unlink()
+
+    resumed = loops_subprocess(local_server, "train", "resume", str(rundir_path), "-o", "jsonl", timeout=300)
+    assert resumed.code == 0, resumed
+    assert f"Scoring {len(original)} sequences with the reference policy (base)" in resumed.stderr
+    rescored = {r["key"]: r["ref_logprobs"] for r in map(json.loads, ref_file.read_text().splitlines())}
+    assert rescored.keys() == original.keys()
+    gaps = [max(abs(a - b) for a, b in zip(original[k], rescored[k])) for k in original]
+    assert all(len(original[k]) == len(rescored[k]) for k in original)
+    assert max(gaps) < 1e-4, max(gaps)
+    assert [r["step"] for r in metrics(rundir_path) if "loss" in r] == [1, 2, 3, 4]
+    final = [r for r in metrics(rundir_path) if r.get("step") == 4 and "eval_loss" in r]
+    assert final and final[-1]["eval_preference_accuracy"] > 0.5, final
+    state = json.loads((rundir_path / "state.json").read_text())
+    assert state["status"] == "completed" and state["step"] == 4 and state["run_id"] == run_id

@@ -254,6 +254,26 @@ def test_a_batch_of_unequal_lengths_matches_each_datum_alone(make_trainer, base,
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5 * float(b.grad.abs().max()))
 
 
+def test_datums_parsed_at_submit_time_are_not_parsed_again(make_trainer, base, monkeypatch) -> None:
+    """The server parses a request's datums when it is submitted and hands the trainer what it
+    parsed: the trainer runs those and does not parse the JSON a second time."""
+    from baseten_loops_cli.local.engine import datums, trainer as trainer_module
+
+    data = [sft_datum(TEXT[:20]), sft_datum(TEXT[5:40])]
+    parsed = datums.parse_data(data, "cross_entropy", losses.loss_def("cross_entropy"),
+                               base.vocab_size, base.max_seq_len)
+    expected = make_trainer().forward(data)
+
+    def parse_again(*args, **kwargs):
+        raise AssertionError("parsed twice")
+
+    monkeypatch.setattr(trainer_module, "parse_data", parse_again)
+    out = make_trainer().forward(data, parsed=parsed)
+    assert out["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    with pytest.raises(AssertionError, match="parsed twice"):
+        make_trainer().forward(data)
+
+
 def test_skip_token_normalization_and_gradient_accumulation(make_trainer) -> None:
     """Default CE averages over trained tokens across accumulated calls (split calls equal one
     call); skip_token_normalization sums; the two cannot share an optimizer step."""

@@ -284,6 +284,11 @@ def run_dpo(
 
         pipeline.push(collect)
     pipeline.drain()
+    if stop.requested:
+        # Ctrl-C during the last step is honoured like any other (as in run_sft): saved,
+        # resumable, exit 130; resume then only runs the final eval and checkpoint.
+        save_checkpoint(session, step)
+        return "interrupted"
     if eval_pairs:
         last = next((r for r in reversed(session.rundir.metrics()) if r.get("step") == steps and "eval_loss" in r), None)
         if last is None:

@@ -89,25 +89,30 @@ class LoraTrainer:
     # ── compute ──
 
     def forward(self, data: list[dict], loss_fn: str = "cross_entropy",
-                loss_fn_config: dict | None = None, top_k_logprobs: int = 0) -> dict:
-        """Loss and per-token outputs without touching the gradients."""
-        return self._run(data, loss_fn, loss_fn_config, top_k_logprobs, backward=False)
+                loss_fn_config: dict | None = None, top_k_logprobs: int = 0,
+                parsed: list[ParsedDatum] | None = None) -> dict:
+        """Loss and per-token outputs without touching the gradients. ``parsed``: ``data``
+        as :func:`~baseten_loops_cli.local.engine.datums.parse_data` already parsed it for
+        this model (the server parses at submit time), so it is not parsed again."""
+        return self._run(data, loss_fn, loss_fn_config, top_k_logprobs, parsed, backward=False)
 
     def forward_backward(self, data: list[dict], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict | None = None, top_k_logprobs: int = 0) -> dict:
+                         loss_fn_config: dict | None = None, top_k_logprobs: int = 0,
+                         parsed: list[ParsedDatum] | None = None) -> dict:
         """Like :meth:`forward`, and adds the loss's gradient to the accumulated gradients."""
-        return self._run(data, loss_fn, loss_fn_config, top_k_logprobs, backward=True)
+        return self._run(data, loss_fn, loss_fn_config, top_k_logprobs, parsed, backward=True)
 
     def _run(self, data: list[dict], loss_fn: str, loss_fn_config: dict | None,
-             top_k_logprobs: int, backward: bool) -> dict:
+             top_k_logprobs: int, parsed: list[ParsedDatum] | None, backward: bool) -> dict:
         self._check_live()
         definition = losses.loss_def(loss_fn)
         config = losses.resolve_config(loss_fn, loss_fn_config)
         if not isinstance(top_k_logprobs, int) or not 0 <= top_k_logprobs <= MAX_TOP_K_LOGPROBS:
             raise EngineInputError(f"top_k_logprobs must be an integer in 0..{MAX_TOP_K_LOGPROBS}.",
                                    "InvalidRequest")
-        parsed = parse_data(data, loss_fn, definition, self.base.vocab_size,
-                            self.base.max_seq_len)
+        if parsed is None:
+            parsed = parse_data(data, loss_fn, definition, self.base.vocab_size,
+                                self.base.max_seq_len)
         normalization = _TOKEN_MEAN if definition.token_normalized(config) else _SUM
         if backward and self._pending_mode not in (None, normalization):
             raise EngineInputError(
@@ -141,10 +146,11 @@ class LoraTrainer:
         if self._pending_mode == _TOKEN_MEAN and self._pending_tokens > 0:
             for grad in grads:
                 grad.div_(self._pending_tokens)
-        grad_norm = (float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0)
-        if params["grad_clip_norm"] > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(self._params, params["grad_clip_norm"])
+        grad_norm = 0.0
+        if grads and params["grad_clip_norm"] > 0:  # the norm before clipping, computed once
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, params["grad_clip_norm"]))
+        elif grads:
+            grad_norm = float(torch.nn.utils.get_total_norm(grads))
         with self.base.lock:
             self._optimizer.step()
         self.step += 1

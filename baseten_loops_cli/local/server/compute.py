@@ -123,15 +123,15 @@ class Engine:
     def new_trainer(self, base: Any, adapter_name: str, lora_rank: int, seed: int | None) -> Any:
         return self._load()["trainer"].LoraTrainer(base, adapter_name, lora_rank, seed=seed)
 
-    def check_forward(self, data: Any, loss_fn: str, loss_fn_config: dict | None,
-                      vocab_size: int, max_seq_len: int) -> int:
-        """Validate a forward/forward_backward request exactly as the engine will read it
-        (raises EngineInputError); returns the number of input tokens. Thread-safe."""
+    def parse_forward(self, data: Any, loss_fn: str, loss_fn_config: dict | None,
+                      vocab_size: int, max_seq_len: int) -> list[Any]:
+        """Parse a forward/forward_backward request's datums exactly as the engine reads them
+        (raises EngineInputError): the ``ParsedDatum``s the trainer then takes as they are, so
+        a datum is parsed once, at submit time. Thread-safe."""
         m = self._load()
         definition = m["losses"].loss_def(loss_fn)
         m["losses"].resolve_config(loss_fn, loss_fn_config)
-        parsed = m["datums"].parse_data(data, loss_fn, definition, vocab_size, max_seq_len)
-        return sum(len(p.tokens) for p in parsed)
+        return m["datums"].parse_data(data, loss_fn, definition, vocab_size, max_seq_len)
 
     # ── sampling ──
 

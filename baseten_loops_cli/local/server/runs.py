@@ -560,7 +560,8 @@ class RunManager:
             spec = await self.models.spec(run.base_model)
             req = await validate_forward(self.engine, body, spec, run.max_seq_len)
             return {"data": req.data, "loss_fn": req.loss_fn, "loss_fn_config": req.loss_fn_config,
-                    "top_k_logprobs": req.top_k_logprobs, "token_count": req.token_count}
+                    "top_k_logprobs": req.top_k_logprobs, "token_count": req.token_count,
+                    "parsed": req.parsed}
         if op == "optim_step":
             return {"adam_params": validate_adam(body)}
         if op in ("save_state", "save_weights_for_sampler"):

@@ -106,7 +106,7 @@ def execute(worker: ModelWorker, job: TrainerJob, files: CheckpointFiles) -> OpO
         method = trainer.forward if op == "forward" else trainer.forward_backward
         result = method(params["data"], params["loss_fn"],
                         loss_fn_config=params["loss_fn_config"],
-                        top_k_logprobs=params["top_k_logprobs"])
+                        top_k_logprobs=params["top_k_logprobs"], parsed=params.get("parsed"))
         return OpOutcome(result=result, step=int(trainer.step), lora_rank=rank,
                          grads=GRADS_ADDED if op == "forward_backward" else None,
                          tokens_trained=params["token_count"] if op == "forward_backward" else 0)

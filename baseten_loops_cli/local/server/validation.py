@@ -5,8 +5,9 @@ submitted*, not minutes later when it reaches the model, and never as a silent N
 the weights. (A user report that shaped this: a request with an unsupported
 ``loss_fn_config`` key was retried 50 times against 500s; here it is one clear 400.)
 
-Datums and losses are checked by the engine's own parser (``Engine.check_forward``), so
-the server and the engine can never disagree about what is valid; this module adds what
+Datums and losses are checked by the engine's own parser (``Engine.parse_forward``), so
+the server and the engine can never disagree about what is valid, and what it parsed is what
+the trainer runs (a datum is parsed once); this module adds what
 only the server knows (the run's ``max_seq_len``) and checks the parts of requests the
 engine takes on trust (Adam hyperparameters, sampling prompts).
 """
@@ -35,6 +36,9 @@ class ForwardRequest:
     loss_fn_config: dict[str, Any] | None
     top_k_logprobs: int
     token_count: int
+    # The engine's parsed datums, for the trainer to run as they are; None when the model's
+    # vocabulary was unknown here (the trainer then parses again, checking the ids).
+    parsed: list[Any] | None
 
 
 async def validate_forward(engine: Engine, body: dict, spec: ModelSpec,
@@ -52,8 +56,8 @@ async def validate_forward(engine: Engine, body: dict, spec: ModelSpec,
     data = body.get("data")
     try:
         # Parsing builds tensors: off the event loop, so a large batch cannot stall it.
-        tokens = await asyncio.to_thread(
-            engine.check_forward, data, loss_fn, config, spec.vocab_size or _UNKNOWN_VOCAB,
+        parsed = await asyncio.to_thread(
+            engine.parse_forward, data, loss_fn, config, spec.vocab_size or _UNKNOWN_VOCAB,
             max_seq_len)
     except Exception as exc:
         if not engine.is_input_error(exc):
@@ -65,7 +69,8 @@ async def validate_forward(engine: Engine, body: dict, spec: ModelSpec,
                         f"{spec.max_seq_len}: create the run with a larger max_seq_len, or "
                         "truncate.)")
         raise bad_request(message, error_class) from None
-    return ForwardRequest(data, loss_fn, config, top_k, tokens)
+    tokens = sum(len(p.tokens) for p in parsed)
+    return ForwardRequest(data, loss_fn, config, top_k, tokens, parsed if spec.vocab_size else None)
 
 
 def check_token_ids(tokens: list[Any], spec: ModelSpec, where: str) -> None:
