@@ -10,14 +10,19 @@ a child process, for what must be checked end to end (progress bars, signals, im
 :data:`SECRET`; a sampler checkpoint ``s1`` and a trainer checkpoint ``t1`` are saved after step
 1, and a sampler checkpoint ``s2`` plus a trainer checkpoint ``s2`` (the same name, on purpose)
 after the last step. Sampler saves are published to the run's paired sampler.
+
+``kill_once_then_resume`` (with ``start_loops``, ``sigkill``, ``trained_steps``) is the SIGKILL +
+`loops train resume` harness of the SFT and DPO reliability tests.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,3 +212,74 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
         time.sleep(interval)
+
+
+# ── `loops train` SIGKILLed, then resumed ──────────────────────────────────────────────────
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    """The steps in ``run_dir``'s metrics.jsonl that trained (have a loss), in order; a torn
+    last line (a kill while it was written) ends the list."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break  # a torn last line
+        if "loss" in record:
+            steps.append(record["step"])
+    return steps
+
+
+def start_loops(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """``loops ARGS`` as a child in a process group of its own (what :func:`sigkill` kills)."""
+    return subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def sigkill(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s whole process group: no handler runs, nothing gets written."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate(timeout=60)
+
+
+def kill_once_then_resume(server, config: Path, cwd: Path, *, steps: int, kill_after: int = 3,
+                          timeout: float = 120) -> subprocess.CompletedProcess:
+    """Train ``config`` twice from ``cwd``: cleanly into cwd/clean, and into cwd/killed with a
+    SIGKILL as soon as ``kill_after`` steps are in its metrics.jsonl (within ``timeout``
+    seconds), then `loops train resume` it. Asserts that the kill left the run "running" and
+    that the resumed run ends as the clean one: ``steps`` steps, each in metrics.jsonl exactly
+    once, the same final adapter. Returns the resume's result, for the caller's own checks."""
+    from tests.test_reliability_faults import adapter_tensors, assert_same_adapter, loops, run_dir_result
+    from tests.test_reliability_faults import cli_env as subprocess_env
+
+    env = subprocess_env(server)
+    clean = loops(["train", "run", str(config), "--run-dir", str(cwd / "clean")], env, cwd)
+    assert clean.returncode == 0, clean.stderr
+
+    run_dir = cwd / "killed"
+    proc = start_loops(["train", "run", str(config), "--run-dir", str(run_dir)], env, cwd)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(trained_steps(run_dir)) >= kill_after:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "finished before the kill"
+    sigkill(proc)
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["status"] == "running"  # what a SIGKILL leaves: no chance to write anything
+    resumed = loops(["train", "resume", str(run_dir)], env, cwd)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resuming at step" in resumed.stderr + resumed.stdout
+    assert trained_steps(run_dir) == list(range(1, steps + 1)), f"steps in metrics.jsonl: {trained_steps(run_dir)}"
+    done, run_id, name = run_dir_result(run_dir)
+    clean_done, clean_run, clean_name = run_dir_result(cwd / "clean")
+    assert done == clean_done == steps
+    assert_same_adapter(adapter_tensors(server, clean_run, clean_name), adapter_tensors(server, run_id, name))
+    return resumed

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.config import load_config
 from baseten_loops_cli.training.data import dpo_datum, load_preference_pairs, reference_logprobs_field
-from tests.cli_support import cli_env, loops_subprocess, one_line_error, seeded  # noqa: F401 - fixture
+from tests.cli_support import cli_env, kill_once_then_resume, loops_subprocess, one_line_error, seeded  # noqa: F401 - fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -342,36 +341,12 @@ def test_a_sampler_checkpoint_can_be_the_reference(local_server, seeded, tmp_pat
 
 @pytest.mark.local
 def test_dpo_killed_mid_run_then_resumed_gives_the_same_adapter(server_factory, tmp_path):
-    from tests.test_reliability_faults import adapter_tensors, assert_same_adapter, loops, run_dir_result
-    from tests.test_reliability_faults import cli_env as kill_env
-    from tests.test_reliability_kills import _metrics, _sigkill, _start
-
     # One request per sampler batch: the clean and the killed run must score the reference
     # bit for bit alike (a padded batch sums floats in another order than a lone sequence).
     server = server_factory(max_sample_batch=1)
     train = write_rows(tmp_path / "pairs.jsonl", [json.loads(line) for line in TRAIN.read_text().splitlines()[:16]])
-    config = dpo_config(tmp_path, train, steps=6)
-    env = kill_env(server)
-    clean = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "clean")], env, tmp_path)
-    assert clean.returncode == 0, clean.stderr
-
-    run_dir = tmp_path / "killed"
-    proc = _start(["train", "run", str(config), "--run-dir", str(run_dir)], env, tmp_path)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len([m for m in _metrics(run_dir) if "loss" in m]) >= 3:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "finished before the kill"
-    _sigkill(proc)
-    resumed = loops(["train", "resume", str(run_dir)], env, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = kill_once_then_resume(server, dpo_config(tmp_path, train, steps=6), tmp_path, steps=6, timeout=300)
     assert "Resuming at step" in resumed.stderr and "Scoring" not in resumed.stderr  # references reused
-    assert [m["step"] for m in _metrics(run_dir) if "loss" in m] == [1, 2, 3, 4, 5, 6]
-    steps, run_id, name = run_dir_result(run_dir)
-    clean_steps, clean_run, clean_name = run_dir_result(tmp_path / "clean")
-    assert steps == clean_steps == 6
-    assert_same_adapter(adapter_tensors(server, clean_run, clean_name), adapter_tensors(server, run_id, name))
 
 
 

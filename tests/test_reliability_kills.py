@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from tests.cli_support import kill_once_then_resume, sigkill, start_loops, trained_steps  # noqa: E402
 from tests.test_reliability_faults import (  # noqa: E402
     adapter_tensors,
     assert_same_adapter,
@@ -32,32 +30,6 @@ KILL_POINTS = int(os.environ.get("LOOPS_KILL_POINTS", "5"))
 KILL_SEED = int(os.environ.get("LOOPS_KILL_SEED", "20261203"))
 STEPS = int(os.environ.get("LOOPS_KILL_STEPS", "12"))
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            break  # a torn last line
-    return out
-
-
-def _start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *args], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _sigkill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.communicate(timeout=60)
 
 
 def _command(config: Path, run_dir: Path) -> list[str]:
@@ -87,10 +59,10 @@ def test_train_killed_at_random_points_then_resumed(local_server, tmp_path):
     run_dir = tmp_path / "killed"
     kills: list[str] = []
     for _ in range(KILL_POINTS):
-        done_before = len([m for m in _metrics(run_dir) if "loss" in m])
+        done_before = len(trained_steps(run_dir))
         # A kill point: a random moment of the run's life, from start-up to the last steps.
         delay = rng.uniform(0.3, max(0.6, clean_s * 0.9))
-        proc = _start(_command(config, run_dir), env, tmp_path)
+        proc = start_loops(_command(config, run_dir), env, tmp_path)
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.02)
@@ -98,8 +70,8 @@ def test_train_killed_at_random_points_then_resumed(local_server, tmp_path):
             out, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err
             break
-        _sigkill(proc)
-        done_after = len([m for m in _metrics(run_dir) if "loss" in m])
+        sigkill(proc)
+        done_after = len(trained_steps(run_dir))
         kills.append(f"after {delay:.2f}s (steps on disk {done_before} -> {done_after})")
     final = loops(_command(config, run_dir), env, tmp_path) if (run_dir / "state.json").exists() else None
     if final is not None and "already completed" not in (final.stdout + final.stderr):
@@ -110,7 +82,7 @@ def test_train_killed_at_random_points_then_resumed(local_server, tmp_path):
     steps, run_id, name = run_dir_result(run_dir)
     assert json.loads((run_dir / "state.json").read_text())["status"] == "completed"
     assert steps == clean_steps == STEPS
-    trained = [m["step"] for m in _metrics(run_dir) if "loss" in m]
+    trained = trained_steps(run_dir)
     assert trained == list(range(1, STEPS + 1)), f"steps in metrics.jsonl: {trained}"
     assert _final_policy_version(local_server, run_id, name) in (STEPS, None)
     assert_same_adapter(adapter_tensors(local_server, clean_run, clean_name),
@@ -120,27 +92,4 @@ def test_train_killed_at_random_points_then_resumed(local_server, tmp_path):
 def test_train_killed_once_mid_run_then_resumed(local_server, tmp_path):
     """The fast variant for every test run: one SIGKILL after the first checkpoint."""
     config = sft_config(tmp_path, steps=6, save_every=2, seed=9)
-    env = cli_env(local_server)
-    clean = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "clean")], env, tmp_path)
-    assert clean.returncode == 0, clean.stderr
-
-    run_dir = tmp_path / "killed"
-    proc = _start(["train", "run", str(config), "--run-dir", str(run_dir)], env, tmp_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len([m for m in _metrics(run_dir) if "loss" in m]) >= 3:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "finished before the kill"
-    _sigkill(proc)
-    state = json.loads((run_dir / "state.json").read_text())
-    assert state["status"] == "running"  # what a SIGKILL leaves: no chance to write anything
-    resumed = loops(["train", "resume", str(run_dir)], env, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "Resuming at step" in resumed.stderr + resumed.stdout
-    steps, run_id, name = run_dir_result(run_dir)
-    clean_steps, clean_run, clean_name = run_dir_result(tmp_path / "clean")
-    assert steps == clean_steps == 6
-    assert [m["step"] for m in _metrics(run_dir) if "loss" in m] == [1, 2, 3, 4, 5, 6]
-    assert_same_adapter(adapter_tensors(local_server, clean_run, clean_name),
-                        adapter_tensors(local_server, run_id, name))
+    kill_once_then_resume(local_server, config, tmp_path, steps=6)

@@ -459,32 +459,20 @@ def deactivate(
 
       loops runs list -q | xargs loops runs deactivate --yes
     """
+    from baseten_loops_cli.cli._deactivate import deactivate_command
     from baseten_loops_cli.services.runs import deactivate_runs
 
-    state = get_state(ctx)
-    out = state.output
-
-    def confirm(todo: list) -> None:
+    def question(todo: list) -> str:
         if len(todo) == 1:
             run = todo[0]
             what = "its trainer and paired sampler" if run.sampler else "its trainer"
-            question = f"Deactivate Loops run {run.id} ({run.base_model})? This stops {what}; saved checkpoints stay available."
-        else:
-            question = (f"Deactivate {len(todo)} Loops runs ({', '.join(r.id for r in todo)})? This stops their trainers "
-                        "and paired samplers; saved checkpoints stay available.")
-        action = f"run {todo[0].id}" if len(todo) == 1 else f"{len(todo)} runs"
-        out.confirm(question, yes=yes, action=f"deactivating {action}")
+            return f"Deactivate Loops run {run.id} ({run.base_model})? This stops {what}; saved checkpoints stay available."
+        return (f"Deactivate {len(todo)} Loops runs ({', '.join(r.id for r in todo)})? This stops their trainers "
+                "and paired samplers; saved checkpoints stay available.")
 
-    results = deactivate_runs(
-        state.backend().client,
-        run_ids,
-        confirm=confirm,
-        on_skipped=lambda r: out.info(f"Loops run {r.id} is already {r.status_name or 'inactive'}; skipping it."),
-        on_done=lambda r: out.success(f"Deactivated Loops run {r.id}. Saved checkpoints remain accessible."),
-    )
-    if results:
-        _complete.invalidate("runs")
-    out.emit(results, rows=results, text=[])
+    deactivate_command(ctx, run_ids, yes=yes, noun="run", deactivate_many=deactivate_runs, question=question,
+                       skipped=lambda r: f"Loops run {r.id} is already {r.status_name or 'inactive'}; skipping it.",
+                       done=lambda r: f"Deactivated Loops run {r.id}. Saved checkpoints remain accessible.")
 
 
 # ── watch ─────────────────────────────────────────────────────────────────────────────────

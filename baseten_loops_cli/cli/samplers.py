@@ -179,28 +179,18 @@ def deactivate(
 
       loops samplers deactivate smp1234 --yes
     """
+    from baseten_loops_cli.cli._deactivate import deactivate_command
     from baseten_loops_cli.services.resolve import extra
     from baseten_loops_cli.services.runs import deactivate_samplers
 
-    state = get_state(ctx)
-    out = state.output
-
-    def confirm(todo: list) -> None:
+    def question(todo: list) -> str:
         names = ", ".join(f"{s.id} ({_serves(s)})" for s in todo)
-        question = f"Deactivate {'sampler' if len(todo) == 1 else f'{len(todo)} samplers'} {names}? It stops serving; checkpoints stay."
+        text = f"Deactivate {'sampler' if len(todo) == 1 else f'{len(todo)} samplers'} {names}? It stops serving; checkpoints stay."
         paired = [str(extra(s, "run_id")) for s in todo if extra(s, "run_id")]
         if paired:
-            question += f" Run {', '.join(paired)} keeps training; sampling from it needs a new sampler."
-        action = f"sampler {todo[0].id}" if len(todo) == 1 else f"{len(todo)} samplers"
-        out.confirm(question, yes=yes, action=f"deactivating {action}")
+            text += f" Run {', '.join(paired)} keeps training; sampling from it needs a new sampler."
+        return text
 
-    results = deactivate_samplers(
-        state.backend().client,
-        sampler_ids,
-        confirm=confirm,
-        on_skipped=lambda s: out.info(f"Sampler {s.id} is already {s.status_name}; skipping it."),
-        on_done=lambda s: out.success(f"Deactivated sampler {s.id}."),
-    )
-    if results:
-        _complete.invalidate("samplers")
-    out.emit(results, rows=results, text=[])
+    deactivate_command(ctx, sampler_ids, yes=yes, noun="sampler", deactivate_many=deactivate_samplers, question=question,
+                       skipped=lambda s: f"Sampler {s.id} is already {s.status_name}; skipping it.",
+                       done=lambda s: f"Deactivated sampler {s.id}.")

@@ -240,6 +240,38 @@ _NEUTRAL: dict[str, tuple] = {
 }
 
 
+async def _answer(ctx: ServerContext, dep: st.DeploymentRow, body: dict, job: SampleRequest,
+                  tokenizer: Any, model: str, *, id_prefix: str, objects: tuple[str, str],
+                  streamed_choice: Callable[[int, str, Any], dict | None],
+                  whole_choice: Callable[[int, SampledSequence], dict]) -> Response:
+    """What both OpenAI routes do once the job is built: stream it as server-sent events
+    (``streamed_choice(index, kind, payload)``, kinds as streaming.ChunkBuilder's but for
+    "usage", builds a chunk's one choice, or None: nothing to send) or generate it whole
+    (``whole_choice(index, sequence)``), and record the usage. ``objects``: the answer's
+    ``object`` when whole and when streamed."""
+    whole, streamed = objects
+    created, ident = int(time.time()), f"{id_prefix}-{uuid.uuid4().hex}"
+    head = {"id": ident, "object": streamed, "created": created, "model": model}
+
+    if body.get("stream"):
+        def chunk(index: int | None, kind: str, payload: Any) -> dict | None:
+            if kind == "usage":
+                return {**head, "choices": [], "usage": payload}
+            built = streamed_choice(index, kind, payload)
+            return None if built is None else {**head, "choices": [built]}
+
+        return await sse_response(ctx.samplers, dep.base_model, job, tokenizer, chunk,
+                                  include_usage=_include_usage(body),
+                                  on_done=lambda out: _usage(job.prompt,
+                                                             _record_usage(ctx, dep, out)))
+
+    out = await ctx.samplers.generate(dep.base_model, job)
+    completion_tokens = _record_usage(ctx, dep, out)
+    return JSONResponse({**head, "object": whole,
+                         "choices": [whole_choice(i, s) for i, s in enumerate(out.sequences)],
+                         "usage": _usage(job.prompt, completion_tokens)})
+
+
 async def chat_completions(request: Request) -> Response:
     ctx = get_ctx(request)
     dep, body, adapter, model, tokenizer = await _prepare(ctx, request, _CHAT_PARAMS)
@@ -264,48 +296,35 @@ async def chat_completions(request: Request) -> Response:
     job = _job(body, list(prompt), spec.max_seq_len, stop_ids, adapter)
     job.top_logprobs = top_k
     vocab = _Vocab(tokenizer)
-    created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-    head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    if body.get("stream"):
-        def chunk(index: int | None, kind: str, payload: Any) -> dict | None:
-            if kind == "usage":
-                return {**head, "choices": [], "usage": payload}
-            choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
-            if kind == "start":
-                choice["delta"] = {"role": "assistant", "content": ""}
-            elif kind == "token":
-                text, event = payload
-                if want_logprobs and not event.stop_token:
-                    choice["logprobs"] = {"content": [
-                        vocab.chat_entry(event.token, event.logprob, event.top)]}
-                elif not text:
-                    return None
-                choice["delta"] = {"content": text}
-            else:
-                text, reason = payload
-                choice["delta"] = {"content": text} if text else {}
-                choice["finish_reason"] = reason
-            return {**head, "choices": [choice]}
+    def streamed_choice(index: int, kind: str, payload: Any) -> dict | None:
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
+        if kind == "start":
+            choice["delta"] = {"role": "assistant", "content": ""}
+        elif kind == "token":
+            text, event = payload
+            if want_logprobs and not event.stop_token:
+                choice["logprobs"] = {"content": [
+                    vocab.chat_entry(event.token, event.logprob, event.top)]}
+            elif not text:
+                return None
+            choice["delta"] = {"content": text}
+        else:
+            text, reason = payload
+            choice["delta"] = {"content": text} if text else {}
+            choice["finish_reason"] = reason
+        return choice
 
-        return await sse_response(ctx.samplers, dep.base_model, job, tokenizer, chunk,
-                                  include_usage=_include_usage(body),
-                                  on_done=lambda out: _usage(job.prompt,
-                                                             _record_usage(ctx, dep, out)))
-
-    out = await ctx.samplers.generate(dep.base_model, job)
-    completion_tokens = _record_usage(ctx, dep, out)
-    choices_ = []
-    for i, s in enumerate(out.sequences):
+    def whole_choice(index: int, s: SampledSequence) -> dict:
         count = _text_token_count(s, stop_ids)
         logprobs = {"content": [vocab.chat_entry(t, lp, top) for t, lp, top in zip(
             s.tokens[:count], s.logprobs, _tops(s, count))]} if want_logprobs else None
-        choices_.append({"index": i, "message": {"role": "assistant", "content": s.text},
-                         "finish_reason": s.finish_reason, "logprobs": logprobs})
-    return JSONResponse({
-        "id": ident, "object": "chat.completion", "created": created, "model": model,
-        "choices": choices_, "usage": _usage(job.prompt, completion_tokens),
-    })
+        return {"index": index, "message": {"role": "assistant", "content": s.text},
+                "finish_reason": s.finish_reason, "logprobs": logprobs}
+
+    return await _answer(ctx, dep, body, job, tokenizer, model, id_prefix="chatcmpl",
+                         objects=("chat.completion", "chat.completion.chunk"),
+                         streamed_choice=streamed_choice, whole_choice=whole_choice)
 
 
 async def completions(request: Request) -> Response:
@@ -326,50 +345,37 @@ async def completions(request: Request) -> Response:
     job = _job(body, prompt, spec.max_seq_len, stop_ids, adapter)
     job.top_logprobs = want_logprobs or 0
     vocab = _Vocab(tokenizer)
-    created, ident = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
-    head = {"id": ident, "object": "text_completion", "created": created, "model": model}
+    offsets = [0] * job.n  # streamed: text_offset of each choice's next token
 
-    if body.get("stream"):
-        offsets = [0] * job.n  # text_offset of each choice's next token
+    def streamed_choice(index: int, kind: str, payload: Any) -> dict | None:
+        if kind == "start":
+            return None  # completions chunks have no role delta
+        choice: dict[str, Any] = {"index": index, "text": "", "logprobs": None,
+                                  "finish_reason": None}
+        if kind == "token":
+            text, event = payload
+            if want_logprobs is not None and not event.stop_token:
+                choice["logprobs"] = vocab.completion_logprobs(
+                    [event.token], [event.logprob], [event.top], offsets[index])
+                offsets[index] += len(vocab.text(event.token))
+            elif not text:
+                return None
+            choice["text"] = text
+        else:
+            choice["text"], choice["finish_reason"] = payload
+        return choice
 
-        def chunk(index: int | None, kind: str, payload: Any) -> dict | None:
-            if kind == "usage":
-                return {**head, "choices": [], "usage": payload}
-            if kind == "start":
-                return None  # completions chunks have no role delta
-            choice: dict[str, Any] = {"index": index, "text": "", "logprobs": None,
-                                      "finish_reason": None}
-            if kind == "token":
-                text, event = payload
-                if want_logprobs is not None and not event.stop_token:
-                    choice["logprobs"] = vocab.completion_logprobs(
-                        [event.token], [event.logprob], [event.top], offsets[index])
-                    offsets[index] += len(vocab.text(event.token))
-                elif not text:
-                    return None
-                choice["text"] = text
-            else:
-                choice["text"], choice["finish_reason"] = payload
-            return {**head, "choices": [choice]}
-
-        return await sse_response(ctx.samplers, dep.base_model, job, tokenizer, chunk,
-                                  include_usage=_include_usage(body),
-                                  on_done=lambda out: _usage(job.prompt,
-                                                             _record_usage(ctx, dep, out)))
-
-    out = await ctx.samplers.generate(dep.base_model, job)
-    completion_tokens = _record_usage(ctx, dep, out)
-    choices_ = []
-    for i, s in enumerate(out.sequences):
+    def whole_choice(index: int, s: SampledSequence) -> dict:
         count = _text_token_count(s, stop_ids)
         logprobs = vocab.completion_logprobs(s.tokens[:count], s.logprobs[:count],
                                              _tops(s, count), 0) \
             if want_logprobs is not None else None
-        choices_.append({"index": i, "text": s.text, "finish_reason": s.finish_reason,
-                         "logprobs": logprobs})
-    return JSONResponse({"id": ident, "object": "text_completion", "created": created,
-                         "model": model, "choices": choices_,
-                         "usage": _usage(prompt, completion_tokens)})
+        return {"index": index, "text": s.text, "finish_reason": s.finish_reason,
+                "logprobs": logprobs}
+
+    return await _answer(ctx, dep, body, job, tokenizer, model, id_prefix="cmpl",
+                         objects=("text_completion", "text_completion"),
+                         streamed_choice=streamed_choice, whole_choice=whole_choice)
 
 
 async def models(request: Request) -> Response:
