@@ -377,6 +377,32 @@ def test_server_stays_responsive_during_compute(client: httpx.Client):
     assert trainer.result(slow)["status"] == "done"
 
 
+def test_sampling_runs_while_a_trainer_job_holds_the_compute_thread(client: httpx.Client):
+    """The sampler has its own thread (on the base model's twin): async RL samples the next
+    batch while the trainer steps. Proven by order, not time: a sample is answered while a
+    held forward_backward is still running."""
+    trainer = new_run(client)
+    run = trainer.run
+    sampler = client.post("/v1/loops/samplers", json={"session_id": run["session_id"],
+                                                      "run_id": run["id"]}).json()["sampler"]
+    base = sampler["base_url"].replace(client.base_url.__str__().rstrip("/"), "")
+    body = {"prompt": [1, 5, 9], "n": 2, "max_tokens": 4, "temperature": 0.0}
+    assert client.post(f"{base}/sample", json=body).status_code == 200  # loaded, warm
+    client.post("/v1/local/faults", json={"job": f"forward_backward {run['id']}", "delay_s": 30})
+    slow = trainer.submit("forward_backward", {"data": DATA}).json()["operation_id"]
+    wait = time.monotonic() + 60
+    while not any((job or "").startswith("forward_backward") for m in client.get("/v1/local/status").json()["models"]
+                  for job in m["current_jobs"]):
+        assert time.monotonic() < wait, "the held job never started"
+        time.sleep(0.05)
+    answer = client.post(f"{base}/sample", json=body, timeout=60)
+    assert answer.status_code == 200 and len(answer.json()["choices"]) == 2, answer.text
+    still = [m["current_jobs"] for m in client.get("/v1/local/status").json()["models"]]
+    assert any(any(j.startswith("forward_backward") for j in jobs) for jobs in still), still
+    client.delete("/v1/local/faults")
+    assert trainer.result(slow, timeout=120)["status"] == "done"
+
+
 def test_operation_results_expire_but_keys_still_dedupe(tmp_path: Path):
     """Retention, checked on the registry itself (an hour is too long to wait over HTTP)."""
     import asyncio

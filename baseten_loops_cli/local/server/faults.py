@@ -148,7 +148,8 @@ class FaultInjector:
         return self._take(lambda f: f.matches(method, path))
 
     def before_job(self, label: str) -> None:
-        """Called on a compute thread before each job: apply a matching job fault."""
+        """Called on a compute thread before each job: apply a matching job fault (a delay
+        lasts ``delay_s``, or until the faults are cleared)."""
         self._paused.state = None
         fault = self._take(lambda f: f.matches_job(label))
         if fault is None:
@@ -156,7 +157,7 @@ class FaultInjector:
         if fault.pause_after_tokens:
             self._paused.state = [fault.pause_after_tokens, self._released]
         if fault.delay_s > 0:
-            time.sleep(fault.delay_s)
+            self._released.wait(fault.delay_s)  # clearing the faults ends the delay early
         if fault.error:
             raise InjectedFault(f"{fault.error} (injected fault {fault.id})")
 
