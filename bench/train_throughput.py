@@ -1,6 +1,6 @@
 """SFT throughput through the local server's trainer protocol vs bare PEFT in-process.
 
-    python bench/train_throughput.py [--model loops-local/tiny|HuggingFaceTB/SmolLM2-135M-Instruct]
+    python bench/train_throughput.py [--model loops-local/tiny|HuggingFaceTB/SmolLM2-135M-Instruct|both]
                                      [--steps N] [--rounds R] [--batch B] [--seq-len T] [--equal-lengths]
                                      [--quick] [--json]
 
@@ -246,7 +246,7 @@ class HttpTrainer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=TINY, choices=[TINY, SMOLLM2])
+    parser.add_argument("--model", default="both", choices=[TINY, SMOLLM2, "both"])
     parser.add_argument("--steps", type=int, help="steps per round per side")
     parser.add_argument("--rounds", type=int, help="alternating rounds")
     parser.add_argument("--batch", type=int, help="datums per step")
@@ -260,24 +260,36 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--json", action="store_true", help="one JSON object for run_all.py")
     args = parser.parse_args()
-    batch, seq_len, steps, rounds = DEFAULTS[args.model][1 if args.quick else 0]
+    models = [TINY, SMOLLM2] if args.model == "both" else [args.model]
+    bench_env(args.threads)
+    results = [measure(model, args) for model in models]
+    if args.json:
+        print(json.dumps({"target": TARGET, "results": [
+            {"case": name, "ratio": round(ratio, 4), "target": TARGET, "op": ">=", "ok": ratio >= TARGET,
+             "detail": detail, "value": value, "unit": "tok/s"} for name, ratio, detail, value in results]}))
+        return
+    for name, ratio, detail, _ in results:
+        emit(name, ratio, TARGET, detail, False)
+
+
+def measure(model: str, args: Any) -> tuple[str, float, str, float]:
+    """(case name, median http/local ratio, detail line, http tokens/s) for one model."""
+    batch, seq_len, steps, rounds = DEFAULTS[model][1 if args.quick else 0]
     batch, seq_len = args.batch or batch, args.seq_len or seq_len
     steps, rounds = args.steps or steps, args.rounds or rounds
-    tokens_per_step = batch * seq_len
-    bench_env(args.threads)
 
     with bench_server() as server:
         started = time.monotonic()
-        http = HttpTrainer(server, args.model, args.rank, [])
+        http = HttpTrainer(server, model, args.rank, [])
         try:
             from baseten_loops_cli.local.engine.model_zoo import model_info
 
-            seqs = make_batch(int(model_info(args.model).vocab_size), batch, seq_len, equal=args.equal_lengths)
+            seqs = make_batch(int(model_info(model).vocab_size), batch, seq_len, equal=args.equal_lengths)
             tokens_per_step = sum(len(s) - 1 for s in seqs)
             http.data = wire_data(seqs)
-            local = LocalTrainer(args.model, args.rank, seqs)
+            local = LocalTrainer(model, args.rank, seqs)
             # Warm-up: model load, first-call allocations, thread pools.
-            warmup = 2 if args.model == TINY else 1
+            warmup = 2 if model == TINY else 1
             http.steps(warmup)
             for _ in range(warmup):
                 local.step()
@@ -306,7 +318,7 @@ def main() -> None:
     ratios = [h / l for h, l in zip(http_rates, local_rates)]
     shape = f"{seq_len}" if args.equal_lengths else f"{max(1, seq_len // 4)}-{seq_len}"
     ratio = statistics.median(ratios)
-    name = f"train_throughput[{args.model.split('/')[-1]}]"
+    name = f"train_throughput[{model.split('/')[-1]}]"
     detail = (f"http {statistics.median(http_rates):.0f} vs local "
               f"{statistics.median(local_rates):.0f} tokens/s (median of {rounds} alternating "
               f"rounds x {steps} steps, batch of {batch} datums of {shape} tokens, rank {args.rank}, threads "
@@ -314,8 +326,7 @@ def main() -> None:
               f"{100 * statistics.median(busy):.0f}% of http wall; CPU-seconds local/http "
               f"{cpu['local'] / cpu['http']:.3f}; per-round ratios "
               f"{', '.join(f'{x:.2f}' for x in ratios)}; setup {setup_s:.0f}s)")
-    emit(name, ratio, TARGET, detail, args.json,
-         {"value": round(statistics.median(http_rates), 1), "unit": "tok/s"})
+    return name, ratio, detail, round(statistics.median(http_rates), 1)
 
 
 if __name__ == "__main__":
