@@ -255,6 +255,7 @@ class ModelWorker:
         self._base_lock = threading.Lock()
         self._sampler: Any = None
         self._threads_total: int | None = None
+        self._budget_lock = threading.Lock()
         self._lanes = {TRAIN: _Lane(self, TRAIN), SAMPLE: _Lane(self, SAMPLE)}
 
     # ── on a lane's thread ──
@@ -288,10 +289,14 @@ class ModelWorker:
     def set_thread_budget(self, lane: _Lane) -> None:
         import torch
 
-        if self._threads_total is None:
-            self._threads_total = torch.get_num_threads()  # the process's (OMP_NUM_THREADS)
+        with self._budget_lock:
+            if self._threads_total is None:
+                # Read before either lane sets a budget: a thread's first torch call takes its
+                # thread count from the last set_num_threads of any thread.
+                self._threads_total = torch.get_num_threads()  # the process's (OMP_NUM_THREADS)
+            total = self._threads_total
         others_busy = any(other.busy for other in self._lanes.values() if other is not lane)
-        want = max(1, self._threads_total // 2) if others_busy else self._threads_total
+        want = max(1, total // 2) if others_busy else total
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
