@@ -27,7 +27,8 @@ from baseten_loops_cli.errors import ConfigError, LoopsError
 from baseten_loops_cli.training.data import PreferencePair, batches_for_step, dpo_datum, reference_logprobs_field
 from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
 from baseten_loops_cli.training.session import (
-    StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, submit_checkpoint,
+    StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped,
+    submit_checkpoint,
 )  # fmt: skip
 from baseten_loops_cli.training.sft import total_steps
 
@@ -235,8 +236,7 @@ def run_dpo(
     opt = config.optimizer
     sink.start(steps, session.start_step, "loss")
     scores = reference_logprobs(session, train + (eval_pairs or []), sink, stop)
-    if stop.requested:
-        save_checkpoint(session, session.start_step)
+    if save_if_stopped(session, stop, session.start_step):
         return "interrupted"
     baseline = None
     if eval_pairs:
@@ -251,9 +251,7 @@ def run_dpo(
     pipeline = StepPipeline()  # see training/pipeline.py and run_sft
     step = session.start_step
     while step < steps:
-        if stop.requested:
-            pipeline.drain()
-            save_checkpoint(session, step)
+        if save_if_stopped(session, stop, step, pipeline):
             return "interrupted"
         indices = batches_for_step(len(train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
         datums = pair_datums([train[i] for i in indices], scores)
@@ -284,10 +282,7 @@ def run_dpo(
 
         pipeline.push(collect)
     pipeline.drain()
-    if stop.requested:
-        # Ctrl-C during the last step is honoured like any other (as in run_sft): saved,
-        # resumable, exit 130; resume then only runs the final eval and checkpoint.
-        save_checkpoint(session, step)
+    if save_if_stopped(session, stop, step):  # Ctrl-C during the last step
         return "interrupted"
     if eval_pairs:
         last = next((r for r in reversed(session.rundir.metrics()) if r.get("step") == steps and "eval_loss" in r), None)

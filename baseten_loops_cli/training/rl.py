@@ -23,7 +23,9 @@ from typing import Any
 
 from baseten_loops_cli.training.data import Prompt, rl_datum
 from baseten_loops_cli.training.rewards import completion_text, score
-from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint
+from baseten_loops_cli.training.session import (
+    StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped,
+)  # fmt: skip
 
 
 @dataclass
@@ -221,8 +223,7 @@ def run_rl(
         ahead[for_step] = (thread, box)
 
     while step < steps:
-        if stop.requested:
-            save_checkpoint(session, step)
+        if save_if_stopped(session, stop, step):
             return "interrupted"
         step_started = time.monotonic()
         prefetched: Batch | None = None
@@ -299,10 +300,7 @@ def run_rl(
             save_checkpoint(session, step)
     for thread, _ in ahead.values():
         thread.join()
-    if stop.requested:
-        # Ctrl-C during the last step is honoured like any other: saved, resumable, exit 130
-        # (resume then only runs the final eval and checkpoint).
-        save_checkpoint(session, step)
+    if save_if_stopped(session, stop, step):  # Ctrl-C during the last step
         return "interrupted"
     if eval_prompts:
         final = evaluate(rollouts, eval_prompts, config, version)

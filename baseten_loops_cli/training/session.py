@@ -233,6 +233,19 @@ def open_session(
     return TrainingSession(loaded, rundir, client, backend.api_key, run, trainer, created, start_step)
 
 
+def save_if_stopped(session: TrainingSession, stop: StopRequested, step: int, pipeline: Any = None) -> bool:
+    """Ctrl-C, checked between steps and after the last one: once a stop is requested, collect
+    the steps in flight (``pipeline``, a training.pipeline.StepPipeline) and save the resume
+    point at ``step``. True: the loop returns "interrupted" (exit 130; ``loops train resume``
+    continues exactly once, after the last step only with the final eval and checkpoint)."""
+    if not stop.requested:
+        return False
+    if pipeline is not None:
+        pipeline.drain()
+    save_checkpoint(session, step)
+    return True
+
+
 def save_checkpoint(session: TrainingSession, step: int, *, final: bool = False) -> dict:
     """Save trainer state (the resume point) and sampler weights of the same name, and record
     them. Sampler weights are what can be sampled, deployed and compared (`loops eval RUN:*`);

@@ -14,7 +14,8 @@ from typing import Callable
 from baseten_loops_cli.training.data import Example, batches_for_step, sft_datum, weighted_nll
 from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
 from baseten_loops_cli.training.session import (
-    StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, submit_checkpoint,
+    StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped,
+    submit_checkpoint,
 )  # fmt: skip
 
 
@@ -67,9 +68,7 @@ def run_sft(
     pipeline = StepPipeline()
     step = session.start_step
     while step < steps:
-        if stop.requested:
-            pipeline.drain()
-            save_checkpoint(session, step)
+        if save_if_stopped(session, stop, step, pipeline):
             return "interrupted"
         batch = [train[i] for i in batches_for_step(len(train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)]
         datums = [sft_datum(e) for e in batch]
@@ -100,10 +99,7 @@ def run_sft(
 
         pipeline.push(collect)
     pipeline.drain()
-    if stop.requested:
-        # Ctrl-C during the last step is honoured like any other: saved, resumable, exit 130
-        # (resume then only runs the final eval and checkpoint).
-        save_checkpoint(session, step)
+    if save_if_stopped(session, stop, step):  # Ctrl-C during the last step
         return "interrupted"
     if eval_examples and (not config.eval_every or steps % config.eval_every):
         final_eval = evaluate(session, eval_examples, config.batch_size)
