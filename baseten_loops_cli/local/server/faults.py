@@ -39,7 +39,6 @@ import dataclasses
 import fnmatch
 import itertools
 import threading
-import time
 from typing import Any
 
 from starlette.requests import Request
