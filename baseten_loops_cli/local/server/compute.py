@@ -355,21 +355,23 @@ class ComputePool:
 
     def status(self) -> list[dict[str, Any]]:
         """What ``/v1/local/status`` reports per model (read racily, for display only)."""
-        return [
-            {
-                "model": w.model_name,
-                "base_loaded": w.base_loaded,
-                "trainers_in_memory": sorted(w.trainers),
-                "sampler_adapters_in_memory": w.sampler_adapters(),
-                # What each lane is running now (compute first); current_job: the first of them.
-                "current_jobs": w.current_jobs,
-                "current_job": (w.current_jobs or [None])[0],
-                "jobs_done": w.jobs_done,
-                "busy_seconds": round(w.busy_seconds, 3),
-            }
-            for w in self.workers()
-        ]
+        return [_worker_status(w) for w in self.workers()]
 
     def stop(self, timeout: float = 30.0) -> None:
         for worker in self.workers():
             worker.stop(timeout)
+
+
+def _worker_status(w: ModelWorker) -> dict[str, Any]:
+    jobs = w.current_jobs  # read once, so current_job is always one of current_jobs
+    return {
+        "model": w.model_name,
+        "base_loaded": w.base_loaded,
+        "trainers_in_memory": sorted(w.trainers),
+        "sampler_adapters_in_memory": w.sampler_adapters(),
+        # What each lane is running now (compute first); current_job: the first of them.
+        "current_jobs": jobs,
+        "current_job": jobs[0] if jobs else None,
+        "jobs_done": w.jobs_done,
+        "busy_seconds": round(w.busy_seconds, 3),
+    }
