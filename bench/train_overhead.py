@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 from _common import ROOT, loops
 from train_throughput import SMOLLM2, bench_server, emit
@@ -46,9 +48,6 @@ CASES = {
 
 def measure(server, config, steps: int) -> tuple[float, float]:
     """(wall seconds of `loops train run`, the run's trainer compute seconds)."""
-    import tempfile
-    from pathlib import Path
-
     env = {**server.env, "LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1"}
     no_eval = ["--set", "data.eval=null", "--set", "eval_every=0"]
     with tempfile.TemporaryDirectory(prefix="loops-overhead-") as tmp:
