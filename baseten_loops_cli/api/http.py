@@ -33,7 +33,6 @@ connections.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import email.utils
 import json
@@ -43,9 +42,12 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timezone
-from typing import Any, Callable, Iterable, Literal, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, TypeVar
 
 import httpx
+
+if TYPE_CHECKING:
+    import asyncio
 
 from baseten_loops_cli import __version__
 from baseten_loops_cli.api.errors import (
@@ -162,6 +164,20 @@ def retry_after_seconds(headers: Mapping[str, str], cap: float = MAX_RETRY_AFTER
     return min(max(value, 0.0), cap)
 
 
+
+
+def _running_loop() -> "asyncio.AbstractEventLoop":
+    """The running event loop. asyncio is imported by the async paths only: every sync
+    command (most of them) would pay ~11 ms to import it, and async callers have it already."""
+    import asyncio
+
+    return asyncio.get_running_loop()
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
 
 
 # ── the policy and the decision ──────────────────────────────────────────────────────────────
@@ -507,7 +523,7 @@ class _SharedClients:
         client.close()
 
     def acquire_async(self, origin: str) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
+        loop = _running_loop()
         with self._lock:
             for key in [k for k in self._async if k[1].is_closed()]:
                 del self._async[key]  # its loop is gone: nothing can close it any more
@@ -520,7 +536,7 @@ class _SharedClients:
             return entry[0]
 
     async def release_async(self, origin: str, client: httpx.AsyncClient) -> None:
-        loop = asyncio.get_running_loop()
+        loop = _running_loop()
         with self._lock:
             entry = self._async.get((origin, loop))
             if entry is None or entry[0] is not client:
@@ -599,7 +615,7 @@ class HttpClient:
         self._aclients.clear()  # an AsyncClient is closed on its own loop (aclose)
 
     async def aclose(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = _running_loop()
         aclient = self._aclients.pop(loop, None)
         if aclient is not None:
             await _SHARED.release_async(self._origin, aclient)
@@ -611,7 +627,7 @@ class HttpClient:
         self.close()
 
     def _async_client(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
+        loop = _running_loop()
         aclient = self._aclients.get(loop)
         if aclient is None:
             for gone in [k for k in self._aclients if k.is_closed()]:
@@ -732,7 +748,7 @@ class HttpClient:
                 return outcome  # type: ignore[return-value]
             if decision.action == "raise":
                 raise self._error(request, outcome, decision, state) from (outcome if isinstance(outcome, BaseException) else None)
-            await asyncio.sleep(decision.delay)
+            await _sleep(decision.delay)
 
     def _decide(self, policy: RetryPolicy, outcome: Any, state: RetryState, request: httpx.Request, started: float,
                 repeat: bool, accept: Iterable[int], retry_if: Any) -> tuple[Decision, RetryState]:

@@ -150,7 +150,6 @@ def planned_tokens(config, data: LoadedData) -> tuple[int, int, int]:
     SFT counts are exact: the datums' input tokens of each step's batch, as the loop builds them.
     RL counts take each step's real prompts and ``sampling.max_tokens`` per completion, so they
     are upper bounds (completions may stop early; groups without signal are not trained)."""
-    from baseten_loops_cli.training import rl as rl_mod
     from baseten_loops_cli.training import sft as sft_mod
     from baseten_loops_cli.training.data import batches_for_step
 
@@ -163,6 +162,8 @@ def planned_tokens(config, data: LoadedData) -> tuple[int, int, int]:
         )
         return steps, train_tokens, 0
     if isinstance(config, RLConfig):
+        from baseten_loops_cli.training import rl as rl_mod  # here: it imports asyncio (~15 ms)
+
         steps = rl_mod.total_steps(len(data.train), config)
         completions = config.groups_per_batch * config.group_size
         prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in rl_mod.prompts_for_step(data.train, step, config))

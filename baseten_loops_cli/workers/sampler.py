@@ -13,7 +13,6 @@ is a floor (never sent as 0); the sampler answers 408 while it is behind, which 
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 import uuid
@@ -377,6 +376,8 @@ class SamplerClient(WorkerClient):
         except RequestTimeoutError as exc:
             raise self._sample_timeout() from exc
         if resp.status_code == 202:
+            import asyncio  # here, not at module level: sync callers never need it (~15 ms)
+
             # Rare (serverless queue); poll on a worker thread with the sync client.
             payload = await asyncio.to_thread(self._poll_queued, resp, headers, deadline)
             return self._result(payload, None, body, prompt_logprobs and topk_prompt_logprobs > 0)
@@ -510,6 +511,7 @@ class SamplerClient(WorkerClient):
 
 def sample_many(client: SamplerClient, prompts: Iterable[Sequence[int]], **kwargs: Any) -> list[SampleResult]:
     """Sample several prompts concurrently (asyncio) from sync code."""
+    import asyncio  # here, not at module level: most commands that import this never sample
 
     async def _run() -> list[SampleResult]:
         try:

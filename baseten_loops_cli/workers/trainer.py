@@ -18,7 +18,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 import time
@@ -160,6 +159,8 @@ class OpFuture(Generic[T]):
         return self.result_type.model_validate(self.result(timeout))
 
     def __await__(self):
+        import asyncio  # here: a sync training loop never needs it
+
         return asyncio.to_thread(self.result).__await__()
 
     def __repr__(self) -> str:
