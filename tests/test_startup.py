@@ -1,6 +1,7 @@
 """`loops --help`, `--version`, a command's `--help` and completion requests stay light: they
 must not import httpx, pydantic, yaml, keyring or torch (each costs 50-150 ms, or seconds for
-torch, and completion runs on every TAB). `bench/startup.py` measures the time itself."""
+torch, and completion runs on every TAB); no synchronous command imports asyncio (~15 ms).
+`bench/startup.py` measures the time itself."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("httpx", "pydantic", "yaml", "keyring", "torch")
+HEAVY = ("httpx", "pydantic", "yaml", "keyring", "torch", "asyncio")
 
 # Runs the real entry point and, at exit (after main()'s sys.exit), writes the top-level names
 # of the heavy modules that got imported. LOOPS_TEST_PREIMPORT imports one first (the control).
@@ -82,6 +83,19 @@ def test_runs_list_help_imports_nothing_heavy(run):
     assert result.returncode == 0, result.stderr
     assert "Usage: loops runs list" in result.stdout
     assert loaded == [], f"`loops runs list --help` imported {loaded}"
+
+
+@pytest.mark.parametrize("args", [
+    ["runs", "list", "-o", "json"],
+    ["train", "run", str(ROOT / "examples" / "tiny-sft.yaml"), "--dry-run", "-o", "json"],
+], ids=["runs-list", "sft-plan"])
+def test_synchronous_commands_do_not_import_asyncio(run, args):
+    """Only async code paths (RL, eval, sampling many prompts) import asyncio, where they run.
+    Nothing listens on the port: the command fails after its imports, which is what is checked."""
+    result, loaded = run(*args, LOOPS_BASE_URL="http://127.0.0.1:9", BASETEN_API_KEY="test-key")
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert "httpx" in loaded, loaded  # the command got as far as its API client
+    assert "asyncio" not in loaded, f"`loops {' '.join(args)}` imported asyncio"
 
 
 def test_every_command_help_imports_nothing_heavy(run):
