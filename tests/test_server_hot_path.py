@@ -95,3 +95,45 @@ def test_the_janitor_sweeps_search_by_finish_time_in_an_index(tmp_path):
             plan = " ".join(row[-1] for row in db.execute("EXPLAIN QUERY PLAN " + sql))
             assert "INDEX" in plan and "finished_at<" in plan, (sql, plan)
     store.close()
+
+
+# ── an op's bookkeeping is one transaction; its result is encoded once ──
+
+
+def test_writes_inside_a_store_transaction_commit_together(tmp_path):
+    """The writes an op's end makes (usage, run, op row, log) join one transaction: one commit
+    between two ops of a run, and all or nothing."""
+    from baseten_loops_cli.local.store import Store
+
+    store = Store(tmp_path / "tx.db")
+    session = store.create_session(None, None)
+    run = store.create_run(session_id=session.id, team_id=None, name="tx", base_model="m", lora_rank=4,
+                           max_seq_len=64, seed=1, scale_down_delay_seconds=60, availability_model="x",
+                           replicas=1, init_path=None)
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with store.transaction():
+            store.add_usage(run.id, "run", compute_seconds=1.0, operations=1)
+            store.update_run(run.id, policy_version=7)
+            raise Boom
+    assert store.get_run(run.id).policy_version == 0
+    assert store.get_usage(run.id) is None or store.get_usage(run.id).operations == 0
+    with store.transaction():
+        store.add_usage(run.id, "run", compute_seconds=1.0, operations=1)
+        store.update_run(run.id, policy_version=7)
+    assert store.get_run(run.id).policy_version == 7 and store.get_usage(run.id).operations == 1
+    store.close()
+
+
+def test_an_op_result_is_compact_json_and_a_diverged_loss_still_answers():
+    import json
+    import math
+
+    from baseten_loops_cli.local.server.operations import encode_result
+
+    assert encode_result({"loss": 0.5, "name": "é"}) == '{"loss":0.5,"name":"é"}'
+    text = encode_result({"metrics": {"loss": float("nan")}})  # was a 500 on every poll
+    assert math.isnan(json.loads(text)["metrics"]["loss"])

@@ -192,12 +192,18 @@ class OperationRow:
     idempotency_key: str | None
     seq_id: int | None
     status: str
-    result: Any
+    # The result as the JSON text stored and answered: encoded once, when the op finishes,
+    # and never decoded on the way to a poller.
+    result_json: str | None
     error: str | None
     error_class: str | None
     submitted_at: float
     started_at: float | None
     finished_at: float | None
+
+    @property
+    def result(self) -> Any:
+        return json.loads(self.result_json) if self.result_json else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,18 +400,32 @@ class Store:
         return conn
 
     class _Tx:
-        def __init__(self, conn: sqlite3.Connection) -> None:
+        """A write transaction on this thread's connection. Nested ones join the outermost,
+        which alone commits (or rolls back): see :meth:`transaction`."""
+
+        def __init__(self, local: threading.local, conn: sqlite3.Connection) -> None:
+            self.local = local
             self.conn = conn
 
         def __enter__(self) -> sqlite3.Connection:
-            self.conn.execute("BEGIN IMMEDIATE")
+            depth = getattr(self.local, "depth", 0)
+            if depth == 0:
+                self.conn.execute("BEGIN IMMEDIATE")
+            self.local.depth = depth + 1
             return self.conn
 
         def __exit__(self, exc_type, exc, tb) -> None:
-            self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+            self.local.depth -= 1
+            if self.local.depth == 0:
+                self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
 
     def _tx(self) -> "Store._Tx":
-        return Store._Tx(self._conn())
+        return Store._Tx(self._local, self._conn())
+
+    def transaction(self) -> "Store._Tx":
+        """Several writes, one commit: every write inside joins this transaction (used for
+        an op's bookkeeping, which is on the path between two ops of a run)."""
+        return self._tx()
 
     def _one(self, cls: type[RowT], sql: str, args: Iterable[Any] = ()) -> RowT | None:
         return _row(cls, self._conn().execute(sql, tuple(args)).fetchone())
@@ -776,7 +796,7 @@ class Store:
         if row is None:
             return None
         values = {k: row[k] for k in row.keys()}
-        values["result"] = json.loads(values["result"]) if values["result"] else None
+        values["result_json"] = values.pop("result")
         return OperationRow(**values)
 
     def get_operation(self, run_id: str, op_id: str) -> OperationRow | None:
@@ -807,12 +827,13 @@ class Store:
         self._update_op(run_id, op_id, {"status": OP_RUNNING, "started_at": time.time()})
 
     def finish_operation(
-        self, run_id: str, op_id: str, *, result: Any = None, error: str | None = None,
-        error_class: str | None = None,
+        self, run_id: str, op_id: str, *, result_json: str = "null", error: str | None = None,
+        error_class: str | None = None, finished_at: float | None = None,
     ) -> None:
-        fields: dict[str, Any] = {"finished_at": time.time()}
+        """Record how an op ended: done with ``result_json`` (JSON text), or ``error``."""
+        fields: dict[str, Any] = {"finished_at": finished_at or time.time()}
         if error is None:
-            fields.update(status=OP_DONE, result=json.dumps(result))
+            fields.update(status=OP_DONE, result=result_json)
         else:
             fields.update(status=OP_ERROR, error=error, error_class=error_class or "Error")
         self._update_op(run_id, op_id, fields)

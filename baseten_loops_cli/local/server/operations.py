@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from typing import Any
@@ -38,6 +39,16 @@ RESTART_ERROR = (
     "was not applied (or only partly: a save may be missing). Resubmit it; the run resumes "
     "from its last saved state."
 )
+
+
+def encode_result(result: Any) -> str:
+    """An op's result as the JSON text its polls answer (compact, like every JSON answer).
+    A diverged loss is written as ``NaN`` (Python's json, the SDK's and ours, reads it back)
+    rather than turning every poll of the op into a 500."""
+    try:
+        return json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
 
 
 class OperationRegistry:
@@ -71,26 +82,28 @@ class OperationRegistry:
 
     def finish(self, run_id: str, op_id: str, *, result: Any = None, error: str | None = None,
                error_class: str | None = None) -> None:
-        self.store.finish_operation(run_id, op_id, result=result, error=error,
-                                    error_class=error_class)
-        row = self._finished_row(run_id, op_id, result, error, error_class)
+        # Encoded once: the same text goes to the database and, from memory, to the poller.
+        result_json = encode_result(result) if error is None else None
+        now = time.time()
+        self.store.finish_operation(run_id, op_id, result_json=result_json or "null", error=error,
+                                    error_class=error_class, finished_at=now)
+        row = self._finished_row(run_id, op_id, result_json, error, error_class, now)
         if row is not None:
             self._finished[(run_id, op_id)] = row
         event = self._events.pop((run_id, op_id), None)
         if event is not None:
             event.set()
 
-    def _finished_row(self, run_id: str, op_id: str, result: Any, error: str | None,
-                      error_class: str | None) -> st.OperationRow | None:
+    def _finished_row(self, run_id: str, op_id: str, result_json: str | None, error: str | None,
+                      error_class: str | None, now: float) -> st.OperationRow | None:
         if (run_id, op_id) not in self._events:
             return None  # not submitted through this registry (e.g. before a restart)
-        now = time.time()
         status = st.OP_DONE if error is None else st.OP_ERROR
         row = self._submitted.pop((run_id, op_id), None)
         if row is None:
             return None
-        return dataclasses.replace(row, status=status, result=result if error is None else None,
-                                   error=error, error_class=(error_class or "Error") if error else None,
+        return dataclasses.replace(row, status=status, result_json=result_json, error=error,
+                                   error_class=(error_class or "Error") if error else None,
                                    finished_at=now)
 
     def fail_pending(self, run_id: str, error: str, error_class: str) -> None:

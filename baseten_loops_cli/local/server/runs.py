@@ -263,6 +263,8 @@ class RunExecutor:
             return  # failed meanwhile (run deactivated)
         run = self.run()
         started = time.monotonic()
+        outcome: trainer_ops.OpOutcome | None = None
+        failure: tuple[str, str] | None = None  # (message, error class)
         try:
             if run.status != st.RUN_ACTIVE:
                 raise OpFailed(run_inactive_error(run).detail, "RunInactive")
@@ -281,9 +283,7 @@ class RunExecutor:
                 f"{item.op} {self.run_id}",
                 lambda: trainer_ops.execute(self.worker, job, self.manager.files))
         except OpFailed as exc:
-            ops.finish(self.run_id, item.op_id, error=str(exc), error_class=exc.error_class)
-            self._log(f"{item.op} failed: {exc}", "ERROR", item.op_id)
-            return
+            failure = (str(exc), exc.error_class)
         except Exception as exc:
             error_class = getattr(exc, "error_class", None)
             if self.manager.engine.is_input_error(exc) and error_class:
@@ -293,16 +293,21 @@ class RunExecutor:
                 error_class = error_class or type(exc).__name__
                 message = (f"{item.op} failed in the local engine: {type(exc).__name__}: {exc}. "
                            "The run is still usable; see `loops server logs` for the traceback.")
-            ops.finish(self.run_id, item.op_id, error=message, error_class=error_class)
-            self._log(f"{item.op} failed: {message}", "ERROR", item.op_id)
-            return
-        finally:
-            elapsed = time.monotonic() - started
+            failure = (message, error_class)
+        elapsed = time.monotonic() - started
+        # The op's bookkeeping in one commit: the run's next op waits for it.
+        with self.manager.store.transaction():
             self.manager.store.add_usage(self.run_id, "run", compute_seconds=elapsed, operations=1)
             self.manager.store.touch_run(self.run_id)
-        self._apply(run, item, outcome)
-        ops.finish(self.run_id, item.op_id, result=outcome.result)
-        self._log(_describe(item, outcome, time.monotonic() - started), op_id=item.op_id)
+            if failure is not None:
+                message, error_class = failure
+                ops.finish(self.run_id, item.op_id, error=message, error_class=error_class)
+                self._log(f"{item.op} failed: {message}", "ERROR", item.op_id)
+                return
+            assert outcome is not None
+            self._apply(run, item, outcome)
+            ops.finish(self.run_id, item.op_id, result=outcome.result)
+            self._log(_describe(item, outcome, time.monotonic() - started), op_id=item.op_id)
         if (item.op in ("optim_step", "load_state", "load_state_with_optimizer",
                         "init_trainer_server")
                 and time.monotonic() - self.last_snapshot

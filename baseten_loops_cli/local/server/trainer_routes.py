@@ -11,6 +11,7 @@ The eight ops are in ``runs.TRAINER_OPS``. A submit is validated before it is ac
 
 from __future__ import annotations
 
+import json
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -98,7 +99,10 @@ async def poll(request: Request) -> Response:
                             "finished). Resubmitting with the same Idempotency-Key will not "
                             "re-run it.", "ResultExpired")
     if row.status == st.OP_DONE:
-        return JSONResponse({"status": "done", "result": row.result, "operation_id": row.id})
+        # The result's JSON text as stored when the op finished: spliced in, not decoded and
+        # encoded again (a forward's logprobs can be megabytes, on the event loop).
+        body = f'{{"status":"done","result":{row.result_json or "null"},"operation_id":{json.dumps(row.id)}}}'
+        return Response(body.encode("utf-8"), media_type="application/json")
     if row.status == st.OP_ERROR:
         return JSONResponse({"status": "error", "error": row.error,
                              "error_class": row.error_class, "operation_id": row.id})
