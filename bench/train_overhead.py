@@ -20,12 +20,15 @@ created with protocol 0, and asyncio disables Nagle's algorithm only on sockets 
 IPPROTO_TCP; each response (headers, then body) waited for the client's 40 ms delayed ACK.
 With TCP_NODELAY (``local/daemon.listen``) the same run took 2.7 s (ratio 1.19).
 
-What is left, timeline of the tiny run's client (T = process start): imports and argument
-parsing until 0.31 s (pydantic via Typer's coercion ~80 ms, the API client and httpx ~60 ms,
-the training config ~20 ms); the run created at 0.34 s; then steps back to back (the compute
-thread's gap between two ops: median 0.13 ms, so the server never waits for the client); the
-final checkpoint; deactivation and exit ~15 ms. So the tiny run's overhead is Python start-up
-(~0.3 s of a ~2.5 s run); a SmolLM2 run amortises it.
+What is left (2026-12-04, main at 8a5d89c: 3.51 s wall vs 2.96 s of compute, ratio 1.19), on the
+tiny run's timeline (T = process start): interpreter start and imports until the first request at
+~0.35 s (a bare process that imports Typer, httpx and pydantic and builds one model already takes
+0.25-0.29 s of CPU here; asyncio is no longer imported by sync commands); the run created at
+~0.39 s, its LoRA adapter made by the server's deploy job (~50 ms, PEFT's inject_adapter, not
+counted as compute); then steps back to back (the compute lane is idle ~40 ms in all between the
+run's 84 jobs: each op's end is one SQLite commit, its result encoded once); the final checkpoint,
+deactivation and exit ~40 ms. So the tiny run's overhead is Python start-up; a SmolLM2 run
+amortises it.
 """
 
 from __future__ import annotations
