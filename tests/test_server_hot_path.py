@@ -124,7 +124,12 @@ def test_writes_inside_a_store_transaction_commit_together(tmp_path):
     with store.transaction():
         store.add_usage(run.id, "run", compute_seconds=1.0, operations=1)
         store.update_run(run.id, policy_version=7)
+        with pytest.raises(ValueError):  # a nested write that fails undoes only its own work
+            with store.transaction():
+                store.update_run(run.id, lora_rank=8)
+                raise ValueError("nested")
     assert store.get_run(run.id).policy_version == 7 and store.get_usage(run.id).operations == 1
+    assert store.get_run(run.id).lora_rank == 4
     store.close()
 
 

@@ -400,23 +400,32 @@ class Store:
         return conn
 
     class _Tx:
-        """A write transaction on this thread's connection. Nested ones join the outermost,
-        which alone commits (or rolls back): see :meth:`transaction`."""
+        """A write transaction on this thread's connection. A nested one is a savepoint of the
+        outermost, which alone commits: see :meth:`transaction`. A nested one that fails
+        undoes its own writes only, as it would have on its own."""
 
         def __init__(self, local: threading.local, conn: sqlite3.Connection) -> None:
             self.local = local
             self.conn = conn
+            self.savepoint = ""
 
         def __enter__(self) -> sqlite3.Connection:
             depth = getattr(self.local, "depth", 0)
             if depth == 0:
                 self.conn.execute("BEGIN IMMEDIATE")
+            else:
+                self.savepoint = f"nested_{depth}"
+                self.conn.execute(f"SAVEPOINT {self.savepoint}")
             self.local.depth = depth + 1
             return self.conn
 
         def __exit__(self, exc_type, exc, tb) -> None:
             self.local.depth -= 1
-            if self.local.depth == 0:
+            if self.savepoint:
+                if exc_type:
+                    self.conn.execute(f"ROLLBACK TO {self.savepoint}")
+                self.conn.execute(f"RELEASE {self.savepoint}")
+            else:
                 self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
 
     def _tx(self) -> "Store._Tx":
