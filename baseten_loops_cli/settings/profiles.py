@@ -73,7 +73,7 @@ class ConfigFile:
             # tomllib says "... (at line 3, column 7)": keep that, it names the place.
             raise ConfigError(
                 f"{path}: not valid TOML: {exc}",
-                hint=f"Fix the file by hand, or move it away and run `loops config use local`.",
+                hint="Fix the file by hand, or move it away and run `loops config use local`.",
             ) from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
