@@ -836,7 +836,7 @@ class Store:
         self._update_op(run_id, op_id, {"status": OP_RUNNING, "started_at": time.time()})
 
     def finish_operation(
-        self, run_id: str, op_id: str, *, result_json: str = "null", error: str | None = None,
+        self, run_id: str, op_id: str, *, result_json: str | None = None, error: str | None = None,
         error_class: str | None = None, finished_at: float | None = None,
     ) -> None:
         """Record how an op ended: done with ``result_json`` (JSON text), or ``error``."""

@@ -85,7 +85,7 @@ class OperationRegistry:
         # Encoded once: the same text goes to the database and, from memory, to the poller.
         result_json = encode_result(result) if error is None else None
         now = time.time()
-        self.store.finish_operation(run_id, op_id, result_json=result_json or "null", error=error,
+        self.store.finish_operation(run_id, op_id, result_json=result_json, error=error,
                                     error_class=error_class, finished_at=now)
         row = self._finished_row(run_id, op_id, result_json, error, error_class, now)
         if row is not None:
