@@ -42,9 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _common import ROOT  # noqa: E402 - also compiles the package, as an install would
 
 TARGET = 0.9
 TINY = "loops-local/tiny"

@@ -26,9 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _common import ROOT  # noqa: E402 - also compiles the package, as an install would
 
 TARGET = 1.3
 
@@ -129,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(tmp, "bare_loops.py").write_text(bare_module_source(tree), encoding="utf-8")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("_LOOPS_", "_TYPER_", "LOOPS_", "COMP_"))}
         env["PYTHONPATH"] = os.pathsep.join([tmp, str(ROOT)])
-        env["PYTHONDONTWRITEBYTECODE"] = "0"
         env["TERMINAL_WIDTH"] = "100"
         for name in ("CONFIG", "STATE", "DATA", "CACHE"):
             env[f"LOOPS_{name}_DIR"] = str(Path(tmp, name.lower()))
