@@ -47,6 +47,39 @@ def test_sink_writes_the_run_dir_and_the_reporter(tmp_path):
     assert json.loads(rundir.samples_file.read_text())["reward"] == 1.0
 
 
+def test_step_records_are_fsynced_before_what_covers_them_not_per_step(tmp_path, monkeypatch):
+    """A step's metrics cost no disk flush of their own; a checkpoint record or a state.json
+    write first makes every record before it durable (what resume relies on after a power cut)."""
+    import os
+
+    rundir = _rundir(tmp_path)
+    synced: list[str] = []
+    real_fsync = os.fsync
+    names = {}
+
+    def fsync(fd: int) -> None:
+        inode = os.fstat(fd).st_ino
+        for path in (rundir.metrics_file, rundir.samples_file, rundir.checkpoints_file):
+            if path.exists() and path.stat().st_ino == inode:
+                names[inode] = path.name
+        synced.append(names.get(inode, "other"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    sink = MetricsSink(rundir)
+    for step in (1, 2, 3):
+        sink.step({"step": step, "loss": 1.0})
+    sink.samples([{"step": 3, "completion": "x", "reward": 1.0}])
+    assert synced == []  # three steps and their samples: no flush yet
+    rundir.append_checkpoint({"step": 3, "name": "step-000003", "path": "p"})
+    assert synced == ["metrics.jsonl", "samples.jsonl", "checkpoints.jsonl"]
+    synced.clear()
+    sink.step({"step": 4, "loss": 1.0})
+    rundir.update_state(status="completed", step=4)
+    assert synced[:2] == ["metrics.jsonl", "samples.jsonl"] and "other" in synced[2:]  # then state.json
+    assert [r["step"] for r in rundir.metrics()] == [1, 2, 3, 4]
+
+
 def test_wandb_missing_is_a_note_not_an_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     config = _config(tmp_path, "logging: {wandb_project: proj}\n")

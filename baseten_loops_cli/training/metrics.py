@@ -2,9 +2,9 @@
 
 The loops call a :class:`MetricsSink` and never know which of these are on:
 
-- ``step(record)``: one record per optimizer step -> metrics.jsonl (appended, fsynced), the
-  reporter (live view / plain lines / JSON Lines), and W&B when ``logging.wandb_project`` is set
-  and ``wandb`` is installed;
+- ``step(record)``: one record per optimizer step -> metrics.jsonl (appended; fsynced before
+  the checkpoint that covers it), the reporter (live view / plain lines / JSON Lines), and W&B
+  when ``logging.wandb_project`` is set and ``wandb`` is installed;
 - ``final(record)``: the end-of-run eval record (``"final": true`` in metrics.jsonl);
 - ``samples(records)``: RL rollouts -> samples.jsonl;
 - ``message(text)``: a human line on stderr (or the live view).
@@ -115,7 +115,7 @@ class MetricsSink:
         self.reporter.start(total_steps, start_step, main_metric)
 
     def step(self, record: dict) -> None:
-        self.rundir.append_metrics(record)  # durable first: the display is only a view of it
+        self.rundir.append_metrics(record)  # recorded first: the display is only a view of it
         self.records.append(record)
         self.reporter.step(record)
         if self.wandb is not None:

@@ -2,13 +2,19 @@
 
     config.yaml        the resolved config (after --set overrides)
     state.json         run id, backend, status, last completed step (atomic rewrite)
-    metrics.jsonl      one record per step (and eval records), appended and fsynced
-    checkpoints.jsonl  one record per saved trainer state: the resume points
+    metrics.jsonl      one record per step (and eval records), appended
+    checkpoints.jsonl  one record per saved trainer state: the resume points (appended, fsynced)
     samples.jsonl      RL rollouts with their rewards
     reference_logprobs.jsonl  DPO: the reference policy's logprobs of each sequence, scored once
 
 Resume rule: the last line of checkpoints.jsonl is the truth. Steps after it are replayed, so
 their metrics are trimmed first; nothing is repeated or skipped.
+
+Durability follows the same rule. A record appended to metrics.jsonl or samples.jsonl is in the
+OS's hands when the append returns, so it survives a crash or kill of the process; it is fsynced
+(survives a power cut) before a checkpoint record or state.json that covers it is written. An
+fsync per step would cost every step a disk flush (tens of ms on a network file system, longer
+than a small model's step) to keep records that resume trims anyway.
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ class RunDir:
             return {}
 
     def write_state(self, state: dict) -> None:
+        self.sync_records()  # state.json (its step, its status) never claims more than is on disk
         atomic_write(self.state_file, json.dumps(state, indent=2, sort_keys=True) + "\n")
 
     def update_state(self, **changes: Any) -> dict:
@@ -116,33 +123,41 @@ class RunDir:
         return state
 
     # ---------------------------------------------------------------- records
-    def _append(self, path: Path, record: dict) -> None:
-        line = json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n"
-        with path.open("a", encoding="utf-8") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    def append_metrics(self, record: dict) -> None:
-        self._append(self.metrics_file, record)
-
-    def append_checkpoint(self, record: dict) -> None:
-        self._append(self.checkpoints_file, record)
-
-    def _append_many(self, path: Path, records: list[dict]) -> None:
+    def _append(self, path: Path, records: list[dict], *, durable: bool) -> None:
         if not records:
             return
         text = "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in records)
         with path.open("a", encoding="utf-8") as fh:
             fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    def sync_records(self) -> None:
+        """fsync the step records (metrics, samples): before anything that covers them."""
+        for path in (self.metrics_file, self.samples_file):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def append_metrics(self, record: dict) -> None:
+        self._append(self.metrics_file, [record], durable=False)
+
+    def append_checkpoint(self, record: dict) -> None:
+        self.sync_records()  # a resume point never covers records a power cut could lose
+        self._append(self.checkpoints_file, [record], durable=True)
 
     def append_samples(self, records: list[dict]) -> None:
-        self._append_many(self.samples_file, records)
+        self._append(self.samples_file, records, durable=False)
 
     def append_references(self, records: list[dict]) -> None:
-        self._append_many(self.reference_file, records)
+        # Scored once per run (each costs a forward pass): durable at once.
+        self._append(self.reference_file, records, durable=True)
 
     def references(self) -> list[dict]:
         """The reference records scored so far. A torn tail (a kill mid-append) is cut off, so
