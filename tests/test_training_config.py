@@ -72,6 +72,33 @@ def test_yaml_syntax_error_names_line(tmp_path):
         load_config(path)
 
 
+def test_yaml_syntax_error_names_where_the_broken_construct_starts(tmp_path):
+    """PyYAML finds an unclosed [ or quote a line (or many) later: the message also names the
+    line where it was opened, and the hint says what to look for."""
+    path = write(tmp_path, "kind: sft\nname: [unclosed\nbase_model: loops-local/tiny\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.message.startswith(f"{path}:3: YAML syntax error: ")
+    assert "(in the flow sequence that starts at line 2)" in info.value.message
+    assert "unclosed bracket or quote" in info.value.hint
+
+
+def test_duplicate_key_is_an_error_not_a_silent_loss(tmp_path):
+    """YAML keeps the last of two equal keys: a second `optimizer:` block would silently drop
+    the first one's learning rate. Merge keys (<<) still override as YAML means them to."""
+    path = write(tmp_path, SFT + "optimizer:\n  learning_rate: 0.1\noptimizer:\n  warmup_steps: 2\n", [ROW])
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.message == f"{path}:10: duplicate key 'optimizer' (also at line 8)"
+    assert "Keep one of them" in info.value.hint
+    nested = write(tmp_path, SFT.replace("  train: train.jsonl\n", "  train: train.jsonl\n  train: other.jsonl\n"), [ROW])
+    with pytest.raises(ConfigError, match=r"c.yaml:8: duplicate key 'train' \(also at line 7\)"):
+        load_config(nested)
+    merged = write(tmp_path, "opt: &o\n  learning_rate: 0.1\n  warmup_steps: 1\n" + SFT.replace("max_seq_len: 64\n", "max_seq_len: 64\noptimizer:\n  <<: *o\n  learning_rate: 0.2\n"), [ROW])
+    with pytest.raises(ConfigError, match="unknown key 'opt'"):  # the anchor's holder, not a duplicate
+        load_config(merged)
+
+
 def test_missing_and_bad_kind(tmp_path):
     with pytest.raises(ConfigError, match="missing required key 'kind'"):
         load_config(write(tmp_path, "name: x\n"))

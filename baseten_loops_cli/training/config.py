@@ -7,6 +7,7 @@ a typo in a config that provisions GPUs should cost seconds, not a run.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
@@ -261,6 +262,18 @@ def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]
         pass
 
     def construct_mapping(loader, node, deep=False):
+        # A key written twice would silently lose its first value (YAML keeps the last one).
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key_node.start_mark.line + 1
+            if key_node.value in seen:
+                raise ConfigError(
+                    f"{path}:{line}: duplicate key {key_node.value!r} (also at line {seen[key_node.value]})",
+                    hint="Keep one of them: YAML would silently drop the first one's value.",
+                )
+            seen[key_node.value] = line
         loader.flatten_mapping(node)
         mapping = {}
         for key_node, value_node in node.value:
@@ -276,7 +289,16 @@ def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+        # The problem is often found a line after its cause (an unclosed [ or quote): name where
+        # the construct it broke began.
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and start is not None and (mark is None or start.line != mark.line):
+            construct = re.sub(r"^while (?:parsing|scanning|constructing) an? ", "", context)
+            problem += f" (in the {construct} that starts at line {start.line + 1})"
+        raise ConfigError(
+            f"{where}: YAML syntax error: {problem}",
+            hint="Look there for an unclosed bracket or quote, a missing ': ' or a tab in the indentation.",
+        ) from None
     # Re-key by path (ids are only valid while the objects live, which they do here).
     by_path: dict[tuple, int] = {}
 
