@@ -99,6 +99,36 @@ def test_duplicate_key_is_an_error_not_a_silent_loss(tmp_path):
         load_config(merged)
 
 
+def test_set_problems_name_the_set_item_not_the_file(tmp_path):
+    """A bad --set value is the command line's, not the file's: the error names the --set item
+    (the file's line of that key would point at a value that is fine)."""
+    path = write(tmp_path, SFT, [ROW])
+    cases = {
+        "optimizer.learning_rate=abc": "--set 'optimizer.learning_rate=abc': optimizer.learning_rate: Input should be a valid number",
+        "batch_size=-3": "--set 'batch_size=-3': batch_size: Input should be greater than or equal to 1",
+        "learnin_rate=1": "--set 'learnin_rate=1': unknown key 'learnin_rate'",
+        "optimizer.nope.x=1": "--set 'optimizer.nope.x=1': unknown key 'optimizer.nope'",
+        "name.first=1": "--set 'name.first=1': name: Input should be a valid string",
+        "kind=ppo": "--set 'kind=ppo': kind must be 'sft', 'rl' or 'dpo', not 'ppo'",
+    }
+    for item, message in cases.items():
+        with pytest.raises(ConfigError) as info:
+            load_config(path, [item])
+        assert info.value.message.startswith(message), (item, info.value.message)
+        assert str(path) not in info.value.message, item
+        assert info.value.hint, item
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["data.train=nope.jsonl"], check_files=True)
+    assert info.value.message.startswith("--set 'data.train=nope.jsonl': data.train: ")
+    assert info.value.message.endswith("nope.jsonl: data file not found")
+    # A problem of the file itself still names the file and line, next to the --set one.
+    bad = write(tmp_path, SFT.replace("batch_size: 2", "batch_size: many"), [ROW])
+    with pytest.raises(ConfigError) as info:
+        load_config(bad, ["lora_rank=0"])
+    assert f"{bad}:5: batch_size:" in info.value.message
+    assert "--set 'lora_rank=0': lora_rank:" in info.value.message
+
+
 def test_missing_and_bad_kind(tmp_path):
     with pytest.raises(ConfigError, match="missing required key 'kind'"):
         load_config(write(tmp_path, "name: x\n"))
