@@ -129,6 +129,19 @@ def test_set_problems_name_the_set_item_not_the_file(tmp_path):
     assert "--set 'lora_rank=0': lora_rank:" in info.value.message
 
 
+def test_data_path_that_is_a_folder(tmp_path):
+    (tmp_path / "train.jsonl").mkdir()
+    path = write(tmp_path, SFT)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, check_files=True)
+    assert info.value.message == f"{path}:7: data.train: {tmp_path / 'train.jsonl'} is a folder, not a data file"
+    assert "JSONL file" in info.value.hint
+    with pytest.raises(ConfigError) as info:
+        load_data(load_config(path))
+    assert info.value.message == f"{tmp_path / 'train.jsonl'}: a folder, not a JSONL file"
+    assert info.value.hint.startswith("Name a file, not a folder")
+
+
 def test_missing_and_bad_kind(tmp_path):
     with pytest.raises(ConfigError, match="missing required key 'kind'"):
         load_config(write(tmp_path, "name: x\n"))
@@ -154,11 +167,17 @@ def test_data_row_errors_name_the_line(tmp_path):
     path = write(tmp_path, SFT, [ROW])
     with (tmp_path / "train.jsonl").open("a") as fh:
         fh.write("{not json\n")
-    with pytest.raises(ConfigError, match=r"train.jsonl:2: not valid JSON"):
+    with pytest.raises(ConfigError, match=r"train.jsonl:2: not valid JSON") as info:
         load_data(load_config(path))
+    assert info.value.hint.startswith("Fix or delete line 2: ")
     (tmp_path / "train.jsonl").write_text(json.dumps(ROW) + "\n" + json.dumps({"text": "x"}) + "\n")
-    with pytest.raises(ConfigError, match=r"train.jsonl:2: expected a 'messages' list"):
+    with pytest.raises(ConfigError, match=r"train.jsonl:2: expected a 'messages' list") as info:
         load_data(load_config(path))
+    assert '{"messages": [' in info.value.hint
+    (tmp_path / "train.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"train.jsonl: no examples \(the file is empty\)") as info:
+        load_data(load_config(path))
+    assert "at least one row" in info.value.hint
 
 
 def test_over_long_example_says_how_long_and_what_to_change(tmp_path):
