@@ -332,6 +332,7 @@ def run(
             f"{rundir.path} already holds a run",
             hint=f"Resume it with `loops train resume {rundir.path}`, or pass another --run-dir.",
         )
+    rundir.check_target()
     backend = state.backend(_profile_for(state, loaded))
     check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
     _check_reference(backend.client, loaded)
@@ -387,7 +388,8 @@ def resume(
     out = state.output
     rundir = RunDir(run_dir)
     if not rundir.exists():
-        raise UsageError(f"{run_dir} is not a run directory (no state.json)", hint="Pass the --run-dir of `loops train run`.")
+        what = "no state.json" if run_dir.is_dir() else ("a file" if run_dir.exists() else "no such folder")
+        raise UsageError(f"{run_dir} is not a run directory ({what})", hint="Pass the --run-dir of `loops train run`.")
     previous = rundir.read_state()
     if previous.get("status") == "completed":
         out.info(f"{run_dir}: already completed ({previous.get('step')} steps); nothing to resume.")
