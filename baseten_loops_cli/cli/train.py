@@ -152,7 +152,7 @@ def validate(
             from baseten_loops_cli.api.errors import ConnectionFailedError
 
             try:
-                notes += check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
+                notes += check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind, loaded)
                 _check_reference(backend.client, loaded)
             except ConnectionFailedError:
                 notes.append(f"base model not checked: {backend.base_url} is not reachable")
@@ -334,7 +334,7 @@ def run(
         )
     rundir.check_target()
     backend = state.backend(_profile_for(state, loaded))
-    check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
+    check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind, loaded)
     _check_reference(backend.client, loaded)
     data = _load_data(loaded)
     plan = make_plan(loaded, data, backend.kind)

@@ -231,14 +231,19 @@ KINDS = ("sft", "rl", "dpo")
 class LoadedConfig:
     """A validated config plus where it came from (paths in it are relative to its folder)."""
 
-    def __init__(self, config: SFTConfig | RLConfig | DPOConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None):
+    def __init__(self, config: SFTConfig | RLConfig | DPOConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
+                 overrides: dict[tuple, str] | None = None):
         self.config = config
         self.path = path
         self.raw = raw
         self.lines = lines or {}
+        self.overrides = overrides or {}  # key path -> the --set item that set it
 
     def where(self, *key: str) -> str:
-        """``file:line`` of a key (``where("data", "train")``), for errors about its value."""
+        """``file:line`` of a key (``where("data", "train")``), for errors about its value; the
+        ``--set`` item instead when that set it."""
+        if tuple(key) in self.overrides:
+            return f"--set {self.overrides[tuple(key)]!r}"
         line = self.lines.get(tuple(key))
         return f"{self.path}:{line}" if line else str(self.path)
 
@@ -514,4 +519,4 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
         problems += [_problem(err, lines, raw, applied) for err in exc.errors()]
     if problems:
         raise ConfigProblems(path, problems)
-    return LoadedConfig(config, path.resolve(), raw, lines)
+    return LoadedConfig(config, path.resolve(), raw, lines, applied)
