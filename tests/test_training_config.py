@@ -72,6 +72,76 @@ def test_yaml_syntax_error_names_line(tmp_path):
         load_config(path)
 
 
+def test_yaml_syntax_error_names_where_the_broken_construct_starts(tmp_path):
+    """PyYAML finds an unclosed [ or quote a line (or many) later: the message also names the
+    line where it was opened, and the hint says what to look for."""
+    path = write(tmp_path, "kind: sft\nname: [unclosed\nbase_model: loops-local/tiny\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.message.startswith(f"{path}:3: YAML syntax error: ")
+    assert "(in the flow sequence that starts at line 2)" in info.value.message
+    assert "unclosed bracket or quote" in info.value.hint
+
+
+def test_duplicate_key_is_an_error_not_a_silent_loss(tmp_path):
+    """YAML keeps the last of two equal keys: a second `optimizer:` block would silently drop
+    the first one's learning rate. Merge keys (<<) still override as YAML means them to."""
+    path = write(tmp_path, SFT + "optimizer:\n  learning_rate: 0.1\noptimizer:\n  warmup_steps: 2\n", [ROW])
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.message == f"{path}:10: duplicate key 'optimizer' (also at line 8)"
+    assert "Keep one of them" in info.value.hint
+    nested = write(tmp_path, SFT.replace("  train: train.jsonl\n", "  train: train.jsonl\n  train: other.jsonl\n"), [ROW])
+    with pytest.raises(ConfigError, match=r"c.yaml:8: duplicate key 'train' \(also at line 7\)"):
+        load_config(nested)
+    merged = write(tmp_path, "opt: &o\n  learning_rate: 0.1\n  warmup_steps: 1\n" + SFT.replace("max_seq_len: 64\n", "max_seq_len: 64\noptimizer:\n  <<: *o\n  learning_rate: 0.2\n"), [ROW])
+    with pytest.raises(ConfigError, match="unknown key 'opt'"):  # the anchor's holder, not a duplicate
+        load_config(merged)
+
+
+def test_set_problems_name_the_set_item_not_the_file(tmp_path):
+    """A bad --set value is the command line's, not the file's: the error names the --set item
+    (the file's line of that key would point at a value that is fine)."""
+    path = write(tmp_path, SFT, [ROW])
+    cases = {
+        "optimizer.learning_rate=abc": "--set 'optimizer.learning_rate=abc': optimizer.learning_rate: Input should be a valid number",
+        "batch_size=-3": "--set 'batch_size=-3': batch_size: Input should be greater than or equal to 1",
+        "learnin_rate=1": "--set 'learnin_rate=1': unknown key 'learnin_rate'",
+        "optimizer.nope.x=1": "--set 'optimizer.nope.x=1': unknown key 'optimizer.nope'",
+        "name.first=1": "--set 'name.first=1': name: Input should be a valid string",
+        "kind=ppo": "--set 'kind=ppo': kind must be 'sft', 'rl' or 'dpo', not 'ppo'",
+    }
+    for item, message in cases.items():
+        with pytest.raises(ConfigError) as info:
+            load_config(path, [item])
+        assert info.value.message.startswith(message), (item, info.value.message)
+        assert str(path) not in info.value.message, item
+        assert info.value.hint, item
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["data.train=nope.jsonl"], check_files=True)
+    assert info.value.message.startswith("--set 'data.train=nope.jsonl': data.train: ")
+    assert info.value.message.endswith("nope.jsonl: data file not found")
+    # A problem of the file itself still names the file and line, next to the --set one.
+    bad = write(tmp_path, SFT.replace("batch_size: 2", "batch_size: many"), [ROW])
+    with pytest.raises(ConfigError) as info:
+        load_config(bad, ["lora_rank=0"])
+    assert f"{bad}:5: batch_size:" in info.value.message
+    assert "--set 'lora_rank=0': lora_rank:" in info.value.message
+
+
+def test_data_path_that_is_a_folder(tmp_path):
+    (tmp_path / "train.jsonl").mkdir()
+    path = write(tmp_path, SFT)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, check_files=True)
+    assert info.value.message == f"{path}:7: data.train: {tmp_path / 'train.jsonl'} is a folder, not a data file"
+    assert "JSONL file" in info.value.hint
+    with pytest.raises(ConfigError) as info:
+        load_data(load_config(path))
+    assert info.value.message == f"{tmp_path / 'train.jsonl'}: a folder, not a JSONL file"
+    assert info.value.hint.startswith("Name a file, not a folder")
+
+
 def test_missing_and_bad_kind(tmp_path):
     with pytest.raises(ConfigError, match="missing required key 'kind'"):
         load_config(write(tmp_path, "name: x\n"))
@@ -97,11 +167,17 @@ def test_data_row_errors_name_the_line(tmp_path):
     path = write(tmp_path, SFT, [ROW])
     with (tmp_path / "train.jsonl").open("a") as fh:
         fh.write("{not json\n")
-    with pytest.raises(ConfigError, match=r"train.jsonl:2: not valid JSON"):
+    with pytest.raises(ConfigError, match=r"train.jsonl:2: not valid JSON") as info:
         load_data(load_config(path))
+    assert info.value.hint.startswith("Fix or delete line 2: ")
     (tmp_path / "train.jsonl").write_text(json.dumps(ROW) + "\n" + json.dumps({"text": "x"}) + "\n")
-    with pytest.raises(ConfigError, match=r"train.jsonl:2: expected a 'messages' list"):
+    with pytest.raises(ConfigError, match=r"train.jsonl:2: expected a 'messages' list") as info:
         load_data(load_config(path))
+    assert '{"messages": [' in info.value.hint
+    (tmp_path / "train.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"train.jsonl: no examples \(the file is empty\)") as info:
+        load_data(load_config(path))
+    assert "at least one row" in info.value.hint
 
 
 def test_over_long_example_says_how_long_and_what_to_change(tmp_path):

@@ -152,7 +152,7 @@ def validate(
             from baseten_loops_cli.api.errors import ConnectionFailedError
 
             try:
-                notes += check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
+                notes += check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind, loaded)
                 _check_reference(backend.client, loaded)
             except ConnectionFailedError:
                 notes.append(f"base model not checked: {backend.base_url} is not reachable")
@@ -332,8 +332,9 @@ def run(
             f"{rundir.path} already holds a run",
             hint=f"Resume it with `loops train resume {rundir.path}`, or pass another --run-dir.",
         )
+    rundir.check_target()
     backend = state.backend(_profile_for(state, loaded))
-    check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind)
+    check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind, loaded)
     _check_reference(backend.client, loaded)
     data = _load_data(loaded)
     plan = make_plan(loaded, data, backend.kind)
@@ -387,7 +388,8 @@ def resume(
     out = state.output
     rundir = RunDir(run_dir)
     if not rundir.exists():
-        raise UsageError(f"{run_dir} is not a run directory (no state.json)", hint="Pass the --run-dir of `loops train run`.")
+        what = "no state.json" if run_dir.is_dir() else ("a file" if run_dir.exists() else "no such folder")
+        raise UsageError(f"{run_dir} is not a run directory ({what})", hint="Pass the --run-dir of `loops train run`.")
     previous = rundir.read_state()
     if previous.get("status") == "completed":
         out.info(f"{run_dir}: already completed ({previous.get('step')} steps); nothing to resume.")

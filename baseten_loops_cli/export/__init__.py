@@ -78,9 +78,26 @@ def check_options(fmt: str, dtype: str) -> None:
 
 
 def prepare_target(dest: Path, force: bool) -> None:
+    """Refuse an -O that would lose something (an existing folder without --force, a file even
+    with it: export writes a folder) or that cannot be written, before anything is downloaded."""
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"{dest} is a file, not a folder (export writes a folder)", hint="Pick another -O DIR.")
     if dest.exists() or dest.is_symlink():
         if not force:
             raise UsageError(f"{dest} already exists", hint="Pick another -O, or pass --force to replace it.")
+    # The folder that would hold it: its nearest existing ancestor must be a writable folder
+    # (nothing is created yet, so a failure later leaves nothing behind).
+    probe = dest.expanduser().absolute().parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise _write_error(dest.parent, "it is a file" if probe == dest.expanduser().absolute().parent else f"{probe} is a file")
+    if not os.access(probe, os.W_OK):
+        raise _write_error(probe, "permission denied")
+
+
+def _write_error(folder: Path, reason: str) -> LoopsError:
+    return LoopsError(f"cannot write to {folder}: {reason}", hint="Choose a folder you can write to with -O DIR.")
 
 
 def export_checkpoint(
@@ -152,8 +169,11 @@ def export_adapter(
     from baseten_loops_cli.export import writers
 
     dest = dest.expanduser().absolute()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+    except OSError as exc:
+        raise _write_error(dest.parent, (exc.strerror or type(exc).__name__).lower()) from None
     try:
         result = writers.write(adapter_dir, base_model, staging, dest, fmt=fmt, dtype=dtype,
                                card=card or {"base_model": base_model}, progress=progress)

@@ -7,6 +7,7 @@ a typo in a config that provisions GPUs should cost seconds, not a run.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
@@ -230,14 +231,19 @@ KINDS = ("sft", "rl", "dpo")
 class LoadedConfig:
     """A validated config plus where it came from (paths in it are relative to its folder)."""
 
-    def __init__(self, config: SFTConfig | RLConfig | DPOConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None):
+    def __init__(self, config: SFTConfig | RLConfig | DPOConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
+                 overrides: dict[tuple, str] | None = None):
         self.config = config
         self.path = path
         self.raw = raw
         self.lines = lines or {}
+        self.overrides = overrides or {}  # key path -> the --set item that set it
 
     def where(self, *key: str) -> str:
-        """``file:line`` of a key (``where("data", "train")``), for errors about its value."""
+        """``file:line`` of a key (``where("data", "train")``), for errors about its value; the
+        ``--set`` item instead when that set it."""
+        if tuple(key) in self.overrides:
+            return f"--set {self.overrides[tuple(key)]!r}"
         line = self.lines.get(tuple(key))
         return f"{self.path}:{line}" if line else str(self.path)
 
@@ -261,6 +267,18 @@ def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]
         pass
 
     def construct_mapping(loader, node, deep=False):
+        # A key written twice would silently lose its first value (YAML keeps the last one).
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key_node.start_mark.line + 1
+            if key_node.value in seen:
+                raise ConfigError(
+                    f"{path}:{line}: duplicate key {key_node.value!r} (also at line {seen[key_node.value]})",
+                    hint="Keep one of them: YAML would silently drop the first one's value.",
+                )
+            seen[key_node.value] = line
         loader.flatten_mapping(node)
         mapping = {}
         for key_node, value_node in node.value:
@@ -276,7 +294,16 @@ def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+        # The problem is often found a line after its cause (an unclosed [ or quote): name where
+        # the construct it broke began.
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and start is not None and (mark is None or start.line != mark.line):
+            construct = re.sub(r"^while (?:parsing|scanning|constructing) an? ", "", context)
+            problem += f" (in the {construct} that starts at line {start.line + 1})"
+        raise ConfigError(
+            f"{where}: YAML syntax error: {problem}",
+            hint="Look there for an unclosed bracket or quote, a missing ': ' or a tab in the indentation.",
+        ) from None
     # Re-key by path (ids are only valid while the objects live, which they do here).
     by_path: dict[tuple, int] = {}
 
@@ -324,8 +351,11 @@ class Problem:
     key: str
     message: str  # already names the key, e.g. "unknown key 'lr'; did you mean 'optimizer.lr'?"
     fix: str | None = None
+    override: str | None = None  # the --set KEY=VALUE the value came from (not the file)
 
     def where(self, path: Path) -> str:
+        if self.override is not None:
+            return f"--set {self.override!r}"
         return f"{path}:{self.line}" if self.line else str(path)
 
 
@@ -357,7 +387,28 @@ def _line_of(lines: dict[tuple, int], loc: tuple) -> int | None:
     return None
 
 
-def _problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
+def _override_of(overrides: dict[tuple, str], loc: tuple) -> str | None:
+    """The ``--set`` item behind a problem at ``loc``: one that set ``loc``, a key inside it, or a
+    key under which ``loc`` lies (``--set name.first=1`` turned ``name`` into a mapping)."""
+    if not loc:
+        return None
+    for parts, item in reversed(overrides.items()):
+        if parts[: len(loc)] == loc or loc[: len(parts)] == parts:
+            return item
+    return None
+
+
+def _problem(err: dict, lines: dict[tuple, int], raw: dict, overrides: dict[tuple, str] | None = None) -> Problem:
+    problem = _file_problem(err, lines, raw)
+    loc = tuple(p for p in err["loc"] if p not in KINDS)
+    problem.override = _override_of(overrides or {}, loc)
+    if problem.override is not None:
+        problem.line = None
+        problem.fix = problem.fix or "Fix the key path or the value of this --set."
+    return problem
+
+
+def _file_problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
     loc = tuple(p for p in err["loc"] if p not in KINDS)
     key = ".".join(str(p) for p in loc) or "(top level)"
     line = _line_of(lines, loc)
@@ -378,7 +429,8 @@ def _problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
     return Problem(line, key, f"{key}: {err['msg'].removeprefix('Value error, ')}", fix)
 
 
-def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path) -> list[Problem]:
+def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path,
+                        overrides: dict[tuple, str] | None = None) -> list[Problem]:
     """A data path that does not exist, reported at the line of its key (not later, at load)."""
     problems = []
     for loc in DATA_PATH_KEYS:
@@ -387,15 +439,23 @@ def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path) -> l
             continue
         resolved = Path(value).expanduser()
         resolved = resolved if resolved.is_absolute() else base_dir / resolved
+        key = ".".join(loc)
+        override = _override_of(overrides or {}, loc)
+        line = None if override is not None else lines.get(loc)
         if not resolved.exists():
-            key = ".".join(loc)
-            problems.append(Problem(lines.get(loc), key, f"{key}: {resolved}: data file not found",
-                                    "Check the path (relative to the config file)."))
+            problems.append(Problem(line, key, f"{key}: {resolved}: data file not found",
+                                    "Check the path (relative to the config file).", override))
+        elif resolved.is_dir():
+            problems.append(Problem(line, key, f"{key}: {resolved} is a folder, not a data file",
+                                    "Point it at a JSONL file (one JSON object per line).", override))
     return problems
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``key.path=value`` overrides; values are parsed as YAML scalars (``3``, ``true``)."""
+def apply_overrides(raw: dict, overrides: list[str], applied: dict[tuple, str] | None = None) -> dict:
+    """Apply ``key.path=value`` overrides; values are parsed as YAML scalars (``3``, ``true``).
+
+    ``applied`` (if given) gets each key path and the item that set it, so a problem with the
+    value is reported as the ``--set`` item's, not as the config file's."""
     import yaml
 
     for item in overrides:
@@ -415,6 +475,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 node[part] = {}
             node = node[part]
         node[parts[-1]] = parsed
+        if applied is not None:
+            applied[tuple(parts)] = item
     return raw
 
 
@@ -435,23 +497,26 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}:1: the config must be a YAML mapping (key: value lines)")
+    applied: dict[tuple, str] = {}
     if overrides:
-        raw = apply_overrides(raw, overrides)
+        raw = apply_overrides(raw, overrides, applied)
     if "kind" not in raw:
         raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft`, `kind: rl` or `kind: dpo`.")
     if raw.get("kind") not in KINDS:
-        line = lines.get(("kind",))
-        raise ConfigError(f"{path}:{line or 1}: kind must be {_kinds_text()}, not {raw.get('kind')!r}")
+        override = _override_of(applied, ("kind",))
+        where = f"--set {override!r}" if override is not None else f"{path}:{lines.get(('kind',)) or 1}"
+        raise ConfigError(f"{where}: kind must be {_kinds_text()}, not {raw.get('kind')!r}",
+                          hint=f"Set kind to {_kinds_text()}.")
     from pydantic import TypeAdapter
 
     # Collect every problem before failing: the schema's (pydantic reports them all) and the
     # data files that do not exist, so one `validate` shows everything to fix.
-    problems = _missing_data_files(raw, lines, path.resolve().parent) if check_files else []
+    problems = _missing_data_files(raw, lines, path.resolve().parent, applied) if check_files else []
     config = None
     try:
         config = TypeAdapter(TrainConfig).validate_python(raw)
     except ValidationError as exc:
-        problems += [_problem(err, lines, raw) for err in exc.errors()]
+        problems += [_problem(err, lines, raw, applied) for err in exc.errors()]
     if problems:
         raise ConfigProblems(path, problems)
-    return LoadedConfig(config, path.resolve(), raw, lines)
+    return LoadedConfig(config, path.resolve(), raw, lines, applied)

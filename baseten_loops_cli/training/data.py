@@ -41,12 +41,17 @@ class Prompt:
     text: str = field(default="")
 
 
+JSONL_HINT = "a data file is JSON Lines, one JSON object per line."
+
+
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     """Yield (line number, row) for each non-blank line; a bad line is an error naming it."""
     try:
         handle = path.open("rb")
     except FileNotFoundError:
         raise ConfigError(f"{path}: data file not found", hint="Check the path in the config (relative to the config file).") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a folder, not a JSONL file", hint="Name a file, not a folder: " + JSONL_HINT) from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     with handle:
@@ -63,9 +68,10 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+                raise ConfigError(f"{path}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})",
+                                  hint=f"Fix or delete line {lineno}: {JSONL_HINT}") from None
             if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{lineno}: each line must be a JSON object")
+                raise ConfigError(f"{path}:{lineno}: each line must be a JSON object", hint=f"Fix or delete line {lineno}: {JSONL_HINT}")
             yield lineno, row
 
 
@@ -107,7 +113,9 @@ def load_sft_examples(path: Path, tokenizer: Any, *, train_on: str, max_seq_len:
             tokens, weights = render_prompt_completion(tokenizer, row["prompt"], row["completion"])
         else:
             raise ConfigError(
-                f"{where}: expected a 'messages' list or 'prompt' and 'completion' keys, found {sorted(row)}"
+                f"{where}: expected a 'messages' list or 'prompt' and 'completion' keys, found {sorted(row)}",
+                hint='Write each row as {"messages": [{"role": "user", "content": ...}, '
+                     '{"role": "assistant", "content": ...}]} or {"prompt": ..., "completion": ...}.',
             )
         if len(tokens) > max_seq_len:
             raise _too_long(where, len(tokens), max_seq_len)
@@ -116,7 +124,7 @@ def load_sft_examples(path: Path, tokenizer: Any, *, train_on: str, max_seq_len:
             raise ConfigError(f"{where}: nothing to train on (every token has weight 0)")
         examples.append(example)
     if not examples:
-        raise ConfigError(f"{path}: no examples (the file is empty)")
+        raise ConfigError(f"{path}: no examples (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
     return examples
 
 
@@ -140,7 +148,7 @@ def load_prompts(path: Path, tokenizer: Any, *, max_seq_len: int, max_tokens: in
             )
         prompts.append(Prompt(list(tokens), row, where, messages[-1]["content"]))
     if not prompts:
-        raise ConfigError(f"{path}: no prompts (the file is empty)")
+        raise ConfigError(f"{path}: no prompts (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
     return prompts
 
 
@@ -290,7 +298,7 @@ def load_preference_pairs(path: Path, tokenizer: Any, *, max_seq_len: int) -> li
             raise ConfigError(f"{where}: 'chosen' and 'rejected' are identical", hint="A pair must prefer one reply over a different one.")
         pairs.append(PreferencePair(sides[0], sides[1], where))
     if not pairs:
-        raise ConfigError(f"{path}: no preference pairs (the file is empty)")
+        raise ConfigError(f"{path}: no preference pairs (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
     return pairs
 
 

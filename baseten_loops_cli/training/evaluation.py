@@ -304,7 +304,11 @@ def file_sha256(path: Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: data file not found") from None
+        raise ConfigError(f"{path}: data file not found", hint="Check the path.") from None
+    except IsADirectoryError:
+        from baseten_loops_cli.training.data import JSONL_HINT
+
+        raise ConfigError(f"{path}: a folder, not a JSONL file", hint="Name a file, not a folder: " + JSONL_HINT) from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     return digest.hexdigest()
@@ -319,7 +323,7 @@ def _load_rows(task: EvalTask, tokenizer: Any) -> list[Any]:
         try:
             rows = data_mod.load_sft_examples(task.data, tokenizer, train_on=task.train_on, max_seq_len=task.max_seq_len)
         except ConfigError as exc:
-            if not exc.hint and ("expected a 'messages'" in exc.message or "no assistant message" in exc.message):
+            if "expected a 'messages'" in exc.message or "no assistant message" in exc.message:
                 exc.hint = (
                     "SFT rows need an answer to score (an assistant message, or prompt + completion); "
                     "to score prompts by a reward, pass --config with an RL config (kind: rl, reward: ...)."

@@ -116,8 +116,14 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
     return LoadedData(tokenizer, train, evals)
 
 
-def check_base_model(client: Any, base_model: str, max_seq_len: int, use_case: str) -> list[str]:
-    """Ask the backend's capabilities whether the model is offered; return notes or raise."""
+def check_base_model(client: Any, base_model: str, max_seq_len: int, use_case: str,
+                     loaded: LoadedConfig | None = None) -> list[str]:
+    """Ask the backend's capabilities whether the model is offered; return notes or raise.
+
+    With ``loaded`` (the config the values came from), an error starts with the file and line."""
+    def at(key: str) -> str:
+        return f"{loaded.where(key)}: " if loaded is not None else ""
+
     # The capabilities API knows sft and rl; DPO needs a sampler (to score the reference) as RL does.
     models = client.capabilities(use_case="rl" if use_case == "dpo" else use_case)
     names = [m.model_name for m in models]
@@ -127,20 +133,20 @@ def check_base_model(client: Any, base_model: str, max_seq_len: int, use_case: s
 
         close = difflib.get_close_matches(base_model, names, n=1)
         raise ConfigError(
-            f"base_model {base_model!r} is not offered by this backend"
+            f"{at('base_model')}base_model {base_model!r} is not offered by this backend"
             + (f"; did you mean {close[0]!r}?" if close else ""),
-            hint=f"Available: {', '.join(names) or '(none)'}.",
+            hint=f"Set base_model to one this backend offers: {', '.join(names) or '(none)'}.",
         )
     notes = []
     limit = getattr(match, "max_enabled_seq_len", None) or getattr(match, "max_seq_len", None)
     if limit and max_seq_len > limit:
         raise ConfigError(
-            f"max_seq_len {max_seq_len} is over what {base_model} allows here ({limit})",
+            f"{at('max_seq_len')}max_seq_len {max_seq_len} is over what {base_model} allows here ({limit})",
             hint=f"Set max_seq_len to {limit} or less.",
         )
     if getattr(match, "enabled", True) is False:
         detail = getattr(match, "enablement_details", None)
-        raise ConfigError(f"{base_model} is not enabled for this workspace" + (f": {detail}" if detail else ""))
+        raise ConfigError(f"{at('base_model')}{base_model} is not enabled for this workspace" + (f": {detail}" if detail else ""))
     return notes
 
 

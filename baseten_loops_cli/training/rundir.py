@@ -26,6 +26,11 @@ from pathlib import Path
 from typing import Any
 
 
+_ANOTHER_RUN_DIR = "Pass another --run-dir (a new folder you can write to)."
+_STATE_HINT = ("`loops train` writes this file: undo the edit to it, or start over with "
+               "`loops train run CONFIG --run-dir NEW_DIR`.")
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -97,20 +102,42 @@ class RunDir:
         return self.state_file.exists()
 
     # ---------------------------------------------------------------- create
+    def check_target(self) -> None:
+        """Refuse a run directory path that is a file (before anything is provisioned)."""
+        from baseten_loops_cli.errors import UsageError
+
+        if self.path.exists() and not self.path.is_dir():
+            raise UsageError(f"run directory {self.path} is a file, not a folder", hint=_ANOTHER_RUN_DIR)
+
     def create(self, raw_config: dict, source: Path) -> None:
         import yaml
 
-        self.path.mkdir(parents=True, exist_ok=True)
-        header = f"# Resolved from {source} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
-        atomic_write(self.config_file, header + yaml.safe_dump(raw_config, sort_keys=False))
-        self.write_state({"status": "created", "step": 0, "config_source": str(source)})
+        from baseten_loops_cli.errors import LoopsError
+
+        self.check_target()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            header = f"# Resolved from {source} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+            atomic_write(self.config_file, header + yaml.safe_dump(raw_config, sort_keys=False))
+            self.write_state({"status": "created", "step": 0, "config_source": str(source)})
+        except OSError as exc:
+            reason = (exc.strerror or type(exc).__name__).lower()
+            raise LoopsError(f"cannot create the run directory {self.path}: {reason}", hint=_ANOTHER_RUN_DIR) from None
 
     # ---------------------------------------------------------------- state
     def read_state(self) -> dict:
+        from baseten_loops_cli.errors import ConfigError
+
         try:
-            return json.loads(self.state_file.read_text(encoding="utf-8"))
+            state = json.loads(self.state_file.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            detail = f"{exc.msg} (line {exc.lineno})" if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+            raise ConfigError(f"{self.state_file}: not valid JSON: {detail}", hint=_STATE_HINT) from None
+        if not isinstance(state, dict):
+            raise ConfigError(f"{self.state_file}: not a JSON object", hint=_STATE_HINT)
+        return state
 
     def write_state(self, state: dict) -> None:
         self.sync_records()  # state.json (its step, its status) never claims more than is on disk
