@@ -233,6 +233,17 @@ def test_debug_log_redacts_query_secrets(server, sleeps):
     assert "s3cr3t-signature" not in text and "tok-abc-123" not in text and "page=1" in text
 
 
+def test_a_key_the_header_cannot_carry_is_not_quoted_in_the_error(server, sleeps):
+    """httpx refuses the header and quotes it, escaped ("b'Api-Key sk-...\\n'"): that form is
+    scrubbed too, and before the message is cut to one line (a cut key is not found)."""
+    server.route("GET", "/x", ok)
+    for key in (KEY + "\n", KEY[:8] + "\r\n" + KEY[8:], KEY * 8 + "\n"):
+        with pytest.raises(ConnectionFailedError) as info:
+            HttpClient(server.url, key, sleep=sleeps.append, max_retries=0).get("/x")
+        message = info.value.message
+        assert KEY[:8] not in message and KEY[8:] not in message, message
+
+
 def test_retry_after_parsing():
     assert retry_after_seconds({"retry-after": "5"}) == 5.0
     assert retry_after_seconds({"retry-after": "-5"}) == 0.0

@@ -68,6 +68,52 @@ def test_unknown_command_is_a_usage_error(env):
     assert loops(env, "runz").returncode == 2
 
 
+@pytest.mark.parametrize("forcing", [{"GITHUB_ACTIONS": "true"}, {"FORCE_COLOR": "1"}, {"PY_COLORS": "1"}])
+def test_help_and_usage_errors_have_no_escape_codes_when_piped_even_in_ci(env, forcing):
+    """Typer's own Rich console (help, usage errors) is forced onto a terminal by CI variables;
+    the sink's decision (no colour off a terminal) wins: a CI log or `--help > file` stays plain."""
+    env = {**env, **forcing}
+    bad = loops(env, "runs", "list", "--bogus")
+    assert bad.returncode == 2 and "--bogus" in bad.stderr
+    helped = loops(env, "runs", "list", "--help")
+    assert helped.returncode == 0 and "Usage" in helped.stdout
+    for text in (bad.stdout, bad.stderr, helped.stdout, helped.stderr):
+        assert "\x1b" not in text, text
+
+
+def _at_a_terminal(env, *args):
+    """``loops ARGS`` with stdout and stderr on a pseudo-terminal; what it wrote there."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=env, stdin=subprocess.DEVNULL,
+                              stdout=follower, stderr=follower, timeout=60)
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(leader)
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def test_no_color_at_a_terminal_means_no_escape_codes_in_help_and_errors(env):
+    env = {**env, "TERM": "xterm-256color", "COLUMNS": "100"}
+    code, text = _at_a_terminal(env, "runs", "list", "--bogus")
+    assert code == 2 and "bogus" in text and "\x1b[" in text  # a person at a terminal: styled
+    for args in (("runs", "list", "--bogus"), ("runs", "list", "--help"), ("runs", "describe", "x")):
+        code, text = _at_a_terminal({**env, "NO_COLOR": "1"}, *args)
+        assert code in (0, 1, 2) and text.strip(), text
+        assert "\x1b" not in text, (args, text)
+
+
 def test_global_options_work_before_and_after_the_subcommand(env):
     before = loops(env, "-o", "json", "config", "list")
     after = loops(env, "config", "list", "-o", "json")

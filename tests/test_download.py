@@ -198,6 +198,14 @@ def test_a_terminal_gets_a_progress_bar_on_stderr(seeded, tmp_path, monkeypatch)
     assert result.code == 0, result
     assert f"{seeded.run_id}:s1" in result.stderr and "2/2 files" in result.stderr and "KiB" in result.stderr
     assert result.stdout == ""
+    # A program reads stdout (-o json, -q): no bar on the terminal either, as for every live view.
+    for args in (["-o", "json"], ["-q"]):
+        result = loops(seeded.server, "checkpoints", "download", f"{seeded.run_id}:s1", "-O", str(tmp_path / "bar"),
+                       "--force", *args)
+        assert result.code == 0, result
+        assert "2/2 files" not in result.stderr and "/520" not in result.stderr, result
+    assert json.loads(loops(seeded.server, "checkpoints", "download", f"{seeded.run_id}:s1", "-O",
+                            str(tmp_path / "bar2"), "-o", "json").stdout)["files"] == 2
 
 
 def test_ctrl_c_keeps_what_was_saved_and_the_next_run_resumes(seeded, tmp_path, faults):

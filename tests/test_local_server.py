@@ -971,9 +971,29 @@ def test_cli_server_commands(local_server: LocalServer):
     assert again.returncode == 0 and "already running" in again.stderr
     logs = _cli(local_server.env, "server", "logs", "-n", "5")
     assert logs.returncode == 0 and 0 < len(logs.stdout.splitlines()) <= 5
+    for fmt in ("json", "jsonl"):  # through the sink: one JSON object per line, as `runs logs`
+        as_json = _cli(local_server.env, "server", "logs", "-n", "5", "-o", fmt)
+        assert as_json.returncode == 0, as_json.stderr
+        records = [json.loads(line) for line in as_json.stdout.splitlines()]
+        assert 0 < len(records) <= 5 and all(isinstance(r["line"], str) and r.keys() == {"line"} for r in records)
+    assert _cli(local_server.env, "server", "logs", "-o", "none").stdout == ""
     assert local_server.token not in local_server.log_text  # the key never reaches the log
     pulled = _cli(local_server.env, "server", "pull-model", MODEL)
     assert pulled.returncode == 0, pulled.stderr
+
+
+def test_server_logs_follow_ends_with_130_on_ctrl_c(local_server: LocalServer):
+    """Ctrl-C is the only way out of --follow: exit 130, as `runs logs -f` and the documented table."""
+    proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "server", "logs", "-f", "-n", "1", "-o", "jsonl"],
+                            env={**os.environ, **local_server.env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    first = proc.stdout.readline()  # the last line is printed: following has begun
+    assert json.loads(first)["line"], first
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
 
 
 def test_daemon_start_stop_ensure_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -235,6 +235,31 @@ def test_wrong_api_key_is_never_echoed_even_with_debug(local_server, tmp_path):
     assert secret not in local_server.log_text
 
 
+def test_a_key_with_stray_whitespace_is_never_echoed(local_server, tmp_path):
+    """A key pasted with a line break (CI secrets often end in one): the HTTP library's
+    "Illegal header value b'Api-Key sk-...\\n'" quoted it, escaped, past the scrubber. Surrounding
+    whitespace is dropped; a key an HTTP header cannot carry is refused (exit 4) unnamed."""
+    secret = "sk-live-" + os.urandom(16).hex()
+    # Surrounding whitespace is ignored: the server's own token with a newline still works.
+    p = _loops(["runs", "list", "-o", "json"], _cli_env(local_server, BASETEN_API_KEY=local_server.token + "\n"),
+               tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    json.loads(p.stdout)
+    for key in (" " + secret + "\r\n", secret[:12] + "\n" + secret[12:], secret[:12] + " " + secret[12:],
+                secret[:-1] + "é"):
+        env = _cli_env(local_server, BASETEN_API_KEY=key)
+        for args in (["runs", "list", "-o", "json"], ["--debug", "runs", "list"]):
+            p = _loops(args, env, tmp_path, timeout=120)
+            text = p.stdout + p.stderr
+            for part in (secret[:12], secret[12:-1]):
+                assert part not in text, f"loops {' '.join(args)} with {key!r} leaked the key:\n{text}"
+            assert p.returncode == 4, text
+        p = _loops(["auth", "login", "--with-key", "--profile", "p", "--base-url", local_server.url], env, tmp_path,
+                   stdin=key + "\n", timeout=120)
+        assert secret[12:-1] not in p.stdout + p.stderr and p.returncode == 4, p.stderr
+    assert secret[12:-1] not in local_server.log_text
+
+
 def _assert_key_not_leaked(server, key: str, texts: list[tuple[list[str], str]], tmp_path: Path) -> None:
     """``key`` in none of the outputs, nor in any file the CLI and server wrote (logs, caches,
     run dirs) except the token file and the credentials store, which exist to hold it."""

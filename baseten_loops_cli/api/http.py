@@ -129,9 +129,15 @@ def redact_headers(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> di
 
 
 def scrub(text: str, secret: str | None) -> str:
-    """Remove ``secret`` from ``text`` (a server could echo the header back in its body)."""
-    if secret and len(secret) >= 4 and secret in text:
-        return text.replace(secret, "***")
+    """Remove ``secret`` from ``text`` (a server could echo the header back in its body), also
+    as Python escapes it (h11's "Illegal header value b'Api-Key sk-...\\n'" shows a key with a
+    stray newline that way)."""
+    if not secret or len(secret) < 4:
+        return text
+    forms = {secret, repr(secret)[1:-1], repr(secret.encode("utf-8", "backslashreplace"))[2:-1]}
+    for form in sorted(forms, key=len, reverse=True):
+        if form in text:
+            text = text.replace(form, "***")
     return text
 
 
@@ -448,7 +454,7 @@ def connection_error(
 ) -> ConnectionFailedError:
     """Map an httpx transport failure to :class:`ConnectionFailedError` (or its timeout child)."""
     shown = _display_url(url)
-    reason = scrub(one_line(str(exc) or type(exc).__name__, 160), api_key)
+    reason = one_line(scrub(str(exc) or type(exc).__name__, api_key), 160)  # scrubbed whole: a cut key is not found
     suffix = f"; {gave_up}" if gave_up else ""
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
         return RequestTimeoutError(f"timed out waiting for {shown} ({type(exc).__name__}{suffix})", url=shown)

@@ -62,6 +62,7 @@ def login(
                              hint="Pipe it in: `echo \"$BASETEN_API_KEY\" | loops auth login --with-key`.")
     if not key:
         raise AuthError("empty API key", hint="Create one at https://app.baseten.co/settings/api_keys.")
+    credentials.check_key(key, "stdin" if with_key else "the prompt")
     if profile is None:
         profile = Profile(name=name, kind="baseten")
     if base_url:

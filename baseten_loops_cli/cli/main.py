@@ -193,12 +193,33 @@ def insert_default_subcommands(argv: list[str]) -> list[str]:
 
 
 def _print_error(message: str, hint: str | None) -> None:
-    stream = sys.stderr
-    color = stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
-    prefix = "\x1b[31mError:\x1b[0m" if color else "Error:"
-    print(f"{prefix} {message}", file=stream)
+    from baseten_loops_cli.output.sink import Streams
+
+    prefix = "\x1b[31mError:\x1b[0m" if Streams().stderr_color else "Error:"
+    print(f"{prefix} {message}", file=sys.stderr)
     if hint:
-        print(f"Hint: {hint}", file=stream)
+        print(f"Hint: {hint}", file=sys.stderr)
+
+
+_TYPER_FORCING = ("GITHUB_ACTIONS", "FORCE_COLOR", "PY_COLORS")
+
+
+def _typer_takes_the_sinks_colour_decision() -> None:
+    """Typer draws help (stdout) and usage errors (stderr) with a Rich console of its own, which
+    detects a terminal per stream but is forced onto one by GITHUB_ACTIONS, FORCE_COLOR or
+    PY_COLORS (ANSI in piped output: CI logs, `loops --help > file`) and keeps bold and dim
+    under NO_COLOR. Where that differs from the sink's decision (``Streams``: colour only at a
+    terminal, without NO_COLOR or TERM=dumb), turn its terminal off. Read when Typer first
+    imports ``typer.rich_utils``, i.e. when it draws help or an error, not before."""
+    from baseten_loops_cli.output.sink import Streams
+
+    streams = Streams()
+    if streams.stdout_color and streams.stderr_color:
+        return
+    mixed = streams.stdout_color or streams.stderr_color  # Typer's per-stream detection agrees
+    if mixed and not any(os.environ.get(name) for name in _TYPER_FORCING):
+        return
+    os.environ["_TYPER_FORCE_DISABLE_TERMINAL"] = "1"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = insert_default_subcommands(hoist_global_options(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in args or os.environ.get("LOOPS_DEBUG", "") in {"1", "true"}
+    _typer_takes_the_sinks_colour_decision()
     try:
         app(args=args, prog_name="loops")
     except LoopsError as exc:

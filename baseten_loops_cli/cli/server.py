@@ -86,19 +86,28 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until Ctrl-C.")] = False,
     lines: Annotated[int, typer.Option("-n", "--lines", min=0, help="How many of the last lines to show.")] = 50,
 ) -> None:
-    """Print the local server's log (server.log in the state dir)."""
+    """Print the local server's log (server.log in the state dir).
+
+    -o json / jsonl print one {"line": ...} object per line. Ctrl-C ends --follow (exit 130).
+    """
     import time
     from collections import deque
 
     from baseten_loops_cli.errors import LoopsError
     from baseten_loops_cli.settings.local_server import LOG_FILE, state_file
 
+    out = get_state(ctx).output
     path = state_file(LOG_FILE)
     if not path.exists():
         raise LoopsError(f"No server log at {path}.", hint="Start the server with `loops server start`.")
+
+    def show(line: str) -> None:
+        line = line.rstrip("\n")
+        out.stream({"line": line}, text=line, quiet_text=line)
+
     with open(path, encoding="utf-8", errors="replace") as fh:
         for line in deque(fh, maxlen=lines) if lines else ():
-            typer.echo(line.rstrip("\n"))
+            show(line)
         if not follow:
             return
         fh.seek(0, 2)
@@ -106,11 +115,11 @@ def logs(
             while True:
                 line = fh.readline()
                 if line:
-                    typer.echo(line.rstrip("\n"))
+                    show(line)
                 else:
                     time.sleep(0.25)
         except KeyboardInterrupt:
-            return
+            raise typer.Exit(130) from None
 
 
 @app.command()

@@ -172,7 +172,7 @@ def _reporter(state):
     from baseten_loops_cli.training.display import LiveReporter, PlainReporter
 
     out = state.output
-    if out.format == "table" and not out.quiet and out.streams.stderr_tty:
+    if out.animate:
         return LiveReporter(out.err_console)
     return PlainReporter(jsonl=out.format == "jsonl", quiet=out.quiet, out=out.streams.stdout, err=out.streams.stderr)
 
@@ -419,7 +419,6 @@ def plot(
 
       loops train plot runs/my-rl --metric reward --metric pass_rate --out curves.png
     """
-    import os
     import shutil
 
     from baseten_loops_cli.errors import UsageError
@@ -443,6 +442,6 @@ def plot(
         plot_png(runs, names, out_file)
         state.output.success(f"Wrote {out_file}.")
         return
-    color = bool(state.output.streams.stdout_tty) and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+    color = state.output.streams.stdout_color
     width = max(40, min(120, shutil.get_terminal_size((80, 24)).columns - 2))
     typer.echo(plot_terminal(runs, names, width=width, color=color))

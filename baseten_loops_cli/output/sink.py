@@ -362,21 +362,22 @@ class Output:
         return LiveLine(self, spinner=text)
 
     def progress(self, label: str):
-        """A transfer bar on stderr (bytes, rate, ETA, files) for a person at a terminal, or a
+        """A transfer bar on stderr (bytes, rate, ETA, files) for a person at a terminal
+        (:attr:`animate`: the table view, not -q), or a
         silent stand-in: either way it has ``start``/``advance``/``file_done`` and is a
         context manager. The rate is the transfer's average, as the summary reports it."""
         from baseten_loops_cli.output.progress import SilentProgress, TransferBar
 
-        if self.streams.stderr_tty and not self.quiet:
+        if self.animate:
             return TransferBar(self.err_console, label)
         return SilentProgress()
 
     def count_progress(self, label: str):
         """A bar of items done out of a total (with the time left) on stderr for a person at a
-        terminal, silent otherwise; ``start(total)``/``advance(n)``, a context manager."""
+        terminal (:attr:`animate`), silent otherwise; ``start(total)``/``advance(n)``, a context manager."""
         from baseten_loops_cli.output.progress import CountBar
 
-        return CountBar(self.err_console if (self.streams.stderr_tty and not self.quiet) else None, label)
+        return CountBar(self.err_console if self.animate else None, label)
 
     # ------------------------------------------------------------------ renderers
     def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None) -> None:

@@ -99,8 +99,29 @@ def _warn_fallback_once() -> None:
     )
 
 
+def check_key(key: str, where: str) -> None:
+    """Refuse a key that an HTTP header cannot carry (inner whitespace, control or non-ASCII
+    characters): sent, it fails inside the HTTP library with an error quoting the header, and
+    so the key. ``where`` names its source ("BASETEN_API_KEY"); the key itself is never shown."""
+    from baseten_loops_cli.errors import AuthError
+
+    if not all("!" <= ch <= "~" for ch in key):
+        raise AuthError(
+            f"the API key from {where} contains whitespace, a control character or a non-ASCII character",
+            hint="Set it again from the exact value shown at https://app.baseten.co/settings/api_keys.",
+        )
+
+
 def get_key(profile: str, *, kind: str = "baseten", use_env: bool = True) -> StoredKey:
-    if use_env and os.environ.get("BASETEN_API_KEY"):
+    """The key of ``profile``, surrounding whitespace removed (a secret read from a file often
+    ends in a newline). :func:`check_key` says whether it can be sent."""
+    stored = _get_key(profile, kind=kind, use_env=use_env)
+    key = (stored.key or "").strip()
+    return StoredKey(key, stored.source) if key else StoredKey(None, None)
+
+
+def _get_key(profile: str, *, kind: str, use_env: bool) -> StoredKey:
+    if use_env and os.environ.get("BASETEN_API_KEY", "").strip():
         return StoredKey(os.environ["BASETEN_API_KEY"], "env")
     if kind == "local":
         from baseten_loops_cli.settings.local_server import read_token
