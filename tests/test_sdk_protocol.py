@@ -97,3 +97,48 @@ def test_unknown_run_or_sampler_fails_at_once_instead_of_retrying_for_the_ready_
     assert out["trainer"][1] == out["sample"][1] == "HTTPStatusError"
     assert out["ready"][1] == out["mismatch"][1] == "RuntimeError"
     assert len(out["tokens"]) == 2
+
+
+def test_sampling_params_prompt_logprobs_and_checkpoint_pages_parse_in_the_sdk(
+        local_server: LocalServer):
+    """Sampling options the quickstart leaves out (stop strings and ids, seeds, n, top-k
+    prompt logprobs) and the checkpoint-files paging, read through the SDK's own parsers."""
+    out = run_sdk(local_server, """
+        service = ServiceClient()
+        training = service.create_lora_training_client(MODEL, rank=4, ready_timeout=60)
+        client = training.save_weights_and_get_sampling_client("p")
+        prompt = ModelInput.from_ints([1, 5, 9])
+        def sample(**kw):
+            return client.sample(prompt, sampling_params=SamplingParams(**kw))
+        greedy = sample(max_tokens=4, temperature=0.0).sequences[0]
+        stop_id = sample(max_tokens=4, temperature=0.0, stop=[greedy.tokens[1]]).sequences[0]
+        seeded = [[s.tokens for s in client.sample(prompt, num_samples=3,
+                   sampling_params=SamplingParams(max_tokens=5, seed=7)).sequences]
+                  for _ in range(2)]
+        topk = client.sample(prompt, sampling_params=SamplingParams(max_tokens=1),
+                             include_prompt_logprobs=True, topk_prompt_logprobs=3)
+        training.save_state("s").result()
+        pages = [training.get_checkpoint_archive_url(name="s", page_size=1, page_token=t)
+                 for t in range(2)]
+        training.close()
+        print(json.dumps({
+            "greedy": [greedy.tokens, greedy.stop_reason, len(greedy.logprobs)],
+            "stop_id": [stop_id.tokens, stop_id.stop_reason],
+            "seeded": seeded,
+            "plp": topk.prompt_logprobs, "topk": topk.topk_prompt_logprobs,
+            "logprobs": client.compute_logprobs(prompt),
+            "pages": [[p.total_count, p.next_page_token, len(p.presigned_urls)] for p in pages]}))
+    """)
+    tokens, reason, n_logprobs = out["greedy"]
+    assert len(tokens) == 4 and reason == "length" and n_logprobs == 4
+    # The stop token ends the sequence at its first occurrence, and is kept (as vLLM does).
+    assert out["stop_id"] == [tokens[:tokens.index(tokens[1]) + 1], "stop"]
+    assert out["seeded"][0] == out["seeded"][1] and len(out["seeded"][0]) == 3
+    assert out["plp"][0] is None and out["topk"][0] is None
+    assert out["plp"] == out["logprobs"]
+    for position, (actual, top) in enumerate(zip(out["plp"][1:], out["topk"][1:]), start=1):
+        assert [1, 5, 9][position] in [t for t, _ in top] and 3 <= len(top) <= 4
+        assert any(abs(lp - actual) < 1e-6 for _, lp in top)
+    total = out["pages"][0][0]
+    assert total >= 2 and out["pages"][0][1:] == [1, 1] and out["pages"][1][2] == 1
+    assert out["pages"][1][1] == (2 if total > 2 else None)
