@@ -10,6 +10,15 @@ never succeed (bad input) must therefore also carry ``"type": "BadRequestError"`
 top level, the marker the SDK treats as a permanent rejection (see its
 ``http_errors.is_permanent_rejection``). Without it a typo in a loss name would hang a
 training script for an hour instead of failing at once.
+
+The SDK also retries a worker route's 404 for that hour, and there no body marker helps.
+A worker request naming a run or sampler this server has never had (a URL from another
+server, a typo) can never succeed, so that 404 is answered as the hosted gateway answers
+a request it will never route: ``X-Baseten-Error-Source: 06`` plus an
+``X-Baseten-Error-Code``, sent when the request opted in with ``X-Baseten-Accept-Error: 1``
+(the SDK always does). The SDK reads that as "fail at once" (its
+``http_errors.is_gateway_rejection``), in its op submits, ``/sample`` retries and trainer
+readiness wait alike.
 """
 
 from __future__ import annotations
@@ -25,6 +34,11 @@ log = logging.getLogger("loops.server")
 
 # The marker the SDK reads as "retrying this exact request cannot succeed".
 PERMANENT_REJECTION_TYPE = "BadRequestError"
+# The hosted gateway's error-source headers (loops-protocol.md 2.6), sent on request.
+ACCEPT_ERROR_HEADER = "x-baseten-accept-error"
+ERROR_SOURCE_HEADER = "X-Baseten-Error-Source"
+ERROR_CODE_HEADER = "X-Baseten-Error-Code"
+GATEWAY_ERROR_SOURCE = "06"
 
 
 class ApiError(Exception):
@@ -39,6 +53,7 @@ class ApiError(Exception):
         reason: str | None = None,
         headers: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
+        gateway_code: str | None = None,
     ) -> None:
         super().__init__(detail)
         self.status = status
@@ -47,6 +62,8 @@ class ApiError(Exception):
         self.reason = reason
         self.headers = headers or {}
         self.extra = extra or {}
+        # Set on a worker route's 4xx that no retry can change (see the module docstring).
+        self.gateway_code = gateway_code
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"detail": self.detail, "error_class": self.error_class}
@@ -57,8 +74,13 @@ class ApiError(Exception):
         body.update(self.extra)
         return body
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, request: Request | None = None) -> JSONResponse:
+        headers = dict(self.headers)
+        if (self.gateway_code is not None and request is not None
+                and request.headers.get(ACCEPT_ERROR_HEADER) == "1"):
+            headers[ERROR_SOURCE_HEADER] = GATEWAY_ERROR_SOURCE
+            headers[ERROR_CODE_HEADER] = self.gateway_code
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 # ── constructors for the common cases (keep messages consistent) ──
@@ -89,7 +111,7 @@ def choices(values: Iterable[str]) -> str:
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return exc.response(request)
 
 
 async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:

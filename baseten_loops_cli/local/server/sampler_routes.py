@@ -27,7 +27,7 @@ from starlette.routing import BaseRoute, Route
 from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.engine.sample_types import SampleRequest, SampleResult
 from baseten_loops_cli.local.server.compute import ModelSpec
-from baseten_loops_cli.local.server.context import get_ctx
+from baseten_loops_cli.local.server.context import ServerContext, get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, bad_request
 from baseten_loops_cli.local.server.schemas import parse_body
 from baseten_loops_cli.local.server.streaming import sse_response
@@ -171,6 +171,18 @@ def completions_body(job: SampleRequest, out: SampleResult, model: str,
     }
 
 
+def _sampler(ctx: ServerContext, request: Request) -> st.SamplerRow:
+    """The sampler a worker route names. An unknown id is a 404 no retry can change
+    (samplers are never deleted), marked as the gateway marks one, or the SDK retries
+    ``/sample`` and ``/v1/models`` for an hour (errors.py)."""
+    try:
+        return ctx.samplers.get(request.path_params["sampler_id"])
+    except ApiError as error:
+        if error.status == 404:
+            error.gateway_code = "sampler_not_found"
+        raise
+
+
 def _header_int(request: Request, name: str) -> int | None:
     raw = request.headers.get(name)
     if raw is None or raw.strip() == "":
@@ -184,7 +196,7 @@ def _header_int(request: Request, name: str) -> int | None:
 
 async def sample(request: Request) -> Response:
     ctx = get_ctx(request)
-    sampler = ctx.samplers.get(request.path_params["sampler_id"])
+    sampler = _sampler(ctx, request)
     if sampler.status == st.SAMPLER_INACTIVE:
         raise ApiError(409, f"Sampler {sampler.id} was deactivated; create a new one.",
                        "SamplerInactive")
@@ -254,7 +266,7 @@ async def _stream(ctx, base_model: str, job: SampleRequest, model: str, want_log
 
 async def list_models(request: Request) -> Response:
     ctx = get_ctx(request)
-    sampler = ctx.samplers.get(request.path_params["sampler_id"])
+    sampler = _sampler(ctx, request)
     data: list[dict[str, Any]] = [{"id": sampler.base_model, "object": "model",
                                    "parent": None, "root": sampler.base_model}]
     live = ctx.samplers.live_adapter(sampler)
@@ -266,19 +278,19 @@ async def list_models(request: Request) -> Response:
 
 async def trainers_policy_version(request: Request) -> Response:
     ctx = get_ctx(request)
-    sampler = ctx.samplers.get(request.path_params["sampler_id"])
+    sampler = _sampler(ctx, request)
     return JSONResponse({"policy_version": sampler.policy_version})
 
 
 async def wake(request: Request) -> Response:
     ctx = get_ctx(request)
-    sampler = ctx.samplers.wake(ctx.samplers.get(request.path_params["sampler_id"]))
+    sampler = ctx.samplers.wake(_sampler(ctx, request))
     return JSONResponse({"status": sampler.status, "sampler_id": sampler.id})
 
 
 async def sampler_health(request: Request) -> Response:
     ctx = get_ctx(request)
-    sampler = ctx.samplers.get(request.path_params["sampler_id"])
+    sampler = _sampler(ctx, request)
     return JSONResponse({"status": sampler.status})
 
 

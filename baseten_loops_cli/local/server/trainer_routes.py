@@ -30,8 +30,12 @@ def _run(ctx: ServerContext, request: Request) -> st.RunRow:
     run_id = request.path_params["run_id"]
     run = ctx.store.get_run(run_id)
     if run is None:
-        raise not_found("run", run_id, "Its trainer URL is the run's base_url from "
-                                       "GET /v1/loops/runs/<run_id>.")
+        # Runs are never deleted, so no retry can find it: say so the way the gateway
+        # does, or the SDK retries this 404 for an hour (errors.py).
+        error = not_found("run", run_id, "Its trainer URL is the run's base_url from "
+                                         "GET /v1/loops/runs/<run_id>.")
+        error.gateway_code = "run_not_found"
+        raise error
     return run
 
 
@@ -41,7 +45,7 @@ async def health(request: Request) -> Response:
     wanted = request.query_params.get("base_model")
     if wanted and wanted != run.base_model:
         raise ApiError(404, f"This trainer serves {run.base_model}, not {wanted}.",
-                       "BaseModelMismatch")
+                       "BaseModelMismatch", gateway_code="base_model_mismatch")
     if run.status != st.RUN_ACTIVE:
         raise run_inactive_error(run)
     # The SDK's heartbeat pings /health to keep a dedicated trainer warm.
@@ -75,7 +79,7 @@ async def submit(request: Request) -> Response:
     op = request.path_params["op"]
     if op not in TRAINER_OPS:
         raise ApiError(404, f"No trainer op {op!r}. Ops: {', '.join(TRAINER_OPS)}.",
-                       "RouteNotFound")
+                       "RouteNotFound", gateway_code="unknown_operation")
     body = await parse_body(request, optional=True)
     key = request.headers.get("idempotency-key") or None
     row = await ctx.runs.submit(run, op, body, key)
