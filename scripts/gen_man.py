@@ -70,6 +70,7 @@ ENVIRONMENT: list[tuple[str, str]] = [
 # Read by the package but not user settings.
 IGNORED_ENV_VARS = {
     "_LOOPS_COMPLETE",  # set by the shipped completion scripts when they call loops back
+    "_TYPER_FORCE_DISABLE_TERMINAL",  # set (not read) by cli/main.py: Typer's colour follows the sink
 }
 
 # Variables read through libraries rather than by name in our source (documented anyway).

@@ -49,7 +49,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 
 from baseten_loops_cli.api.http import HttpClient, RetryPolicy, RetryState, decide
-from baseten_loops_cli.errors import InterruptedByUser, LoopsError, UsageError
+from baseten_loops_cli.errors import ExitCode, InterruptedByUser, LoopsError, UsageError
 
 MARKER_NAME = ".loops-download.json"
 PART_SUFFIX = ".part"
@@ -267,7 +267,8 @@ def prepare_target(dest: Path, checkpoint_id: str, *, force: bool) -> bool:
     :class:`DownloadError` for a target that is a file or cannot be written.
     """
     if dest.exists() and not dest.is_dir():
-        raise DownloadError(f"cannot download into {dest}: it is a file, not a folder", hint="Pass another -O DIR.")
+        raise DownloadError(f"cannot download into {dest}: it is a file, not a folder", hint="Pass another -O DIR.",
+                            exit_code=ExitCode.USAGE)
     resuming = False
     if dest.is_dir():
         marker = _marker(dest)

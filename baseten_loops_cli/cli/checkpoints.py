@@ -324,7 +324,7 @@ def export(
 
     The checkpoint is downloaded (local backend or a Baseten profile), loaded on its base
     model, written, then reloaded and checked against base + adapter (the max abs difference
-    of a forward pass is reported). Needs the [local] extra and the base model's files
+    of a forward pass is reported). Needs the local extra (torch, peft) and the base model's files
     (`loops server pull-model NAME`). A failure leaves no partial output. See README, "Export".
 
     Examples:
