@@ -68,6 +68,55 @@ def test_unknown_command_is_a_usage_error(env):
     assert loops(env, "runz").returncode == 2
 
 
+# Click's own usage errors (parsed before any command runs) come out like ours: one `Error:` line
+# naming the option, argument or command (with Click's "Did you mean" suggestion), one `Hint:`
+# line naming the command's --help, exit 2, nothing on stdout; never Typer's usage box.
+USAGE_ERRORS = [
+    # root
+    (["--bogus"], "loops", "No such option: --bogus"),
+    (["runz"], "loops", "No such command 'runz'. Did you mean 'runs'?"),
+    (["-o", "json", "runz"], "loops", "No such command 'runz'"),
+    # a group
+    (["runs", "lsit"], "loops runs", "No such command 'lsit'. Did you mean 'list'?"),
+    (["runs", "--bogus"], "loops runs", "No such option: --bogus"),
+    (["checkpoints", "lst", "-o", "json"], "loops checkpoints", "Did you mean 'list'?"),
+    # a leaf: bad values, unknown and missing options, missing and extra arguments, bad choice
+    (["sample", "X", "--max-tokens", "-5"], "loops sample", "Invalid value for '--max-tokens'"),
+    (["sample", "X", "--temperature", "-1"], "loops sample", "Invalid value for '--temperature'"),
+    (["sample", "X", "--top-p", "2", "-o", "json"], "loops sample", "Invalid value for '--top-p'"),
+    (["runs", "list", "--limit", "abc"], "loops runs list", "Invalid value for '--limit'"),
+    (["runs", "list", "--bogus", "-o", "json"], "loops runs list", "No such option: --bogus"),
+    (["usage", "--by"], "loops usage", "(Possible options: --by-run)"),
+    (["runs", "create"], "loops runs create", "Missing option '--base-model'"),
+    (["runs", "describe"], "loops runs describe", "Missing argument"),
+    (["runs", "list", "extra"], "loops runs list", "unexpected extra argument"),
+    (["completion", "show", "nosh"], "loops completion show", "'nosh' is not one of"),
+    (["deploy", "--model-name", "m"], "loops deploy create", "Missing argument"),  # the default subcommand
+]
+
+
+@pytest.mark.parametrize(("args", "command", "needle"), USAGE_ERRORS, ids=[" ".join(a) for a, _, _ in USAGE_ERRORS])
+def test_click_usage_errors_are_our_one_line_error_and_hint(env, args, command, needle):
+    result = loops(env, *args)
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [result.stderr.splitlines()[0], f"Hint: Run '{command} --help' for usage."], result.stderr
+    assert result.stderr.startswith("Error: ") and needle in result.stderr.splitlines()[0], result.stderr
+    for box in ("Usage:", "Try '", "\u256d", "\u2502", "\x1b", "Traceback"):
+        assert box not in result.stderr, result.stderr
+
+
+def test_usage_errors_keep_help_and_exit_semantics(env):
+    bare = loops(env)  # no arguments: the help, as Click's no_args_is_help has it (exit 2)
+    assert bare.returncode == 2 and "Usage: loops" in bare.stdout and bare.stderr == ""
+    group = loops(env, "runs")
+    assert group.returncode == 2 and "Usage: loops runs" in group.stdout
+    for args in (["--help"], ["runs", "list", "-h"], ["sample", "--help", "--max-tokens", "-5"]):
+        helped = loops(env, *args)
+        assert helped.returncode == 0 and "Usage: loops" in helped.stdout and helped.stderr == "", args
+    assert loops(env, "--version").returncode == 0
+
+
 @pytest.mark.parametrize("forcing", [{"GITHUB_ACTIONS": "true"}, {"FORCE_COLOR": "1"}, {"PY_COLORS": "1"}])
 def test_help_and_usage_errors_have_no_escape_codes_when_piped_even_in_ci(env, forcing):
     """Typer's own Rich console (help, usage errors) is forced onto a terminal by CI variables;

@@ -34,7 +34,7 @@ from baseten_loops_cli.cli import (
     usage,
 )
 from baseten_loops_cli.cli._state import get_state
-from baseten_loops_cli.errors import EXIT_CODE_HELP
+from baseten_loops_cli.errors import EXIT_CODE_HELP, ExitCode
 
 HELP = f"""\
 Loops: LoRA post-training of LLMs on Baseten, or on the embedded local backend.
@@ -201,6 +201,37 @@ def _print_error(message: str, hint: str | None) -> None:
         print(f"Hint: {hint}", file=sys.stderr)
 
 
+def _click_exceptions():
+    """Click's exception classes as Typer raises them: Typer >= 0.26 vendors Click as
+    ``typer._click`` (its ``ClickException`` derives from the public ``typer.TyperException``)."""
+    try:
+        from typer._click import exceptions
+    except ImportError:  # pragma: no cover - a Typer that uses click itself
+        from click import exceptions
+    return exceptions
+
+
+def _print_click_error(exc: Exception) -> int:
+    """A Click/Typer error (bad option value, missing or unknown option or argument, unknown
+    command, bad choice) as our one ``Error:`` line plus a ``Hint:`` naming the command's
+    ``--help``, instead of Typer's usage box. Returns the exit code (2 for usage errors)."""
+    exceptions = _click_exceptions()
+    code = int(getattr(exc, "exit_code", ExitCode.USAGE))
+    if type(exc).__name__ == "NoArgsIsHelpError":  # `loops` / `loops runs` alone: the help
+        text = exc.format_message()  # type: ignore[attr-defined]
+        if text.strip():  # plain Click help (Rich help was already printed while it was made)
+            exc.show()  # type: ignore[attr-defined]
+        return code
+    message = " ".join(exc.format_message().split())  # type: ignore[attr-defined]  # one line
+    hint = None
+    if isinstance(exc, exceptions.UsageError):
+        ctx = exc.ctx
+        command = ctx.command_path if ctx is not None else "loops"
+        hint = f"Run '{command} --help' for usage."
+    _print_error(message, hint)
+    return code
+
+
 _TYPER_FORCING = ("GITHUB_ACTIONS", "FORCE_COLOR", "PY_COLORS")
 
 
@@ -224,13 +255,22 @@ def _typer_takes_the_sinks_colour_decision() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, map errors to one line and an exit code."""
-    from baseten_loops_cli.errors import ExitCode, LoopsError
+    from baseten_loops_cli.errors import LoopsError
 
     args = insert_default_subcommands(hoist_global_options(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in args or os.environ.get("LOOPS_DEBUG", "") in {"1", "true"}
     _typer_takes_the_sinks_colour_decision()
+    exceptions = _click_exceptions()
     try:
-        app(args=args, prog_name="loops")
+        # Not standalone: Click's own errors reach us (not Typer's usage box), and an Exit (help,
+        # --version, typer.Exit(n), Ctrl-C inside a command = 130) comes back as its code.
+        code = app(args=args, prog_name="loops", standalone_mode=False)
+        sys.exit(code if type(code) is int else 0)  # no command returns a value
+    except exceptions.ClickException as exc:
+        sys.exit(_print_click_error(exc))
+    except typer.Abort:  # typer.confirm(abort=True) answered no, or EOF at a prompt
+        print("Aborted.", file=sys.stderr)
+        sys.exit(int(ExitCode.ERROR))
     except LoopsError as exc:
         if debug:
             import traceback
