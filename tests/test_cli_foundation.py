@@ -117,6 +117,25 @@ def test_usage_errors_keep_help_and_exit_semantics(env):
     assert loops(env, "--version").returncode == 0
 
 
+def test_help_names_arguments_and_flags_as_click_does(env):
+    """Arguments read RUN_IDS... / [SHELL] (Click's style, as the man pages have them), not
+    Typer's {run_ids}...; a boolean flag shows no <bool> type; errors name RUN_ID."""
+    env = {**env, "COLUMNS": "120", "NO_COLOR": "1"}
+    usages = {
+        ("runs", "deactivate"): "Usage: loops runs deactivate [OPTIONS] RUN_IDS...",
+        ("runs", "describe"): "Usage: loops runs describe [OPTIONS] RUN_ID",
+        ("completion", "install"): "Usage: loops completion install [OPTIONS] [SHELL]",
+        ("sample",): "Usage: loops sample [OPTIONS] RUN|CKPT",
+    }
+    for args, usage in usages.items():
+        helped = loops(env, *args, "--help")
+        assert helped.returncode == 0 and usage in helped.stdout, helped.stdout
+        assert "<bool>" not in helped.stdout and "{" not in helped.stdout.split("Usage:")[1].splitlines()[0]
+    assert "RUN_IDS..." in loops(env, "runs", "deactivate", "--help").stdout.split("Arguments")[1]
+    assert "<bool>" not in loops(env, "--help").stdout
+    assert "Missing argument 'RUN_ID'." in loops(env, "runs", "describe").stderr
+
+
 @pytest.mark.parametrize("forcing", [{"GITHUB_ACTIONS": "true"}, {"FORCE_COLOR": "1"}, {"PY_COLORS": "1"}])
 def test_help_and_usage_errors_have_no_escape_codes_when_piped_even_in_ci(env, forcing):
     """Typer's own Rich console (help, usage errors) is forced onto a terminal by CI variables;

@@ -49,3 +49,35 @@ def reflow_tree(app: Any) -> None:
             group.help = reflow(group.help)
         if group.typer_instance is not None:
             reflow_tree(group.typer_instance)
+
+
+def use_click_names() -> None:
+    """Click's usual names in help, usage lines and errors, in place of Typer 0.29's: an argument
+    is ``RUN_IDS...`` / ``[NAME]`` (not ``{run_ids}...``; errors say ``Missing argument 'RUN_ID'``)
+    and a boolean flag shows no ``<bool>`` type. Man pages (scripts/gen_man.py) already spell
+    arguments this way. Display only: parsing and completion do not read these. Applied once to
+    Typer's parameter classes; a Typer without them keeps its own display."""
+    from typer import core
+
+    argument, option = getattr(core, "TyperArgument", None), getattr(core, "TyperOption", None)
+    if argument is None or option is None or getattr(argument, "_loops_click_names", False):
+        return
+
+    def display_name_raw(self) -> str:
+        return self.metavar if self.metavar is not None else (self.name or "").upper()
+
+    def get_usage_pieces(self, ctx: Any) -> list[str]:
+        name = self.display_name_raw + ("..." if self.nargs != 1 else "")
+        return [name if self.required else f"[{name}]"]
+
+    typer_display_type = option.display_type_rich
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        if getattr(self, "is_bool_flag", False) and self.metavar is None:
+            return None
+        return typer_display_type(self, ctx)
+
+    argument.display_name_raw = property(display_name_raw)
+    argument.get_usage_pieces = get_usage_pieces
+    option.display_type_rich = display_type_rich
+    argument._loops_click_names = True

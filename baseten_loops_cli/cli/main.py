@@ -85,6 +85,7 @@ app.add_typer(config.app, name="config", rich_help_panel=SETUP)
 app.add_typer(server.app, name="server", rich_help_panel=SETUP)
 app.add_typer(completion.app, name="completion", rich_help_panel=SETUP)
 _help.reflow_tree(app)
+_help.use_click_names()
 
 
 def _version_callback(value: bool) -> None:
