@@ -244,6 +244,8 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
                 raise
     except KeyboardInterrupt:
         finish("interrupted")
+        _emit_summary(out, _summary(rundir, session.run_id if session else rundir.read_state().get("run_id"),
+                                    loaded.config.kind, "interrupted"))
         raise InterruptedByUser("interrupted before the step finished", hint=f"Resume with `{resume_cmd}`.") from None
     except LoopsError as exc:
         finish("failed", error=exc.message)
@@ -254,9 +256,10 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
         raise
     deactivate = session.created_run and not keep_run
     finish(status)
+    summary = _summary(rundir, session.run_id, loaded.config.kind, status)
     if status == "interrupted":
+        _emit_summary(out, summary)  # scripts get the summary of a stopped run too (then exit 130)
         raise InterruptedByUser("stopped after the step in flight; state saved", hint=f"Resume with `{resume_cmd}`.")
-    summary = _summary(rundir, session.run_id, loaded.config.kind)
     if out.format == "json" or out.quiet:
         out.emit(summary, id_key="run_id")
     else:
@@ -268,7 +271,9 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
             out.hint(f"Try it: loops sample {summary['final_checkpoint']} --chat --prompt 'Hello'")
 
 
-def _summary(rundir, run_id: str, kind: str) -> dict:
+def _summary(rundir, run_id: str | None, kind: str, status: str) -> dict:
+    """What `train run|resume -o json` prints when training ends: ``status`` is state.json's
+    (``completed``, or ``interrupted`` by Ctrl-C: then `loops train resume RUN_DIR` continues)."""
     metrics = [r for r in rundir.metrics() if not r.get("final")]
     main = "reward" if kind == "rl" else "loss"
     values = [r[main] for r in metrics if isinstance(r.get(main), (int, float))]
@@ -276,11 +281,18 @@ def _summary(rundir, run_id: str, kind: str) -> dict:
     return {
         "run_id": run_id,
         "run_dir": str(rundir.path),
+        "status": status,
         "steps": metrics[-1]["step"] if metrics else 0,
         f"first_{main}": values[0] if values else None,
         f"last_{main}": values[-1] if values else None,
         "final_checkpoint": last_ckpt.get("sampler_path") or last_ckpt.get("path"),
     }
+
+
+def _emit_summary(out, summary: dict) -> None:
+    """The end-of-training summary for scripts (-o json; -q prints the run id)."""
+    if out.format == "json" or out.quiet:
+        out.emit(summary, id_key="run_id")
 
 
 def _default_run_dir(name: str) -> Path:
@@ -303,8 +315,8 @@ def run(
 ) -> None:
     """Validate, show the plan, confirm (remote backends), then train.
 
-    Ctrl-C stops after the step in flight, saves state and prints the resume command (exit 130).
-    The run this command creates is deactivated at the end unless --keep-run.
+    Ctrl-C stops after the step in flight, saves state and prints the resume command (exit 130;
+    -o json still prints the summary, with "status": "interrupted"). The run this command creates is deactivated at the end unless --keep-run.
 
     Examples:
 
@@ -391,10 +403,11 @@ def resume(
         what = "no state.json" if run_dir.is_dir() else ("a file" if run_dir.exists() else "no such folder")
         raise UsageError(f"{run_dir} is not a run directory ({what})", hint="Pass the --run-dir of `loops train run`.")
     previous = rundir.read_state()
+    loaded = load_config(rundir.config_file)
     if previous.get("status") == "completed":
         out.info(f"{run_dir}: already completed ({previous.get('step')} steps); nothing to resume.")
+        _emit_summary(out, _summary(rundir, previous.get("run_id"), loaded.config.kind, "completed"))
         return
-    loaded = load_config(rundir.config_file)
     backend = state.backend(_profile_for(state, loaded))
     data = load_data(loaded)
     if backend.kind != "local":
