@@ -66,7 +66,7 @@ def _profile_for(state, loaded) -> str | None:
     return state.profile or loaded.config.profile
 
 
-def _show_plan(out, plan, loaded, backend_desc: str) -> None:
+def _plan_lines(plan, loaded, backend_desc: str) -> list[str]:
     from baseten_loops_cli.output.format import human_duration
 
     config = loaded.config
@@ -80,8 +80,7 @@ def _show_plan(out, plan, loaded, backend_desc: str) -> None:
         + (f", estimated cost: ${plan.est_cost_usd:,.2f}" if plan.est_cost_usd is not None else ""),
     ]
     lines += [f"  note: {n}" for n in plan.notes]
-    for line in lines:
-        out.info(line)
+    return lines
 
 
 @app.command("init")
@@ -161,11 +160,8 @@ def validate(
     data = _load_data(loaded)
     plan = make_plan(loaded, data, kind)
     plan.notes += notes
-    if out.human:
-        _show_plan(out, plan, loaded, backend_desc)
-        out.success(f"{config}: OK")
-    else:
-        out.emit({"config": str(config), "valid": True, "plan": plan.as_dict()}, id_key="config")
+    out.report({"config": str(config), "valid": True, "plan": plan.as_dict()}, id_key="config",
+               lines=_plan_lines(plan, loaded, backend_desc), done=f"{config}: OK")
 
 
 def _reporter(state):
@@ -244,8 +240,8 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
                 raise
     except KeyboardInterrupt:
         finish("interrupted")
-        _emit_summary(out, _summary(rundir, session.run_id if session else rundir.read_state().get("run_id"),
-                                    loaded.config.kind, "interrupted"))
+        out.summary(_summary(rundir, session.run_id if session else rundir.read_state().get("run_id"),
+                             loaded.config.kind, "interrupted"), id_key="run_id")
         raise InterruptedByUser("interrupted before the step finished", hint=f"Resume with `{resume_cmd}`.") from None
     except LoopsError as exc:
         finish("failed", error=exc.message)
@@ -258,17 +254,15 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
     finish(status)
     summary = _summary(rundir, session.run_id, loaded.config.kind, status)
     if status == "interrupted":
-        _emit_summary(out, summary)  # scripts get the summary of a stopped run too (then exit 130)
+        out.summary(summary, id_key="run_id")  # scripts get the summary of a stopped run too (then exit 130)
         raise InterruptedByUser("stopped after the step in flight; state saved", hint=f"Resume with `{resume_cmd}`.")
-    if out.format == "json" or out.quiet:
-        out.emit(summary, id_key="run_id")
-    else:
-        out.success(
-            f"Done: run {session.run_id}, {summary['steps']} steps. Run directory: {rundir.path}"
-            + ("" if not deactivate else " (run deactivated; checkpoints kept)")
-        )
-        if summary.get("final_checkpoint"):
-            out.hint(f"Try it: loops sample {summary['final_checkpoint']} --chat --prompt 'Hello'")
+    out.summary(
+        summary,
+        id_key="run_id",
+        done=f"Done: run {session.run_id}, {summary['steps']} steps. Run directory: {rundir.path}"
+        + ("" if not deactivate else " (run deactivated; checkpoints kept)"),
+        hint=f"Try it: loops sample {summary['final_checkpoint']} --chat --prompt 'Hello'" if summary.get("final_checkpoint") else None,
+    )
 
 
 def _summary(rundir, run_id: str | None, kind: str, status: str) -> dict:
@@ -287,12 +281,6 @@ def _summary(rundir, run_id: str | None, kind: str, status: str) -> dict:
         f"last_{main}": values[-1] if values else None,
         "final_checkpoint": last_ckpt.get("sampler_path") or last_ckpt.get("path"),
     }
-
-
-def _emit_summary(out, summary: dict) -> None:
-    """The end-of-training summary for scripts (-o json; -q prints the run id)."""
-    if out.format == "json" or out.quiet:
-        out.emit(summary, id_key="run_id")
 
 
 def _default_run_dir(name: str) -> Path:
@@ -352,14 +340,12 @@ def run(
     plan = make_plan(loaded, data, backend.kind)
     desc = f"profile {backend.profile_name!r} ({backend.base_url})"
     if dry_run:
-        if out.human:
-            _show_plan(out, plan, loaded, desc)
-            out.info(f"Dry run: nothing provisioned (run directory would be {rundir.path}).")
-        else:
-            out.emit({"dry_run": True, "run_dir": str(rundir.path), "plan": plan.as_dict()}, id_key="kind")
+        out.report({"dry_run": True, "run_dir": str(rundir.path), "plan": plan.as_dict()}, id_key="kind",
+                   lines=[*_plan_lines(plan, loaded, desc),
+                          f"Dry run: nothing provisioned (run directory would be {rundir.path})."])
         return
-    if not out.quiet and out.format == "table":
-        _show_plan(out, plan, loaded, desc)
+    for line in _plan_lines(plan, loaded, desc):
+        out.note(line)
     if backend.kind != "local":
         out.confirm(f"Provision a {loaded.config.base_model} run on {backend.base_url}?", yes=yes)
     rundir.create(_absolute_raw(loaded), loaded.path)
@@ -406,7 +392,7 @@ def resume(
     loaded = load_config(rundir.config_file)
     if previous.get("status") == "completed":
         out.info(f"{run_dir}: already completed ({previous.get('step')} steps); nothing to resume.")
-        _emit_summary(out, _summary(rundir, previous.get("run_id"), loaded.config.kind, "completed"))
+        out.summary(_summary(rundir, previous.get("run_id"), loaded.config.kind, "completed"), id_key="run_id")
         return
     backend = state.backend(_profile_for(state, loaded))
     data = load_data(loaded)
