@@ -304,7 +304,8 @@ def run(
     """Validate, show the plan, confirm (remote backends), then train.
 
     Ctrl-C stops after the step in flight, saves state and prints the resume command (exit 130;
-    -o json still prints the summary, with "status": "interrupted"). The run this command creates is deactivated at the end unless --keep-run.
+    -o json still prints the summary, with "status": "interrupted"). The run this command
+    creates is deactivated at the end unless --keep-run.
 
     Examples:
 
