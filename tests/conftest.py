@@ -35,6 +35,7 @@ TEST_SERVER_OPTIONS: dict[str, Any] = {
     "snapshot_interval_s": 0.0,
     "janitor_interval_s": 0.2,
     "min_version_hold_s": 1.0,
+    "sampler_min_awake_s": 0.0,  # scale-to-zero tests need not wait 30 s (test_local_server sets the shipped floor)
 }
 
 

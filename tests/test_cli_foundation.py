@@ -226,6 +226,30 @@ def test_login_with_key_from_stdin_then_status_never_shows_the_key(env):
     assert loops(env, "auth", "status").returncode == 4
 
 
+def test_auth_status_says_a_key_no_header_can_carry_is_unusable(env):
+    """Every command refuses such a key (exit 4); `auth status` said "present" and exited 0."""
+    for key in (SECRET[:10] + "\n" + SECRET[10:], SECRET[:10] + " " + SECRET[10:], SECRET + "é"):
+        bad = dict(env, BASETEN_API_KEY=key)
+        table = loops(bad, "auth", "status", "--profile", "baseten")
+        assert table.returncode == 4, table.stderr
+        assert "unusable (from env)" in table.stdout and "BASETEN_API_KEY contains whitespace" in table.stderr
+        doc = json.loads(loops(bad, "auth", "status", "--profile", "baseten", "-o", "json").stdout)
+        assert doc["key_present"] is True and doc["key_usable"] is False and doc["key_source"] == "env"
+        assert loops(bad, "runs", "list", "--profile", "baseten").returncode == 4  # the code it documents
+        for text in (table.stdout + table.stderr, json.dumps(doc)):
+            assert SECRET[:10] not in text and SECRET[10:] not in text
+    # A stored key (edited by hand, or put in the keyring by another tool).
+    creds = Path(env["LOOPS_CONFIG_DIR"]) / "credentials.toml"
+    creds.parent.mkdir(parents=True, exist_ok=True)
+    creds.write_text(f'[keys]\n"baseten" = "{SECRET[:10]} {SECRET[10:]}"\n')
+    creds.chmod(0o600)
+    stored = loops(env, "auth", "status", "--profile", "baseten")
+    assert stored.returncode == 4 and "unusable (from file)" in stored.stdout, stored.stderr
+    assert "loops auth login --profile baseten" in stored.stderr and SECRET[10:] not in stored.stdout + stored.stderr
+    ok = loops(dict(env, BASETEN_API_KEY=SECRET), "auth", "status", "--profile", "baseten", "-o", "json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["key_usable"] is True
+
+
 def test_login_without_terminal_or_with_key_flag_is_refused(env):
     result = loops(env, "auth", "login", "--no-verify", stdin="")
     assert_one_line_error(result, 2, "--with-key")

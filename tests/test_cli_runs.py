@@ -259,6 +259,26 @@ def test_tail_stops_following_on_ctrl_c_and_the_run_keeps_running(seeded):
     assert api(seeded.server, "GET", f"/v1/loops/runs/{seeded.run_id}")["run"]["status"]["name"] == "ACTIVE"
 
 
+def test_tail_prints_each_backlog_line_once(local_server):
+    """The backlog's newest lines share the millisecond following starts at (an inclusive
+    start): they were printed twice ("Trainer running at step 0" on a fresh run)."""
+    run = create_run(local_server, name="tail-once")
+    deadline = time.monotonic() + 60
+    while "Trainer running at step 0" not in loops(local_server, "runs", "logs", run["id"]).stdout:
+        assert time.monotonic() < deadline, "the trainer never came up"
+        time.sleep(0.2)
+    api(local_server, "POST", f"/v1/loops/runs/{run['id']}/deactivate")
+    tailed = loops(local_server, "runs", "logs", run["id"], "--tail")
+    assert tailed.code == 0, tailed
+    assert tailed.lines and tailed.lines[-1].endswith("Run deactivated; trainer stopped. Checkpoints are kept."), tailed
+    assert len(tailed.lines) == len(set(tailed.lines)), tailed
+    plain = loops(local_server, "runs", "logs", run["id"])
+    assert tailed.lines == plain.lines
+    jsonl = loops(local_server, "runs", "logs", run["id"], "--tail", "-o", "jsonl")
+    assert [json.loads(line)["message"] for line in jsonl.lines] == [e["message"] for e in
+                                                                      loops(local_server, "runs", "logs", run["id"], "-o", "json").json()["logs"]]
+
+
 # ── watch ─────────────────────────────────────────────────────────────────────────────────
 
 

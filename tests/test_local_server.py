@@ -760,6 +760,28 @@ def test_scale_to_zero_and_wake(client: httpx.Client):
     assert any("scaled to zero" in m for m in logs) and any("Waking" in m for m in logs)
 
 
+def test_a_woken_sampler_stays_up_until_the_sdks_next_status_poll(server_factory):
+    """The SDK wakes a sampler once (POST /wake), then polls its status every 10 s until
+    ACTIVE. With a run's scale_down_delay_seconds under 10 s the sampler was scaled down
+    again before the first poll, and ensure_ready waited out its whole timeout."""
+    from baseten_loops_cli.local.server.context import ServerConfig
+
+    server = server_factory(sampler_min_awake_s=ServerConfig.sampler_min_awake_s)  # the shipped floor
+    assert ServerConfig.sampler_min_awake_s >= 20
+    with server.client() as client:
+        run = new_run(client, route="/v1/loops/runs", scale_down_delay_seconds=1).run
+        sampler = client.get(f"/v1/loops/runs/{run['id']}").json()["run"]["sampler"]
+        assert client.post(f"/samplers/{sampler['id']}/wake").json()["status"] == "ACTIVE"
+        woken = time.monotonic()
+        time.sleep(max(0.0, woken + 12 - time.monotonic()))  # past the SDK's next poll (10 s)
+        assert client.get(f"/v1/loops/samplers/{sampler['id']}").json()["sampler"]["status"]["name"] == "ACTIVE"
+        deployment = client.get(f"/v1/models/{sampler['model_id']}/deployments/{sampler['deployment_id']}").json()
+        assert deployment["status"] == "ACTIVE", deployment
+        # The trainer keeps its own short delay: only samplers wait for a poll.
+        dep = client.get(f"/v1/loops/deployments/{run['deployment_id']}").json()["deployment"]
+        assert dep["status"]["name"] == "SCALED_TO_ZERO"
+
+
 # ── trainer deployments, checkpoint deployments ──────────────────────────────────────
 
 

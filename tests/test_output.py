@@ -169,3 +169,72 @@ def test_fields_view_for_one_object():
     out, s = make("table")
     out.emit(ROWS[0], fields=[("ID", "id"), ("Status", "status")])
     assert s.stdout.getvalue().splitlines() == ["ID:     abc1234", "Status: ACTIVE"]
+
+
+# ── the views commands used to pick themselves (train, eval, sample) ───────────────────────
+
+PLAN = {"config": "my.yaml", "valid": True, "plan": {"kind": "sft", "steps": 3}}
+
+
+@pytest.mark.parametrize("fmt, quiet, stdout, stderr", [
+    ("table", False, "", "Plan: 3 steps\nmy.yaml: OK\n"),
+    ("table", True, "my.yaml\n", ""),
+    ("json", False, json.dumps(PLAN, indent=2) + "\n", ""),
+    ("jsonl", False, json.dumps(PLAN, separators=(",", ":")) + "\n", ""),
+    ("yaml", False, "config: my.yaml\nvalid: true\nplan:\n  kind: sft\n  steps: 3\n", ""),
+    ("none", False, "", ""),
+])
+def test_report_is_messages_for_people_and_a_document_for_programs(fmt, quiet, stdout, stderr):
+    out, s = make(fmt, quiet=quiet)
+    out.report(PLAN, id_key="config", lines=["Plan: 3 steps"], done="my.yaml: OK")
+    assert (s.stdout.getvalue(), s.stderr.getvalue()) == (stdout, stderr)
+
+
+SUMMARY = {"run_id": "abc1234", "status": "completed", "steps": 2}
+
+
+@pytest.mark.parametrize("fmt, quiet, stdout, stderr", [
+    ("table", False, "", "Done: 2 steps\nTry it\n"),
+    ("table", True, "abc1234\n", ""),
+    ("json", False, json.dumps(SUMMARY, indent=2) + "\n", ""),
+    ("jsonl", False, "", "Done: 2 steps\nTry it\n"),  # the stream was the records
+    ("yaml", False, "", "Done: 2 steps\nTry it\n"),
+    ("none", False, "", "Done: 2 steps\nTry it\n"),
+])
+def test_summary_ends_a_streamed_command(fmt, quiet, stdout, stderr):
+    out, s = make(fmt, quiet=quiet)
+    out.summary(SUMMARY, id_key="run_id", done="Done: 2 steps", hint="Try it")
+    assert (s.stdout.getvalue(), s.stderr.getvalue()) == (stdout, stderr)
+    out, s = make(fmt, quiet=quiet)
+    out.summary(SUMMARY, id_key="run_id")  # nothing to say (an error message follows)
+    assert s.stdout.getvalue() == stdout and s.stderr.getvalue() == ""
+
+
+def test_note_is_for_a_person_reading_the_table_only():
+    for fmt, quiet, said in [("table", False, "plan\n"), ("table", True, ""), ("json", False, ""), ("jsonl", False, "")]:
+        out, s = make(fmt, quiet=quiet)
+        out.note("plan")
+        assert (s.stdout.getvalue(), s.stderr.getvalue()) == ("", said)
+
+
+def test_text_streams_are_refused_with_document_formats():
+    for fmt in ("table", "none"):
+        make(fmt)[0].check_text_stream("--stream", hint="h")
+    make("table", quiet=True)[0].check_text_stream("--stream", hint="h")
+    for fmt, kwargs in [("json", {}), ("jsonl", {}), ("yaml", {}), (None, {"jq": "."})]:
+        with pytest.raises(UsageError, match="--stream prints text as it is generated, not -o "):
+            make(fmt, **kwargs)[0].check_text_stream("--stream", hint="h")
+
+
+def test_commands_never_pick_the_view_from_the_format():
+    """DEVELOPERS.md: commands hand documents to the sink; the sink picks what each format shows."""
+    import re
+    from pathlib import Path
+
+    cli = Path(__file__).resolve().parents[1] / "baseten_loops_cli" / "cli"
+    offenders = [f"{path.name}:{n}: {line.strip()}"
+                 for path in sorted(cli.glob("*.py")) if path.name != "_state.py"
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if re.search(r"\bout\.(format|human|quiet)\b", line)
+                 and "PlainReporter(" not in line]  # left: train's per-step reporter (training/display.py)
+    assert offenders == [], offenders

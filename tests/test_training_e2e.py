@@ -177,20 +177,30 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(local_server, tmp_path
 
 def test_ctrl_c_saves_state_prints_resume_and_exits_130(local_server, tmp_path, reference_run):
     run_dir = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *_run_args(run_dir)],
-                            env=cli_env(local_server), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *_run_args(run_dir), "-o", "json"],
+                            env=cli_env(local_server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert f"loops train resume {run_dir}" in err
     state = json.loads((run_dir / "state.json").read_text())
     assert state["status"] == "interrupted"
     last = json.loads((run_dir / "checkpoints.jsonl").read_text().splitlines()[-1])
     assert last["step"] == state["step"] >= 2
-    resumed = loops(local_server, "train", "resume", str(run_dir))
+    # -o json: the summary of a completed run, saying it was interrupted (scripts need it).
+    summary = json.loads(out)
+    assert summary["status"] == "interrupted" and summary["run_dir"] == str(run_dir), out
+    assert summary["run_id"] == state["run_id"] and summary["steps"] == state["step"], out
+    assert summary["final_checkpoint"] == last["sampler_path"], out
+    resumed = loops(local_server, "train", "resume", str(run_dir), "-o", "json")
     assert resumed.returncode == 0, resumed.stderr
+    done = json.loads(resumed.stdout)
+    assert done["status"] == "completed" and done["steps"] == RESUME_STEPS and set(done) == set(summary)
     assert_same_run(local_server, run_dir, reference_run)
+    again = loops(local_server, "train", "resume", str(run_dir), "-o", "json")  # nothing left to do
+    assert again.returncode == 0 and "already completed" in again.stderr
+    assert json.loads(again.stdout) == done
 
 
 def test_kill_before_the_first_checkpoint_starts_over_exactly_once(local_server, tmp_path):

@@ -87,7 +87,8 @@ def login(
 def status(ctx: typer.Context) -> None:
     """Show the selected profile, its URL and where its key comes from (never the key).
 
-    Exits 4 when no key is available.
+    Exits 4 when no key is available, or when the key cannot be sent (whitespace, a control or a
+    non-ASCII character inside it: every command refuses it).
 
     Examples:
 
@@ -95,8 +96,9 @@ def status(ctx: typer.Context) -> None:
 
       loops auth status --profile prod -o json
     """
-    from baseten_loops_cli.errors import ExitCode
+    from baseten_loops_cli.errors import AuthError, ExitCode
     from baseten_loops_cli.settings import credentials
+    from baseten_loops_cli.settings.connection import key_origin
     from baseten_loops_cli.settings.local_server import read_info
     from baseten_loops_cli.settings.profiles import resolve_profile
 
@@ -107,6 +109,12 @@ def status(ctx: typer.Context) -> None:
         info = read_info()
         base_url = info.get("url") if info else None
     stored = credentials.get_key(resolved.name, kind=resolved.kind)
+    unusable: AuthError | None = None
+    if stored.key:
+        try:  # the check every command makes before sending the key
+            credentials.check_key(stored.key, key_origin(stored.source, resolved.name))
+        except AuthError as exc:
+            unusable = exc
     record = {
         "profile": resolved.name,
         "profile_source": resolved.profile_source,
@@ -115,6 +123,7 @@ def status(ctx: typer.Context) -> None:
         "base_url_source": resolved.base_url_source,
         "key_present": stored.found,
         "key_source": stored.source,
+        "key_usable": stored.found and unusable is None,
         "keyring_disabled": credentials.keyring_disabled(),
     }
     state.output.emit(
@@ -124,9 +133,16 @@ def status(ctx: typer.Context) -> None:
             ("Profile", lambda r: f"{r['profile']} (from {r['profile_source']})"),
             ("Kind", "kind"),
             ("Base URL", lambda r: r["base_url"] or "(local server not running)"),
-            ("Key", lambda r: f"present (from {r['key_source']})" if r["key_present"] else "missing"),
+            ("Key", _describe_key),
         ],
     )
+    if unusable is not None:
+        state.output.warn(f"{unusable.message}; every command refuses it.")
+        state.output.hint(
+            f"Store it again: `loops auth login --profile {resolved.name}`."
+            if stored.source in ("keyring", "file") else unusable.hint or ""
+        )
+        raise typer.Exit(int(ExitCode.AUTH))
     if not stored.found:
         state.output.hint(
             "Start it with `loops server start`."
@@ -134,6 +150,13 @@ def status(ctx: typer.Context) -> None:
             else f"Run `loops auth login --profile {resolved.name}` or export BASETEN_API_KEY."
         )
         raise typer.Exit(int(ExitCode.AUTH))
+
+
+def _describe_key(record: dict) -> str:
+    if not record["key_present"]:
+        return "missing"
+    state = "present" if record["key_usable"] else "unusable"
+    return f"{state} (from {record['key_source']})"
 
 
 @app.command("logout")

@@ -132,14 +132,10 @@ def eval_command(
 
 
 def _render(out: Any, report: Any) -> None:
-    doc = report.as_dict()
-    if out.format == "jsonl" and not out.quiet:
-        for row in doc["results"]:
-            out.emit_record(row)
-        return
     rows, columns = report.table()
-    out.emit(doc, rows=rows, columns=columns, id_key="checkpoint")
-    if out.human and len(report.results) > 1:
+    hint = None
+    if len(report.results) > 1:
         cached = sum(r.cached for r in report.results)
         note = f"; {cached} of {len(report.results)} from the cache (--no-cache to score again)" if cached else ""
-        out.hint(f"* best per column{note}.")
+        hint = f"* best per column{note}."
+    out.emit(report.as_dict(), rows=rows, columns=columns, id_key="checkpoint", hint=hint)

@@ -403,7 +403,7 @@ def logs(
       loops runs logs abc1234 --start 2026-01-02T09:00 --end 2026-01-02T10:00 -o jsonl
     """
     from baseten_loops_cli.services.resolve import get_run
-    from baseten_loops_cli.services.runs import LogFollower, LogSource, fetch_logs, log_ns
+    from baseten_loops_cli.services.runs import LogFollower, LogSource, fetch_logs
 
     start_s, end_s, level = _log_window(tail, since, start, end, min_level)
     state = get_state(ctx)
@@ -425,7 +425,7 @@ def logs(
     entries = entries[-100:]
     for entry in entries:
         _print_log(out, entry)
-    follower = LogFollower(source, log_ns(entries[-1]) // 1_000_000 if entries else int(start_s * 1000), level)
+    follower = LogFollower(source, int(start_s * 1000), level, printed=entries)
     out.hint(f"Following {source.label} (Ctrl-C stops following; the run keeps running)...")
     try:
         for entry in follower:

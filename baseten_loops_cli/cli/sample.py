@@ -64,9 +64,8 @@ def sample(
     out = state.output
     if stream and n != 1:
         raise UsageError("--stream prints one sample", hint="Drop -n, or drop --stream to get several samples.")
-    if stream and out.format in ("json", "jsonl", "yaml"):
-        raise UsageError(f"--stream prints text as it is generated, not -o {out.format}",
-                         hint="Drop --stream to get the whole answer as a document.")
+    if stream:
+        out.check_text_stream("--stream", hint="Drop --stream to get the whole answer as a document.")
     request = SampleRequest(prompt=prompt, chat=chat, system=system, n=n, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, seed=seed)
     backend = state.backend()

@@ -66,7 +66,7 @@ def _profile_for(state, loaded) -> str | None:
     return state.profile or loaded.config.profile
 
 
-def _show_plan(out, plan, loaded, backend_desc: str) -> None:
+def _plan_lines(plan, loaded, backend_desc: str) -> list[str]:
     from baseten_loops_cli.output.format import human_duration
 
     config = loaded.config
@@ -80,8 +80,7 @@ def _show_plan(out, plan, loaded, backend_desc: str) -> None:
         + (f", estimated cost: ${plan.est_cost_usd:,.2f}" if plan.est_cost_usd is not None else ""),
     ]
     lines += [f"  note: {n}" for n in plan.notes]
-    for line in lines:
-        out.info(line)
+    return lines
 
 
 @app.command("init")
@@ -161,11 +160,8 @@ def validate(
     data = _load_data(loaded)
     plan = make_plan(loaded, data, kind)
     plan.notes += notes
-    if out.human:
-        _show_plan(out, plan, loaded, backend_desc)
-        out.success(f"{config}: OK")
-    else:
-        out.emit({"config": str(config), "valid": True, "plan": plan.as_dict()}, id_key="config")
+    out.report({"config": str(config), "valid": True, "plan": plan.as_dict()}, id_key="config",
+               lines=_plan_lines(plan, loaded, backend_desc), done=f"{config}: OK")
 
 
 def _reporter(state):
@@ -244,6 +240,8 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
                 raise
     except KeyboardInterrupt:
         finish("interrupted")
+        out.summary(_summary(rundir, session.run_id if session else rundir.read_state().get("run_id"),
+                             loaded.config.kind, "interrupted"), id_key="run_id")
         raise InterruptedByUser("interrupted before the step finished", hint=f"Resume with `{resume_cmd}`.") from None
     except LoopsError as exc:
         finish("failed", error=exc.message)
@@ -254,21 +252,22 @@ def _execute(state, backend, loaded, data, rundir, *, resume: bool, keep_run: bo
         raise
     deactivate = session.created_run and not keep_run
     finish(status)
+    summary = _summary(rundir, session.run_id, loaded.config.kind, status)
     if status == "interrupted":
+        out.summary(summary, id_key="run_id")  # scripts get the summary of a stopped run too (then exit 130)
         raise InterruptedByUser("stopped after the step in flight; state saved", hint=f"Resume with `{resume_cmd}`.")
-    summary = _summary(rundir, session.run_id, loaded.config.kind)
-    if out.format == "json" or out.quiet:
-        out.emit(summary, id_key="run_id")
-    else:
-        out.success(
-            f"Done: run {session.run_id}, {summary['steps']} steps. Run directory: {rundir.path}"
-            + ("" if not deactivate else " (run deactivated; checkpoints kept)")
-        )
-        if summary.get("final_checkpoint"):
-            out.hint(f"Try it: loops sample {summary['final_checkpoint']} --chat --prompt 'Hello'")
+    out.summary(
+        summary,
+        id_key="run_id",
+        done=f"Done: run {session.run_id}, {summary['steps']} steps. Run directory: {rundir.path}"
+        + ("" if not deactivate else " (run deactivated; checkpoints kept)"),
+        hint=f"Try it: loops sample {summary['final_checkpoint']} --chat --prompt 'Hello'" if summary.get("final_checkpoint") else None,
+    )
 
 
-def _summary(rundir, run_id: str, kind: str) -> dict:
+def _summary(rundir, run_id: str | None, kind: str, status: str) -> dict:
+    """What `train run|resume -o json` prints when training ends: ``status`` is state.json's
+    (``completed``, or ``interrupted`` by Ctrl-C: then `loops train resume RUN_DIR` continues)."""
     metrics = [r for r in rundir.metrics() if not r.get("final")]
     main = "reward" if kind == "rl" else "loss"
     values = [r[main] for r in metrics if isinstance(r.get(main), (int, float))]
@@ -276,6 +275,7 @@ def _summary(rundir, run_id: str, kind: str) -> dict:
     return {
         "run_id": run_id,
         "run_dir": str(rundir.path),
+        "status": status,
         "steps": metrics[-1]["step"] if metrics else 0,
         f"first_{main}": values[0] if values else None,
         f"last_{main}": values[-1] if values else None,
@@ -303,8 +303,9 @@ def run(
 ) -> None:
     """Validate, show the plan, confirm (remote backends), then train.
 
-    Ctrl-C stops after the step in flight, saves state and prints the resume command (exit 130).
-    The run this command creates is deactivated at the end unless --keep-run.
+    Ctrl-C stops after the step in flight, saves state and prints the resume command (exit 130;
+    -o json still prints the summary, with "status": "interrupted"). The run this command
+    creates is deactivated at the end unless --keep-run.
 
     Examples:
 
@@ -340,14 +341,12 @@ def run(
     plan = make_plan(loaded, data, backend.kind)
     desc = f"profile {backend.profile_name!r} ({backend.base_url})"
     if dry_run:
-        if out.human:
-            _show_plan(out, plan, loaded, desc)
-            out.info(f"Dry run: nothing provisioned (run directory would be {rundir.path}).")
-        else:
-            out.emit({"dry_run": True, "run_dir": str(rundir.path), "plan": plan.as_dict()}, id_key="kind")
+        out.report({"dry_run": True, "run_dir": str(rundir.path), "plan": plan.as_dict()}, id_key="kind",
+                   lines=[*_plan_lines(plan, loaded, desc),
+                          f"Dry run: nothing provisioned (run directory would be {rundir.path})."])
         return
-    if not out.quiet and out.format == "table":
-        _show_plan(out, plan, loaded, desc)
+    for line in _plan_lines(plan, loaded, desc):
+        out.note(line)
     if backend.kind != "local":
         out.confirm(f"Provision a {loaded.config.base_model} run on {backend.base_url}?", yes=yes)
     rundir.create(_absolute_raw(loaded), loaded.path)
@@ -391,10 +390,11 @@ def resume(
         what = "no state.json" if run_dir.is_dir() else ("a file" if run_dir.exists() else "no such folder")
         raise UsageError(f"{run_dir} is not a run directory ({what})", hint="Pass the --run-dir of `loops train run`.")
     previous = rundir.read_state()
+    loaded = load_config(rundir.config_file)
     if previous.get("status") == "completed":
         out.info(f"{run_dir}: already completed ({previous.get('step')} steps); nothing to resume.")
+        out.summary(_summary(rundir, previous.get("run_id"), loaded.config.kind, "completed"), id_key="run_id")
         return
-    loaded = load_config(rundir.config_file)
     backend = state.backend(_profile_for(state, loaded))
     data = load_data(loaded)
     if backend.kind != "local":

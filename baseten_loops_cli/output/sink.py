@@ -11,7 +11,8 @@ Colour and animation follow the terminal: none when the stream is not a TTY, whe
 is set or ``TERM=dumb``. That decision is made once, in :class:`Streams` (``stdout_color``,
 ``stderr_color``; ``Output.animate`` adds "a person is reading"), the one seam tests replace. Commands never branch on the format
 or the terminal themselves: they hand models to :meth:`Output.emit` (a document, with its table,
-key/value or text view), :meth:`Output.stream` (one record of a live stream: a log line, a watch
+key/value or text view), :meth:`Output.report` (a document people read as messages: a plan),
+:meth:`Output.summary` (the end of a command that streamed its progress), :meth:`Output.stream` (one record of a live stream: a log line, a watch
 snapshot), :meth:`Output.live` (a line redrawn in place), :meth:`Output.status` (a spinner while a step
 runs), :meth:`Output.progress` (a transfer bar), :meth:`Output.confirm` and
 :meth:`Output.ask_secret`; the sink picks what each format shows.
@@ -324,6 +325,44 @@ class Output:
             self._emit_json_value(payload)
         if hint:
             self.hint(hint)
+
+    def report(self, data: Any, *, id_key: str | Callable[[Any], Any] = "id", lines: Sequence[str] = (),
+               done: str | None = None) -> None:
+        """A document whose view for people is messages on stderr, not a table (a training
+        plan): the table view says each of ``lines``, then ``done`` as a success, and leaves
+        stdout empty; every other format (and -q) prints ``data`` as :meth:`emit` does."""
+        if not self.human:
+            self.emit(data, id_key=id_key)
+            return
+        for line in lines:
+            self.info(line)
+        if done:
+            self.success(done)
+
+    def summary(self, data: Any, *, id_key: str | Callable[[Any], Any] = "id", done: str | None = None,
+                hint: str | None = None) -> None:
+        """The end of a command that streamed its progress (`train run`): -o json prints ``data``,
+        -q its ``id_key``; the other formats (the table; jsonl, whose stream was the records;
+        yaml; none) say ``done`` as a success on stderr, then ``hint``."""
+        if self.format == "json" or self.quiet:
+            self.emit(data, id_key=id_key)
+            return
+        if done:
+            self.success(done)
+        if hint:
+            self.hint(hint)
+
+    def note(self, text: str) -> None:
+        """A message for a person reading the table view (not -q, nor json, jsonl, yaml, none):
+        what :meth:`emit`'s ``note`` says, on its own (a plan shown before the work starts)."""
+        if self.human:
+            self.info(text)
+
+    def check_text_stream(self, option: str, *, hint: str) -> None:
+        """Refuse ``option``, which prints text as it comes (:meth:`text_piece`), with a format
+        that prints documents (json, jsonl, yaml, --jq): a usage error naming both."""
+        if self.format in ("json", "jsonl", "yaml"):
+            raise UsageError(f"{option} prints text as it is generated, not -o {self.format}", hint=hint)
 
     def emit_record(self, record: Any) -> None:
         """Stream one record (jsonl/json modes); tables ignore records (they render their own)."""

@@ -429,14 +429,22 @@ def fetch_logs(page: Callable[..., list[Log]], start_ms: int, end_ms: int, limit
 
 class LogFollower:
     """New lines of ``source`` from ``since_ms`` on, every few seconds, until the trainer (or
-    sampler) stops; then ``end_status`` says what it is."""
+    sampler) stops; then ``end_status`` says what it is.
 
-    def __init__(self, source: LogSource, since_ms: int, min_level: str | None):
+    ``printed``: the lines already shown (``fetch_logs``' answer); following resumes at the
+    newest one's millisecond, and the lines of that millisecond are not yielded again (the
+    query's start is inclusive, so they come back)."""
+
+    def __init__(self, source: LogSource, since_ms: int, min_level: str | None, printed: Sequence[Log] = ()):
         self.source, self.cursor, self.min_level = source, since_ms, min_level
         self.end_status: str | None = None
+        self._seen: set = set()
+        if printed:
+            self.cursor = max(since_ms, max(log_ns(e) for e in printed) // 1_000_000)
+            self._seen = {log_key(e) for e in printed if log_ns(e) // 1_000_000 >= self.cursor}
 
     def __iter__(self) -> Iterator[Log]:
-        seen: set = set()
+        seen: set = set(self._seen)
         last_status_check = 0.0
         while True:
             now_ms = int(time.time() * 1000)

@@ -51,8 +51,13 @@ def resolve_connection(profile_flag: str | None = None, *,
             f"no API key for profile {resolved.name!r}",
             hint=f"Run `loops auth login --profile {resolved.name}` or export BASETEN_API_KEY.",
         )
-    credentials.check_key(stored.key, _KEY_SOURCES.get(stored.source or "", f"profile {resolved.name!r}"))
+    credentials.check_key(stored.key, key_origin(stored.source, resolved.name))
     return Connection(resolved, base_url.rstrip("/"), stored.key, stored.source)
 
 
 _KEY_SOURCES = {"env": "BASETEN_API_KEY", "local-server": "the local server's token file"}
+
+
+def key_origin(source: str | None, profile_name: str) -> str:
+    """Where a key came from, as error messages name it ("BASETEN_API_KEY", "profile 'prod'")."""
+    return _KEY_SOURCES.get(source or "", f"profile {profile_name!r}")

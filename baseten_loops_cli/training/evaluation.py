@@ -206,23 +206,18 @@ class EvalReport:
             "settings": self.settings, "results": results, "best": self.best(),
         }  # fmt: skip
 
-    def table(self) -> tuple[list[dict], list[tuple[str, str]]]:
-        """(rows, columns) of the human table: values formatted, the best per column marked
-        with ``*``."""
-        marks = self.best_labels()
-        columns = [("CHECKPOINT", "checkpoint"), ("ROWS", "rows")]
-        columns += [(m.header.replace("@K", f"@{self.settings.get('k', 'K')}"), m.key) for m in self.metrics]
-        rows = []
-        for r in self.results:
-            row: dict[str, Any] = {"checkpoint": r.label, "rows": str(r.rows)}
-            for m in self.metrics:
-                value = r.metrics.get(m.key)
-                text = _format_value(m.key, value)
-                if r.label in marks.get(m.key, ()) and len(self.results) > 1:
-                    text += " *"
-                row[m.key] = text
-            rows.append(row)
-        return rows, columns
+    def table(self) -> tuple[list[dict], list[tuple[str, Any]]]:
+        """(rows, columns) of the human table: the rows are :meth:`as_dict`'s ``results`` (what
+        jsonl prints, one per line), the columns format them, the best per column marked with
+        ``*``."""
+        several = len(self.results) > 1
+
+        def metric(key: str) -> Callable[[dict], str]:
+            return lambda row: _format_value(key, row["metrics"].get(key)) + (" *" if several and key in row["best"] else "")
+
+        columns: list[tuple[str, Any]] = [("CHECKPOINT", "checkpoint"), ("ROWS", "rows")]
+        columns += [(m.header.replace("@K", f"@{self.settings.get('k', 'K')}"), metric(m.key)) for m in self.metrics]
+        return self.as_dict()["results"], columns
 
 
 def _format_value(key: str, value: Any) -> str:

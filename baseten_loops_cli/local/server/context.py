@@ -52,6 +52,10 @@ class ServerConfig:
     snapshot_interval_s: float = 60.0
     # How often idle runs/samplers are scaled to zero and expired data is cleaned up.
     janitor_interval_s: float = 0.5
+    # A sampler stays up at least this long after a /wake or a request, whatever its
+    # scale_down_delay_seconds: the official SDK wakes a sampler once and then polls its
+    # status every 10 s, so one scaled down between two polls was never seen ready.
+    sampler_min_awake_s: float = 30.0
     enable_fault_hooks: bool = False
     # Import torch in the background at startup so the first op doesn't pay for it.
     preload_engine: bool = True

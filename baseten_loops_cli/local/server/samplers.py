@@ -362,10 +362,14 @@ class SamplerService:
     # ── scale to zero ──
 
     def sweep(self, now: float) -> None:
+        """Scale down the samplers idle for their scale_down_delay_seconds, but never one
+        woken or used in the last ``sampler_min_awake_s`` (a short delay would beat the
+        SDK's 10 s status poll after its one /wake, and ensure_ready would wait forever)."""
         store = self.store
+        floor = self.config.sampler_min_awake_s
         for sampler in store.list_samplers():
             if (sampler.status == st.SAMPLER_ACTIVE
-                    and now - sampler.last_active_at >= sampler.scale_down_delay_seconds):
+                    and now - sampler.last_active_at >= max(sampler.scale_down_delay_seconds, floor)):
                 store.update_sampler(sampler.id, status=st.SAMPLER_SCALED_TO_ZERO)
                 self._release_adapter(sampler)
                 self.log(sampler.deployment_id, "Idle: scaled to zero (the next request "
