@@ -265,3 +265,16 @@ def test_config_set_get_use(env):
     bad = loops(env, "config", "set", "base_ulr", "x")
     assert_one_line_error(bad, 2, "did you mean 'base_url'")
     assert_one_line_error(loops(env, "config", "use", "nope"), 2, "unknown profile")
+
+
+def test_typers_terminal_switch_does_not_outlive_the_call(monkeypatch, capsys):
+    """main() turns Typer's terminal off for piped output; a later call in the same process (the
+    test runner) and every child process must not inherit that."""
+    from baseten_loops_cli.cli.main import main
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # Typer would force ANSI into the pipe
+    with pytest.raises(SystemExit) as exited:
+        main(["runs", "--help"])
+    assert exited.value.code == 0
+    assert "\x1b[" not in capsys.readouterr().out
+    assert "_TYPER_FORCE_DISABLE_TERMINAL" not in os.environ

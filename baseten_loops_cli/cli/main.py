@@ -5,9 +5,10 @@ tab completion must stay fast, so httpx, pydantic, yaml, keyring and torch are i
 command bodies. ``main()`` is the one place where errors become messages and exit codes.
 """
 
+import contextlib
 import os
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
@@ -234,24 +235,38 @@ def _print_click_error(exc: Exception) -> int:
 
 
 _TYPER_FORCING = ("GITHUB_ACTIONS", "FORCE_COLOR", "PY_COLORS")
+_TYPER_TERMINAL_OFF = "_TYPER_FORCE_DISABLE_TERMINAL"
 
 
-def _typer_takes_the_sinks_colour_decision() -> None:
-    """Typer draws help (stdout) and usage errors (stderr) with a Rich console of its own, which
-    detects a terminal per stream but is forced onto one by GITHUB_ACTIONS, FORCE_COLOR or
-    PY_COLORS (ANSI in piped output: CI logs, `loops --help > file`) and keeps bold and dim
-    under NO_COLOR. Where that differs from the sink's decision (``Streams``: colour only at a
-    terminal, without NO_COLOR or TERM=dumb), turn its terminal off. Read when Typer first
-    imports ``typer.rich_utils``, i.e. when it draws help or an error, not before."""
+@contextlib.contextmanager
+def _typer_takes_the_sinks_colour_decision() -> Iterator[None]:
+    """Typer draws help with a Rich console of its own, which detects a terminal per stream but
+    is forced onto one by GITHUB_ACTIONS, FORCE_COLOR or PY_COLORS (ANSI in piped output: CI
+    logs, `loops --help > file`) and keeps bold and dim under NO_COLOR. Where that differs from
+    the sink's decision (``Streams``: colour only at a terminal, without NO_COLOR or
+    TERM=dumb), turn its terminal off for this call. Typer reads the switch when it first
+    imports ``typer.rich_utils`` (to draw help, not before); the switch is undone afterwards,
+    so it neither leaks into child processes nor sticks to a later call in the same process."""
     from baseten_loops_cli.output.sink import Streams
 
     streams = Streams()
-    if streams.stdout_color and streams.stderr_color:
-        return
     mixed = streams.stdout_color or streams.stderr_color  # Typer's per-stream detection agrees
-    if mixed and not any(os.environ.get(name) for name in _TYPER_FORCING):
+    forced = any(os.environ.get(name) for name in _TYPER_FORCING)
+    if (streams.stdout_color and streams.stderr_color) or (mixed and not forced):
+        yield
         return
-    os.environ["_TYPER_FORCE_DISABLE_TERMINAL"] = "1"
+    rich_utils = sys.modules.get("typer.rich_utils")
+    before = rich_utils.FORCE_TERMINAL if rich_utils is not None else None
+    os.environ[_TYPER_TERMINAL_OFF] = "1"
+    if rich_utils is not None:
+        rich_utils.FORCE_TERMINAL = False
+    try:
+        yield
+    finally:
+        os.environ.pop(_TYPER_TERMINAL_OFF, None)
+        rich_utils = sys.modules.get("typer.rich_utils")
+        if rich_utils is not None:  # imported before or during this call: Typer's own default
+            rich_utils.FORCE_TERMINAL = before if before is not None else (True if forced else None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,12 +275,12 @@ def main(argv: list[str] | None = None) -> None:
 
     args = insert_default_subcommands(hoist_global_options(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in args or os.environ.get("LOOPS_DEBUG", "") in {"1", "true"}
-    _typer_takes_the_sinks_colour_decision()
     exceptions = _click_exceptions()
     try:
         # Not standalone: Click's own errors reach us (not Typer's usage box), and an Exit (help,
         # --version, typer.Exit(n), Ctrl-C inside a command = 130) comes back as its code.
-        code = app(args=args, prog_name="loops", standalone_mode=False)
+        with _typer_takes_the_sinks_colour_decision():
+            code = app(args=args, prog_name="loops", standalone_mode=False)
         sys.exit(code if type(code) is int else 0)  # no command returns a value
     except exceptions.ClickException as exc:
         sys.exit(_print_click_error(exc))
