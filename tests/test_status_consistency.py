@@ -176,3 +176,23 @@ def test_a_deactivation_cut_short_by_a_crash_is_finished_on_restart(server_facto
         db.execute("UPDATE samplers SET status = 'ACTIVE' WHERE run_id = ?", (run["id"],))
     server.start()
     assert statuses(server, run["id"]) == ("INACTIVE", "STOPPED", "INACTIVE")
+
+
+def test_a_run_deactivated_while_its_trainer_loads_stays_stopped(server_factory):
+    """Deactivation during the trainer's load: when the load ends, the trainer deployment keeps
+    the STOPPED status the deactivation gave it (it used to turn RUNNING under an INACTIVE run)
+    and its log does not report a running trainer after the deactivation."""
+    server = server_factory()
+    # The deploy job of the next run holds its load for 3 s: a deactivation lands inside it.
+    assert _call(server, "POST", "/v1/local/faults", json={"job": "deploy *", "delay_s": 3, "times": 1}).status_code == 200
+    run = _new_run(server, "deactivated-while-loading")
+    wait_for(lambda: _trainer_and_sampler(server, run["id"])[0] == "DEPLOYING", timeout=60)
+    assert _call(server, "POST", f"/v1/loops/runs/{run['id']}/deactivate").status_code == 200
+    assert statuses(server, run["id"])[:2] == ("INACTIVE", "STOPPED")
+    time.sleep(0.5)  # anything the ended load might still write
+    assert statuses(server, run["id"])[:2] == ("INACTIVE", "STOPPED")
+    logs = _call(server, "GET", f"/v1/loops/deployments/{run['deployment_id']}/logs",
+                 params={"direction": "asc"}).json()["logs"]
+    messages = [line["message"] for line in logs]
+    deactivated = next(i for i, m in enumerate(messages) if m.startswith("Run deactivated"))
+    assert not any(m.startswith("Trainer running") for m in messages[deactivated:]), messages

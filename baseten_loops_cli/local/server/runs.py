@@ -209,6 +209,11 @@ class RunExecutor:
                            "DeploymentFailed") from exc
         self.loaded = True
         self.last_snapshot = time.monotonic()
+        run = self.run()
+        if run.status != st.RUN_ACTIVE:
+            # Deactivated while it loaded: the deactivation set the deployment's status and
+            # queued the stop that releases what was just loaded; do not mark it RUNNING.
+            raise OpFailed(run_inactive_error(run).detail, "RunInactive")
         if restore is live_dir and step != run.policy_version:
             self._log(f"Restored state is at step {step} but the run had reached step "
                       f"{run.policy_version}; the steps in between were lost in an unclean "
