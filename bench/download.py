@@ -22,8 +22,11 @@ machine; T = interpreter start): imports until the listing request at ~0.35 s (t
 pydantic and its first model ~90 ms, httpx ~45 ms, our modules ~60 ms); the listing, one GET, 4 ms;
 the 10 files (8 shards, then the adapter and its config as workers free up) 0.61 s, at curl's
 pace (~840 MiB/s, SHA-256 computed while writing, 1 MiB socket reads); renames, marker, JSON and
-exit ~2 ms. curl --parallel takes ~0.55-0.6 s for the whole 512 MiB, so the end-to-end target
-leaves ~0.06 s for everything but the transfer: the interpreter's start-up alone is more.
+exit ~2 ms. Later the same day, with the package's bytecode compiled as an install has it (the
+benches had compiled it from source in every process, ~60 ms): end to end 0.58-0.63, the transfer
+alone 0.90 (1,026 vs 1,147 MiB/s). curl --parallel takes ~0.45 s for the whole 512 MiB, so the
+end-to-end target leaves ~0.05 s for everything but the transfer; a process that only starts the
+required dependencies (Typer, pydantic, httpx, PyYAML) takes ~0.3 s here.
 
     python bench/download.py [--rounds 3] [--files 8] [--mib 64] [--quick] [--json] [--check]
 """
