@@ -68,3 +68,17 @@ def sdk_python() -> str | None:
         return None
     probe = subprocess.run([python, "-c", "import baseten.loops"], capture_output=True, timeout=120)
     return python if probe.returncode == 0 else None
+
+
+def sdk_run_env(url: str, token: str) -> tuple[str, dict[str, str]]:
+    """(the SDK's interpreter, the environment that points it at a local server), or a skip
+    (which CI turns into a failure for tests marked ``required_in_ci``)."""
+    import pytest
+
+    python = sdk_python()
+    if python is None:
+        pytest.skip("no SDK venv: run scripts/install_sdk_venv.sh, or set LOOPS_SDK_PYTHON")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_"))}
+    env.update(LOOPS_BASE_URL=url, BASETEN_API_KEY=token, WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+               PYTHONPATH="")
+    return python, env

@@ -8,14 +8,13 @@ The SDK needs Python >= 3.12 and heavy dependencies, so it lives in its own venv
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from conftest import LocalServer
-from tests.external import sdk_python
+from tests.external import sdk_run_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,12 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.local
 @pytest.mark.required_in_ci
 def test_official_sdk_quickstart_against_local_server(local_server: LocalServer):
-    python = sdk_python()
-    if python is None:
-        pytest.skip("no SDK venv: run scripts/install_sdk_venv.sh, or set LOOPS_SDK_PYTHON")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_"))}
-    env.update(LOOPS_BASE_URL=local_server.url, BASETEN_API_KEY=local_server.token,
-               WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONPATH="")
+    python, env = sdk_run_env(local_server.url, local_server.token)
     proc = subprocess.run([python, str(REPO / "scripts" / "sdk_compat.py"), "--json"],
                           env=env, capture_output=True, text=True, timeout=600)
     summary = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}

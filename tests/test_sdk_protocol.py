@@ -9,14 +9,13 @@ tests skip, which fails CI) and reads back the JSON the snippet prints last.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import textwrap
 
 import pytest
 
 from conftest import LocalServer
-from tests.external import sdk_python
+from tests.external import sdk_run_env
 
 pytestmark = [pytest.mark.local, pytest.mark.required_in_ci]
 
@@ -39,12 +38,7 @@ def timed(fn):
 
 
 def run_sdk(server: LocalServer, code: str, timeout: float = 300) -> dict:
-    python = sdk_python()
-    if python is None:
-        pytest.skip("no SDK venv: run scripts/install_sdk_venv.sh, or set LOOPS_SDK_PYTHON")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_"))}
-    env.update(LOOPS_BASE_URL=server.url, BASETEN_API_KEY=server.token,
-               WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONPATH="")
+    python, env = sdk_run_env(server.url, server.token)
     script = PRELUDE + textwrap.dedent(code)
     proc = subprocess.run([python, "-c", script], env=env, capture_output=True, text=True,
                           timeout=timeout)

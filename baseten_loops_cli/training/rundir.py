@@ -31,15 +31,22 @@ _STATE_HINT = ("`loops train` writes this file: undo the edit to it, or start ov
                "`loops train run CONFIG --run-dir NEW_DIR`.")
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: Path, *, folder: bool = False) -> None:
+    """fsync a file, or a folder's entries, by path; a missing path is skipped. A folder's
+    failure is ignored (some file systems refuse to fsync one); a file's is raised."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    except FileNotFoundError:
         return
+    except OSError:
+        if folder:
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if not folder:
+            raise
     finally:
         os.close(fd)
 
@@ -51,7 +58,7 @@ def atomic_write(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    _fsync_path(path.parent, folder=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -163,14 +170,7 @@ class RunDir:
     def sync_records(self) -> None:
         """fsync the step records (metrics, samples): before anything that covers them."""
         for path in (self.metrics_file, self.samples_file):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_path(path)
 
     def append_metrics(self, record: dict) -> None:
         self._append(self.metrics_file, [record], durable=False)
