@@ -154,7 +154,8 @@ def test_gates_exit_codes(local_server, sft_run):
     assert f"{run_id}:final" in missed.stdout  # the table is still printed
     one_line_error(loops(local_server, *args, "--fail-over", "perplexity=1.01"), 1, "best perplexity")
     one_line_error(loops(local_server, *args, "--fail-under", "nll=1"), 2, "--fail-over nll=1")
-    one_line_error(loops(local_server, *args, "--fail-under", "bleu=1"), 2, "unknown metric", "accuracy")
+    unknown = loops(local_server, *args, "--fail-under", "bleu=1")
+    one_line_error(unknown, 2, "unknown metric", "Use one of: accuracy (nll, perplexity with --fail-over)")
     one_line_error(loops(local_server, *args, "--fail-under", "accuracy"), 2, "METRIC=VALUE")
     # The base model alone is gated on itself (it has not learned the task).
     base_only = loops(local_server, "eval", "--base", "--config", str(EXAMPLES / "tiny-sft.yaml"),

@@ -246,19 +246,23 @@ def parse_gate(text: str, kind: str, direction: Literal["under", "over"]) -> Gat
     from baseten_loops_cli.errors import UsageError
 
     flag = f"--fail-{direction}"
+    other = "over" if direction == "under" else "under"
+    want = "higher" if direction == "under" else "lower"
     key, sep, value = text.partition("=")
     key = key.strip().replace("-", "_").lower()
     known = {m.key: m for m in metrics_of(kind) if m.better is not None}
+    fitting = [k for k, m in known.items() if m.better == want]
+    others = [k for k in known if k not in fitting]
+    choices = ", ".join(fitting) + (f" ({', '.join(others)} with --fail-{other})" if others else "")
     if not sep or not key:
-        raise UsageError(f"{flag} {text!r}: expected METRIC=VALUE", hint=f"For example {flag} {next(iter(known))}=0.5.")
+        example = fitting[0] if fitting else next(iter(known))
+        raise UsageError(f"{flag} {text!r}: expected METRIC=VALUE", hint=f"For example {flag} {example}=0.5.")
     if key in ("pass@k", "pass_at"):
         key = "pass_at_k"
     metric = known.get(key)
     if metric is None:
-        raise UsageError(f"{flag}: unknown metric {key!r} for {kind.upper()} data", hint=f"Use one of: {', '.join(known)}.")
-    want = "higher" if direction == "under" else "lower"
+        raise UsageError(f"{flag}: unknown metric {key!r} for {kind.upper()} data", hint=f"Use one of: {choices}.")
     if metric.better != want:
-        other = "over" if direction == "under" else "under"
         raise UsageError(
             f"{flag} {key}: {key} is better when {metric.better}, so a floor makes no sense",
             hint=f"Use --fail-{other} {key}={value.strip()}.",
