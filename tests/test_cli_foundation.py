@@ -278,3 +278,13 @@ def test_typers_terminal_switch_does_not_outlive_the_call(monkeypatch, capsys):
     assert exited.value.code == 0
     assert "\x1b[" not in capsys.readouterr().out
     assert "_TYPER_FORCE_DISABLE_TERMINAL" not in os.environ
+
+
+@pytest.mark.parametrize("args", [["runs", "list", "-o"], ["runs", "list", "--profile"], ["usage", "-q", "--jq"]])
+def test_a_global_option_left_without_its_value_says_so(env, args):
+    """Global options are moved to the front of the line; one last on the line has no value to
+    take, which is the error (not the subcommand's "No such option")."""
+    result = loops(env, *args)
+    assert result.returncode == 2 and result.stdout == ""
+    error, hint = result.stderr.splitlines()
+    assert error == f"Error: Option '{args[-1]}' requires an argument." and hint.startswith("Hint: Give "), result.stderr

@@ -158,8 +158,12 @@ def hoist_global_options(argv: list[str]) -> list[str]:
             elif i + 1 < len(argv):
                 front.extend([arg, argv[i + 1]])
                 i += 1
-            else:
-                rest.append(arg)  # let the parser report the missing value
+            else:  # last on the line: the subcommand's parser would call it an unknown option
+                from baseten_loops_cli.errors import UsageError
+
+                raise UsageError(f"Option '{arg}' requires an argument.",
+                                 hint=f"Give it a value, e.g. `{arg} json`." if arg in ("-o", "--output")
+                                 else f"Give {arg} a value.")
         elif arg.startswith("-o") and len(arg) > 2 and not arg.startswith("--"):
             front.append(arg)  # -ojson
         elif arg in _GLOBAL_FLAGS:
@@ -273,10 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, map errors to one line and an exit code."""
     from baseten_loops_cli.errors import LoopsError
 
-    args = insert_default_subcommands(hoist_global_options(list(sys.argv[1:] if argv is None else argv)))
-    debug = "--debug" in args or os.environ.get("LOOPS_DEBUG", "") in {"1", "true"}
+    raw = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in raw or os.environ.get("LOOPS_DEBUG", "") in {"1", "true"}
     exceptions = _click_exceptions()
     try:
+        args = insert_default_subcommands(hoist_global_options(raw))
         # Not standalone: Click's own errors reach us (not Typer's usage box), and an Exit (help,
         # --version, typer.Exit(n), Ctrl-C inside a command = 130) comes back as its code.
         with _typer_takes_the_sinks_colour_decision():
