@@ -151,7 +151,7 @@ def validate(
             from baseten_loops_cli.api.errors import ConnectionFailedError
 
             try:
-                notes += check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind, loaded)
+                notes += check_base_model(backend.client, loaded)
                 _check_reference(backend.client, loaded)
             except ConnectionFailedError:
                 notes.append(f"base model not checked: {backend.base_url} is not reachable")
@@ -335,7 +335,7 @@ def run(
         )
     rundir.check_target()
     backend = state.backend(_profile_for(state, loaded))
-    check_base_model(backend.client, loaded.config.base_model, loaded.config.max_seq_len, loaded.config.kind, loaded)
+    check_base_model(backend.client, loaded)
     _check_reference(backend.client, loaded)
     data = _load_data(loaded)
     plan = make_plan(loaded, data, backend.kind)

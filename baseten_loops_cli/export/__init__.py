@@ -87,11 +87,11 @@ def prepare_target(dest: Path, force: bool) -> None:
             raise UsageError(f"{dest} already exists", hint="Pick another -O, or pass --force to replace it.")
     # The folder that would hold it: its nearest existing ancestor must be a writable folder
     # (nothing is created yet, so a failure later leaves nothing behind).
-    probe = dest.expanduser().absolute().parent
+    parent = probe = dest.expanduser().absolute().parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
-        raise _write_error(dest.parent, "it is a file" if probe == dest.expanduser().absolute().parent else f"{probe} is a file")
+        raise _write_error(dest.parent, "it is a file" if probe == parent else f"{probe} is a file")
     if not os.access(probe, os.W_OK):
         raise _write_error(probe, "permission denied")
 

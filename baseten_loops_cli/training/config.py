@@ -503,8 +503,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
     if "kind" not in raw:
         raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft`, `kind: rl` or `kind: dpo`.")
     if raw.get("kind") not in KINDS:
-        override = _override_of(applied, ("kind",))
-        where = f"--set {override!r}" if override is not None else f"{path}:{lines.get(('kind',)) or 1}"
+        where = Problem(lines.get(("kind",)) or 1, "kind", "", override=_override_of(applied, ("kind",))).where(path)
         raise ConfigError(f"{where}: kind must be {_kinds_text()}, not {raw.get('kind')!r}",
                           hint=f"Set kind to {_kinds_text()}.")
     from pydantic import TypeAdapter

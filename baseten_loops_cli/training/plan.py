@@ -116,16 +116,18 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
     return LoadedData(tokenizer, train, evals)
 
 
-def check_base_model(client: Any, base_model: str, max_seq_len: int, use_case: str,
-                     loaded: LoadedConfig | None = None) -> list[str]:
-    """Ask the backend's capabilities whether the model is offered; return notes or raise.
+def check_base_model(client: Any, loaded: LoadedConfig) -> list[str]:
+    """Ask the backend's capabilities whether the config's base model is offered (and its
+    max_seq_len allowed); return notes, or raise an error that starts with the file and line
+    (or the ``--set`` item) of the value."""
+    config = loaded.config
+    base_model, max_seq_len = config.base_model, config.max_seq_len
 
-    With ``loaded`` (the config the values came from), an error starts with the file and line."""
     def at(key: str) -> str:
-        return f"{loaded.where(key)}: " if loaded is not None else ""
+        return f"{loaded.where(key)}: "
 
     # The capabilities API knows sft and rl; DPO needs a sampler (to score the reference) as RL does.
-    models = client.capabilities(use_case="rl" if use_case == "dpo" else use_case)
+    models = client.capabilities(use_case="rl" if config.kind == "dpo" else config.kind)
     names = [m.model_name for m in models]
     match = next((m for m in models if m.model_name == base_model), None)
     if match is None:
