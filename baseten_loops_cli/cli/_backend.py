@@ -19,6 +19,7 @@ from baseten_loops_cli.settings.connection import (
 
 if TYPE_CHECKING:
     from baseten_loops_cli.api.client import LoopsClient
+    from baseten_loops_cli.settings.connection import Capabilities
     from baseten_loops_cli.settings.profiles import ResolvedProfile
 
 
@@ -50,6 +51,10 @@ class Backend:
     @property
     def kind(self) -> str:
         return self.profile.kind
+
+    @property
+    def capabilities(self) -> "Capabilities":
+        return self.connection.capabilities
 
     def close(self) -> None:
         self.client.close()

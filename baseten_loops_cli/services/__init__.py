@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from baseten_loops_cli.api.client import LoopsClient
+    from baseten_loops_cli.settings.connection import Capabilities
 
 
 class Connected(Protocol):
@@ -31,7 +32,10 @@ class Connected(Protocol):
     client: "LoopsClient"
 
     @property
-    def kind(self) -> str: ...  # "local" or "baseten"
+    def kind(self) -> str: ...  # "local" or "baseten": a name for messages; branch on capabilities
+
+    @property
+    def capabilities(self) -> "Capabilities": ...  # settings.connection.Capabilities
 
     @property
     def base_url(self) -> str: ...

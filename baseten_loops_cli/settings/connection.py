@@ -15,11 +15,51 @@ from baseten_loops_cli.settings.profiles import ResolvedProfile, resolve_profile
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a backend does beyond the shared protocol. Code asks these questions instead of
+    comparing the profile's kind with "local", so a third kind of backend is one table row.
+
+    - ``billable``: provisioning costs money: confirm before creating runs or deployments,
+      and say that plans leave out provisioning time.
+    - ``calibrated_plans``: this machine trains, so a plan's time estimate can be measured
+      by earlier runs here (``training.calibration``).
+    - ``usage_counters``: the backend reports per-run and per-sampler token counters
+      (``LoopsClient.local_usage``).
+    - ``deployments_under_base_url``: a deployment's OpenAI routes are served below the
+      backend's own URL (``/deployments/ID/v1``), not on a model host of their own.
+    - ``default_instance_type``: what a deployment runs on unless told; None: must be named.
+    """
+
+    billable: bool
+    calibrated_plans: bool
+    usage_counters: bool
+    deployments_under_base_url: bool
+    default_instance_type: str | None
+
+
+CAPABILITIES = {
+    "local": Capabilities(billable=False, calibrated_plans=True, usage_counters=True,
+                          deployments_under_base_url=True, default_instance_type="local-cpu"),
+    "baseten": Capabilities(billable=True, calibrated_plans=False, usage_counters=False,
+                            deployments_under_base_url=False, default_instance_type=None),
+}
+
+
+def capabilities_of(kind: str) -> Capabilities:
+    """The capabilities of a profile kind; an unknown kind is treated as a remote service."""
+    return CAPABILITIES.get(kind, CAPABILITIES["baseten"])
+
+
+@dataclass(frozen=True)
 class Connection:
     profile: ResolvedProfile
     base_url: str
     api_key: str
     key_source: str
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return capabilities_of(self.profile.kind)
 
 
 def needs_local_server(resolved: ResolvedProfile) -> bool:
