@@ -43,12 +43,8 @@ from baseten_loops_cli.local.server import (
 from baseten_loops_cli.local.server.auth import TokenAuthMiddleware
 from baseten_loops_cli.local.server.checkpoints import CheckpointFiles
 from baseten_loops_cli.local.server.compute import ComputePool, Engine
-from baseten_loops_cli.local.server.context import (
-    ModelCatalog,
-    ServerConfig,
-    ServerContext,
-    get_ctx,
-)
+from baseten_loops_cli.local.server.config import ServerConfig
+from baseten_loops_cli.local.server.context import ServerContext, get_ctx
 from baseten_loops_cli.local.server.errors import (
     ApiError,
     api_error_handler,
@@ -67,6 +63,7 @@ from baseten_loops_cli.local.server.files import (
     load_or_create_secret,
     safe_relative_path,
 )
+from baseten_loops_cli.local.server.model_catalog import ModelCatalog
 from baseten_loops_cli.local.server.operations import OperationRegistry
 from baseten_loops_cli.local.server.runs import RunManager
 from baseten_loops_cli.local.server.samplers import SamplerService

@@ -27,7 +27,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.server import trainer_ops
@@ -39,14 +39,13 @@ from baseten_loops_cli.local.server.checkpoints import (
     validate_name,
 )
 from baseten_loops_cli.local.server.compute import ComputePool
-from baseten_loops_cli.local.server.context import ModelCatalog, ServerConfig
+from baseten_loops_cli.local.server.config import ServerConfig
+from baseten_loops_cli.local.server.model_catalog import ModelCatalog
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, conflict
 from baseten_loops_cli.local.server.operations import OperationRegistry
+from baseten_loops_cli.local.server.samplers import SamplerService
 from baseten_loops_cli.local.server.schemas import CreateRunRequest
 from baseten_loops_cli.local.server.validation import validate_adam, validate_forward
-
-if TYPE_CHECKING:
-    from baseten_loops_cli.local.server.samplers import SamplerService
 
 log = logging.getLogger("loops.server.runs")
 

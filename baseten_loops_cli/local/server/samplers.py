@@ -38,7 +38,8 @@ from baseten_loops_cli.local.server.checkpoints import (
     require_bt_path,
 )
 from baseten_loops_cli.local.server.compute import SAMPLE, ComputePool, ModelWorker
-from baseten_loops_cli.local.server.context import ModelCatalog, ServerConfig
+from baseten_loops_cli.local.server.config import ServerConfig
+from baseten_loops_cli.local.server.model_catalog import ModelCatalog
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, conflict, not_found
 from baseten_loops_cli.local.server.schemas import DEFAULT_SCALE_DOWN_DELAY_S, CreateSamplerRequest
 
