@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.store import RunRow as RunRow  # rows it answers with
 from baseten_loops_cli.local.server import trainer_ops
 from baseten_loops_cli.local.server.checkpoints import (
     CheckpointFiles,
@@ -76,6 +77,15 @@ class _Item:
     op: str = ""
     params: dict[str, Any] = field(default_factory=dict)
     done: asyncio.Future | None = None
+
+
+@dataclass(frozen=True)
+class RunDescription:
+    """A run as the control plane shows it (``schemas.run_view``): its row and its paired
+    sampler's, live or not (None if it never had one)."""
+
+    run: st.RunRow
+    sampler: st.SamplerRow | None
 
 
 def idle_long_enough(run: st.RunRow, now: float | None = None) -> bool:
@@ -445,6 +455,46 @@ class RunManager:
 
     def loaded_runs(self) -> list[str]:
         return sorted(r for r, e in self._executors.items() if e.loaded)
+
+    # ── queries ──
+
+    def find(self, run_id: str) -> st.RunRow | None:
+        return self.store.get_run(run_id)
+
+    def describe(self, run: st.RunRow) -> RunDescription:
+        return RunDescription(run, self.store.paired_sampler(run.id, live_only=False))
+
+    def search(self, *, run_id: str | None = None, base_model: str | None = None,
+               team_id: str | None = None) -> list[RunDescription]:
+        """Runs (newest first), filtered by id, base model and team when given."""
+        return [self.describe(run) for run in self.store.list_runs(
+            run_id=run_id, base_model=base_model, team_id=team_id)]
+
+    def active_count(self) -> int:
+        return len(self.store.list_runs(status=st.RUN_ACTIVE))
+
+    async def heartbeat(self, run: st.RunRow, hold_s: float) -> str:
+        """``GET <trainer>/health``, which the SDK's heartbeat pings to keep a dedicated
+        trainer warm: mark the run active and answer its trainer deployment's status, holding
+        up to ``hold_s`` for a deploying trainer to come up. RUNNING, or SCALED_TO_ZERO (the
+        next op wakes it), is reachable; otherwise 409 (run deactivated) or 503 (failed to
+        load, or still loading: retry)."""
+        if run.status != st.RUN_ACTIVE:
+            raise run_inactive_error(run)
+        self.store.touch_run(run.id)
+        dep = self.store.get_deployment(run.deployment_id)
+        assert dep is not None
+        if dep.status in (st.DEPLOY_CREATED, st.DEPLOY_DEPLOYING):
+            await self.wait_until_running(run, hold_s)
+            dep = self.store.get_deployment(run.deployment_id)
+            assert dep is not None
+        if dep.status == st.DEPLOY_FAILED:
+            raise ApiError(503, f"Run {run.id}'s trainer failed to load: {dep.status_reason}. "
+                                "Start a new run; see `loops server logs`.", "DeploymentFailed")
+        if dep.status in (st.DEPLOY_CREATED, st.DEPLOY_DEPLOYING):
+            raise ApiError(503, f"Run {run.id}'s trainer is still loading; retry shortly.",
+                           "TrainerStarting", headers={"Retry-After": "1"})
+        return dep.status
 
     # ── startup / shutdown ──
 
