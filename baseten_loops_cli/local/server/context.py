@@ -7,15 +7,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from baseten_loops_cli import __version__
-from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.server.account import UserAccount
+from baseten_loops_cli.local.server.checkpoint_catalog import CheckpointCatalog
 from baseten_loops_cli.local.server.checkpoints import CheckpointFiles
 from baseten_loops_cli.local.server.compute import ComputePool, Engine
 from baseten_loops_cli.local.server.config import ServerConfig
+from baseten_loops_cli.local.server.deployment_registry import DeploymentRegistry
 from baseten_loops_cli.local.server.files import Presigner
 from baseten_loops_cli.local.server.model_catalog import ModelCatalog
 from baseten_loops_cli.local.server.operations import OperationRegistry
 from baseten_loops_cli.local.server.runs import RunManager
 from baseten_loops_cli.local.server.samplers import SamplerService
+from baseten_loops_cli.local.server.usage import UsageLedger
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -27,10 +30,10 @@ __all__ = ["ServerConfig", "ServerContext", "get_ctx"]
 @dataclass(frozen=True)
 class ServerContext:
     """The server's services, each built once by the app factory (``app.create_app``), which
-    passes every service the others it needs; routes reach them through ``get_ctx``."""
+    passes every service the others it needs; routes reach them through ``get_ctx``. The
+    store is not here: routes ask a service (DEVELOPERS.md, "Local server")."""
 
     config: ServerConfig
-    store: st.Store
     engine: Engine
     pool: ComputePool
     presigner: Presigner
@@ -39,6 +42,10 @@ class ServerContext:
     models: ModelCatalog
     samplers: SamplerService
     runs: RunManager
+    checkpoints: CheckpointCatalog
+    deployments: DeploymentRegistry
+    account: UserAccount
+    usage: UsageLedger
     started_at: float = field(default_factory=time.time)
     version: str = __version__
 
