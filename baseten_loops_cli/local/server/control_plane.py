@@ -267,8 +267,8 @@ def _logs_response(ctx: ServerContext, deployment_id: str, params: dict[str, Any
         raise bad_request(f"min_level must be one of {', '.join(LOG_LEVELS)}.", "InvalidQuery")
     levels = LOG_LEVELS[LOG_LEVELS.index(min_level):]
     rows = ctx.deployments.logs(deployment_id, start_ns=start_ms * 1_000_000,
-                                  end_ns=end_ms * 1_000_000 + 999_999, levels=levels,
-                                  descending=direction == "desc", limit=limit)
+                                end_ns=end_ms * 1_000_000 + 999_999, levels=levels,
+                                descending=direction == "desc", limit=limit)
     return JSONResponse({"logs": [
         {"timestamp": str(r.ts_ns), "message": r.message, "replica": "local-0",
          "request_id": r.request_id, "level": r.level}
