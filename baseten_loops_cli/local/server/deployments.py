@@ -33,13 +33,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.engine.sample_types import (
     SampledSequence,
     SampleRequest,
     SampleResult,
 )
 from baseten_loops_cli.local.server.context import ServerContext, get_ctx
+from baseten_loops_cli.local.server.deployment_registry import DeploymentRow
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, choices
 from baseten_loops_cli.local.server.schemas import parse_body
 from baseten_loops_cli.local.server.sampler_routes import (
@@ -56,26 +56,15 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI allows 20 on chat, 5 on completions)
 
 
-def _deployment(ctx: ServerContext, deployment_id: str) -> st.DeploymentRow:
-    dep = ctx.store.get_deployment(deployment_id)
-    if dep is None or dep.kind != "inference":
-        raise ApiError(404, f"No checkpoint deployment {deployment_id!r}. Create one with "
-                            "POST /v1/loops/checkpoints/deploy.", "DeploymentNotFound")
-    if dep.status != st.SAMPLER_ACTIVE:
-        raise ApiError(409, f"Deployment {dep.id} is {dep.status}.", "DeploymentInactive")
-    return dep
+def _deployment(ctx: ServerContext, deployment_id: str) -> DeploymentRow:
+    return ctx.deployments.serving(deployment_id)
 
 
-def _adapters(ctx: ServerContext, dep: st.DeploymentRow) -> dict[str, Adapter]:
-    out = {}
-    for pk in dep.checkpoint_pks:
-        cp = ctx.store.get_checkpoint(pk)
-        if cp is not None:
-            out[cp.name] = ctx.samplers.adapter(cp)
-    return out
+def _adapters(ctx: ServerContext, dep: DeploymentRow) -> dict[str, Adapter]:
+    return ctx.deployments.adapters(dep)
 
 
-def _select(ctx: ServerContext, dep: st.DeploymentRow, model: Any) -> tuple[Adapter | None, str]:
+def _select(ctx: ServerContext, dep: DeploymentRow, model: Any) -> tuple[Adapter | None, str]:
     adapters = _adapters(ctx, dep)
     if model is None:
         if len(adapters) == 1:
@@ -208,7 +197,7 @@ def _tops(seq: SampledSequence, count: int) -> list[list[tuple[int, float]]]:
 
 
 async def _prepare(ctx: ServerContext, request: Request, implemented: frozenset[str]
-                   ) -> tuple[st.DeploymentRow, dict, Adapter | None, str, Any]:
+                   ) -> tuple[DeploymentRow, dict, Adapter | None, str, Any]:
     dep = _deployment(ctx, request.path_params["deployment_id"])
     body = await parse_body(request)
     _reject_unsupported(body, implemented)
@@ -216,10 +205,9 @@ async def _prepare(ctx: ServerContext, request: Request, implemented: frozenset[
     return dep, body, adapter, model, await _tokenizer(dep.base_model)
 
 
-def _record_usage(ctx: ServerContext, dep: st.DeploymentRow, out: SampleResult) -> int:
+def _record_usage(ctx: ServerContext, dep: DeploymentRow, out: SampleResult) -> int:
     completion_tokens = sum(len(s.tokens) for s in out.sequences)
-    ctx.store.add_usage(dep.id, "deployment", tokens_sampled=completion_tokens,
-                        sample_requests=1)
+    ctx.deployments.record_usage(dep, completion_tokens)
     return completion_tokens
 
 
@@ -240,7 +228,7 @@ _NEUTRAL: dict[str, tuple] = {
 }
 
 
-async def _answer(ctx: ServerContext, dep: st.DeploymentRow, body: dict, job: SampleRequest,
+async def _answer(ctx: ServerContext, dep: DeploymentRow, body: dict, job: SampleRequest,
                   tokenizer: Any, model: str, *, id_prefix: str, objects: tuple[str, str],
                   streamed_choice: Callable[[int, str, Any], dict | None],
                   whole_choice: Callable[[int, SampledSequence], dict]) -> Response:
