@@ -132,8 +132,8 @@ def test_neutral_values_and_completion_parameters(client):
     ok = client.chat.completions.create(model="s2", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                         presence_penalty=0, frequency_penalty=0, logit_bias={}, user="u1")
     assert ok.choices[0].finish_reason in ("stop", "length")
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model="s2", prompt="hi", max_tokens=2, echo=True)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        client.completions.create(model="s2", prompt="hi", max_tokens=2, suffix="!")
     with pytest.raises(openai.BadRequestError, match="stream_options"):
         client.completions.create(model="s2", prompt="hi", max_tokens=2, stream_options={"include_usage": True})
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
@@ -174,3 +174,73 @@ def test_a_stop_string_is_never_streamed(client):
                                                  max_tokens=MAX_TOKENS, stop=["fish"], stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def _forward_logprobs(seeded, prompts: list[list[int]]) -> list[list[float]]:
+    """The trainer's `/forward` logprobs of each prompt's tokens 1.. (the seeded run's weights
+    are its checkpoint s2's: nothing trains it after s2)."""
+    from tests.cli_support import trainer
+
+    data = [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": ids[:-1]}]},
+             "loss_fn_inputs": {"target_tokens": {"data": ids[1:], "dtype": "int64", "shape": [len(ids) - 1]},
+                                "weights": {"data": [1.0] * (len(ids) - 1), "dtype": "float32",
+                                            "shape": [len(ids) - 1]}}} for ids in prompts]
+    with trainer(seeded.server, seeded.run_id) as tc:
+        out = tc.forward(data, "cross_entropy").result(timeout=120)
+    return [list(row["logprobs"]["data"]) for row in out["loss_fn_outputs"]]
+
+
+def test_echo_scores_prompts_with_the_trainers_forward_logprobs(seeded, client):
+    """How evaluation harnesses score loglikelihood: echo + logprobs + max_tokens 0, a batch
+    of token-id lists; the numbers are the trainer's `/forward` ones."""
+    from baseten_loops_cli.tokenization import get_tokenizer
+
+    tokenizer = get_tokenizer(seeded.base_model)
+    texts = [f"{QUESTION} {SECRET}", "The password is"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    expected = _forward_logprobs(seeded, prompts)
+    answer = client.completions.create(model="s2", prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert answer.usage.prompt_tokens == sum(map(len, prompts)) and answer.usage.completion_tokens == 0
+    for choice, ids, text, reference in zip(answer.choices, prompts, texts, expected):
+        lp = choice.logprobs
+        assert choice.text == text and choice.finish_reason == "length"
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(reference, abs=1e-4)
+        for logprob, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert len(top) == 1 and max(top.values()) >= logprob - 1e-6
+    # A string prompt, echoed before a completion: the prompt's part is the same numbers.
+    scored = client.completions.create(model="s2", prompt=texts[0], max_tokens=3, echo=True, logprobs=0,
+                                       temperature=0)
+    choice = scored.choices[0]
+    assert choice.logprobs.token_logprobs[1:len(prompts[0])] == pytest.approx(expected[0], abs=1e-4)
+    plain = client.completions.create(model="s2", prompt=texts[0], max_tokens=3, temperature=0, logprobs=0)
+    assert choice.text == texts[0] + plain.choices[0].text
+    assert choice.logprobs.token_logprobs[len(prompts[0]):] == plain.choices[0].logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="echo") as caught:
+        client.completions.create(model="s2", prompt=texts[0], max_tokens=0)
+    assert caught.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("form", ["strings", "token lists"])
+def test_a_batch_of_three_prompts_with_n_2_is_indexed_as_openai_does(seeded, client, form):
+    from baseten_loops_cli.tokenization import get_tokenizer
+
+    texts = ["The password", QUESTION, "hello"]
+    prompt = texts if form == "strings" else [get_tokenizer(seeded.base_model).encode(t) for t in texts]
+    batch = client.completions.create(model="s2", prompt=prompt, n=2, max_tokens=4, temperature=0, logprobs=1)
+    assert [c.index for c in batch.choices] == list(range(6))
+    completion_tokens = 0
+    for i, text in enumerate(texts):
+        alone = client.completions.create(model="s2", prompt=text, max_tokens=4, temperature=0)
+        assert [batch.choices[2 * i + j].text for j in range(2)] == [alone.choices[0].text] * 2
+        completion_tokens += 2 * alone.usage.completion_tokens
+    assert batch.usage.prompt_tokens == sum(len(t.encode()) for t in texts)  # bytes: the tiny tokenizer
+    assert batch.usage.completion_tokens == completion_tokens
+    streamed = list(client.completions.create(model="s2", prompt=prompt, n=2, max_tokens=4, temperature=0,
+                                              stream=True))
+    texts_by_index: dict[int, str] = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts_by_index[c.index] = texts_by_index.get(c.index, "") + c.text
+    assert texts_by_index == {c.index: c.text for c in batch.choices}
