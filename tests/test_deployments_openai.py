@@ -1,8 +1,11 @@
 """A `loops deploy` endpoint driven by the official `openai` package, as real clients do:
 logprobs in the chat and completions shapes (the same numbers `loops sample -o json` reports
 for the same prompt and seed), token-by-token streaming (the first chunk provably arrives
-while the sampler is still decoding), the usage chunk, and a 400 naming a parameter the
-endpoint does not implement."""
+while the sampler is still decoding; each token's logprobs with its text), the usage chunk,
+echo + logprobs scoring (the trainer's `/forward` numbers), batched prompts with `n`, the model
+name as a model id, roles and tools, and every malformed request's status and OpenAI error
+object (401 and 500 too, on a connection kept alive), the body cap and `/health` during a 20 MB
+prompt (event orders, no timing)."""
 
 from __future__ import annotations
 
