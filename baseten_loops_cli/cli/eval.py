@@ -42,6 +42,10 @@ def _task(data: Optional[Path], config: Optional[Path], *, limit, seed, samples,
         raise UsageError("nothing to score: pass --data FILE.jsonl (or --config with eval data)")
     if samples or k:
         raise UsageError("--samples and --k need an RL config (--config) with a reward", hint="SFT rows are scored by likelihood, not sampled.")
+    from baseten_loops_cli.training.multiple_choice import MCTask, is_multiple_choice
+
+    if is_multiple_choice(data):  # rows with choices + label
+        return MCTask(data, limit)
     return ev.SFTTask(data, limit=limit)
 
 
@@ -63,13 +67,13 @@ def eval_command(
     seed: Annotated[Optional[int], typer.Option("--seed", help="RL: sampling seed (default: the config's seed).", show_default=False)] = None,
     samples: Annotated[Optional[int], typer.Option("--samples", "-n", min=1, max=64, help="RL: completions per prompt (default: the config's group_size).", show_default=False)] = None,
     k: Annotated[Optional[int], typer.Option("--k", min=1, help="RL: the k of pass@k (default: --samples).", show_default=False)] = None,
-    fail_under: Annotated[Optional[list[str]], typer.Option("--fail-under", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is below VALUE (accuracy, reward, pass_rate, pass_at_k).", show_default=False)] = None,
+    fail_under: Annotated[Optional[list[str]], typer.Option("--fail-under", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is below VALUE (accuracy, accuracy_norm, reward, pass_rate, pass_at_k).", show_default=False)] = None,
     fail_over: Annotated[Optional[list[str]], typer.Option("--fail-over", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is above VALUE (nll, perplexity).", show_default=False)] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Score again even when a result is cached.")] = False,
 ) -> None:
     """Score checkpoints side by side on a data set; the best value per column is marked *.
 
-    SFT rows (chat messages or prompt/completion) give NLL per token, perplexity and next-token accuracy on the assistant tokens, from one forward pass per row through a sampler (no training). Prompt rows with an RL config (--config) give the mean reward, pass rate at the config's pass_threshold, unbiased pass@k and mean completion length over --samples completions per prompt.
+    SFT rows (chat messages or prompt/completion) give NLL per token, perplexity and next-token accuracy on the assistant tokens, from one forward pass per row through a sampler (no training). Multiple-choice rows ({"prompt", "choices", "label"}) give accuracy and length-normalised accuracy, each choice scored by its logprobs after the prompt. Prompt rows with an RL config (--config) give the mean reward, pass rate at the config's pass_threshold, unbiased pass@k and mean completion length over --samples completions per prompt.
 
     Results are cached per checkpoint, data and settings, so re-running a table is instant. Exit 1 when a gate (--fail-under / --fail-over) fails or a reward raises on a row.
 
@@ -80,6 +84,8 @@ def eval_command(
       loops eval abc1234:* --config examples/tiny-rl.yaml --samples 8 --k 4
 
       loops eval abc1234:final --data eval.jsonl --fail-under accuracy=0.8 -o json
+
+      loops eval abc1234:final --base --data multiple_choice.jsonl
     """
     from baseten_loops_cli.errors import LoopsError, UsageError
     from baseten_loops_cli.settings.paths import cache_dir

@@ -41,5 +41,8 @@ class ServerConfig:
     # status every 10 s, so one scaled down between two polls was never seen ready.
     sampler_min_awake_s: float = 30.0
     enable_fault_hooks: bool = False
+    # The largest body a deployment's OpenAI route reads (413 before reading the rest):
+    # well above the longest context, as text or token ids, batched.
+    max_openai_body_bytes: int = 32 * 2**20
     # Import torch in the background at startup so the first op doesn't pay for it.
     preload_engine: bool = True
