@@ -479,7 +479,8 @@ def scores_from_forward(datums: Sequence[Mapping[str, Any]], result: Any) -> lis
     for datum, out in zip(datums, outputs):
         inputs = datum["loss_fn_inputs"]
         refs = inputs.get("ref_logprobs")
-        logprobs = out["logprobs"]["data"] if isinstance(out, Mapping) else out.logprobs.data
+        tensor = out["logprobs"] if isinstance(out, Mapping) else out.logprobs
+        logprobs = tensor["data"] if isinstance(tensor, Mapping) else tensor.data
         scores.append(score_sequence(logprobs, inputs["weights"]["data"], refs["data"] if refs else None))
     return scores
 
