@@ -60,12 +60,46 @@ def test_by_run_reports_tokens_and_compute(seeded):
     table = loops(seeded.server, "usage", "--by-run")
     assert table.code == 0, table
     assert table.lines[0].split()[:3] == ["RUN", "BASE", "MODEL"]
-    assert re.search(r"Total: [\d,]+ tokens trained, [\d,]+ sampled, .* of compute\.", table.stderr)
+    assert re.search(r"Total: [\d,]+ tokens trained, [\d,]+ sampled \([\d,]+ by deployments\), .* of compute\.", table.stderr)
     doc = loops(seeded.server, "usage", "--by-run", "--all", "-o", "json").json()
     assert set(doc) == {"runs", "totals"}
     mine = next(r for r in doc["runs"] if r["run_id"] == seeded.run_id)
     assert mine["tokens_trained"] > 0 and mine["operations"] > 0
     assert doc["totals"]["tokens_trained"] >= mine["tokens_trained"]
+
+
+def test_sampling_a_runs_checkpoints_anywhere_counts_for_the_run(seeded):
+    """`loops sample RUN:NAME` (a standalone sampler) and a deployment's chat request both
+    count for the run whose checkpoint they served; the deployments' share is shown apart."""
+    import httpx
+
+    def mine() -> dict:
+        doc = loops(seeded.server, "usage", "--by-run", "--all", "-o", "json").json()
+        return next(r for r in doc["runs"] if r["run_id"] == seeded.run_id)
+
+    before = mine()
+    sampled = loops(seeded.server, "sample", f"{seeded.run_id}:s2", "--prompt", "hi", "--max-tokens", "5",
+                    "--temperature", "0", "-o", "json")
+    assert sampled.code == 0, sampled
+    after_sample = mine()
+    assert after_sample["tokens_sampled"] > before["tokens_sampled"], (before, after_sample)
+    assert after_sample["sample_requests"] > (before["sample_requests"] or 0)
+    assert after_sample["tokens_sampled_by_deployments"] == before["tokens_sampled_by_deployments"]
+
+    deployed = loops(seeded.server, "deploy", f"{seeded.run_id}:s2", "--model-name", "usage-bot", "-o", "json")
+    assert deployed.code == 0, deployed
+    answer = httpx.post(f"{deployed.json()['url']}/chat/completions",
+                        headers={"Authorization": f"Api-Key {seeded.server.token}"},
+                        json={"model": "s2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                        timeout=60)
+    assert answer.status_code == 200, answer.text
+    served = answer.json()["usage"]["completion_tokens"]
+    after_deploy = mine()
+    assert after_deploy["tokens_sampled"] == after_sample["tokens_sampled"] + served
+    assert after_deploy["tokens_sampled_by_deployments"] == before["tokens_sampled_by_deployments"] + served
+    table = loops(seeded.server, "usage", "--by-run", "--all")
+    assert "BY DEPLOYMENTS" in table.lines[0], table
+    assert re.search(r"sampled \([\d,]+ by deployments\)", table.stderr)
 
 
 def test_usage_empty_results(seeded):

@@ -216,10 +216,12 @@ async def _prepare(ctx: ServerContext, request: Request, implemented: frozenset[
     return dep, body, adapter, model, await _tokenizer(dep.base_model)
 
 
-def _record_usage(ctx: ServerContext, dep: st.DeploymentRow, out: SampleResult) -> int:
+def _record_usage(ctx: ServerContext, dep: st.DeploymentRow, out: SampleResult, model: str) -> int:
+    """Count the answer for the deployment and (through its checkpoint) for the run it came from."""
     completion_tokens = sum(len(s.tokens) for s in out.sequences)
+    adapter = _adapters(ctx, dep).get(model)
     ctx.store.add_usage(dep.id, "deployment", tokens_sampled=completion_tokens,
-                        sample_requests=1)
+                        sample_requests=1, checkpoint_pk=adapter.checkpoint_pk if adapter else None)
     return completion_tokens
 
 
@@ -263,10 +265,10 @@ async def _answer(ctx: ServerContext, dep: st.DeploymentRow, body: dict, job: Sa
         return await sse_response(ctx.samplers, dep.base_model, job, tokenizer, chunk,
                                   include_usage=_include_usage(body),
                                   on_done=lambda out: _usage(job.prompt,
-                                                             _record_usage(ctx, dep, out)))
+                                                             _record_usage(ctx, dep, out, model)))
 
     out = await ctx.samplers.generate(dep.base_model, job)
-    completion_tokens = _record_usage(ctx, dep, out)
+    completion_tokens = _record_usage(ctx, dep, out, model)
     return JSONResponse({**head, "object": whole,
                          "choices": [whole_choice(i, s) for i, s in enumerate(out.sequences)],
                          "usage": _usage(job.prompt, completion_tokens)})

@@ -215,7 +215,8 @@ async def sample(request: Request) -> Response:
     def record(output: SampleResult) -> dict[str, int]:
         generated = sum(len(s.tokens) for s in output.sequences)
         owner, kind = (sampler.run_id, "run") if sampler.run_id else (sampler.id, "sampler")
-        ctx.store.add_usage(owner, kind, tokens_sampled=generated, sample_requests=1)
+        ctx.store.add_usage(owner, kind, tokens_sampled=generated, sample_requests=1,
+                            checkpoint_pk=adapter.checkpoint_pk if adapter else None)
         ctx.store.update_sampler(sampler.id, last_active_at=time.time())
         return {"prompt_tokens": len(job.prompt), "completion_tokens": generated,
                 "total_tokens": len(job.prompt) + generated}
