@@ -356,7 +356,8 @@ def _log_window(tail: bool, since: str | None, start: str | None, end: str | Non
     level = None
     if min_level is not None:
         if min_level.lower() not in LOG_LEVELS:
-            raise UsageError(f"--min-level must be one of {', '.join(LOG_LEVELS)}, got {min_level!r}")
+            raise UsageError(f"--min-level must be one of {', '.join(LOG_LEVELS)}, got {min_level!r}",
+                             hint=f"e.g. --min-level {LOG_LEVELS[-1]}")
         level = min_level.upper()
     now = time.time()
     end_s = parse_when(end, "--end").timestamp() if end else now

@@ -460,7 +460,8 @@ def apply_overrides(raw: dict, overrides: list[str], applied: dict[tuple, str] |
 
     for item in overrides:
         if "=" not in item:
-            raise UsageError(f"--set {item!r}: expected key.path=value")
+            raise UsageError(f"--set {item!r}: expected key.path=value",
+                             hint=f"e.g. --set {item.strip() or 'max_steps'}=VALUE")
         key, value = item.split("=", 1)
         parts = [p for p in key.strip().split(".") if p]
         if not parts:

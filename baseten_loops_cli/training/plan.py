@@ -95,7 +95,8 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
             for prompt in train + (evals or []):
                 if "answer" not in prompt.row:
                     raise ConfigError(
-                        f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row"
+                        f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row",
+                        hint='Add "answer" to every row ({"prompt": ..., "answer": ...}) or use a reward file.',
                     )
         return LoadedData(tokenizer, train, evals, reward)
     if isinstance(config, DPOConfig):
