@@ -50,6 +50,13 @@ def test_version_and_help(env):
         assert word in help_text
 
 
+def test_help_names_every_training_kind_and_export(env):
+    root = loops(env, "--help").stdout
+    assert "SFT, RL and DPO loops" in " ".join(root.split())
+    checkpoints = next(line for line in root.splitlines() if "checkpoints " in line and "List" in line)
+    assert "export" in checkpoints, root
+
+
 def test_unknown_profile_exits_2_with_suggestion(env):
     loops(env, "config", "set", "base_url", "https://prod.example", "--profile", "prod")
     result = loops(env, "config", "get", "kind", "--profile", "prdo")

@@ -1,4 +1,4 @@
-"""`loops checkpoints`: list, inspect, validate and download what runs saved.
+"""`loops checkpoints`: list, inspect, validate, download and export what runs saved.
 
 A checkpoint is named by its id, its bt:// URI or RUN:NAME (add --target trainer|sampler when a
 trainer and a sampler checkpoint share the name). `checkpoints list -o json` is
@@ -14,7 +14,7 @@ from baseten_loops_cli.cli import _complete
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(
-    help="List, inspect, validate and download checkpoints (by id, bt:// URI or RUN:NAME).",
+    help="List, inspect, validate, download and export checkpoints (by id, bt:// URI or RUN:NAME).",
     no_args_is_help=True,
 )
 
