@@ -74,6 +74,14 @@ def test_training_flags_users_try_get_the_set_spelling(env, args, spelling):
     assert other.returncode == 2 and "Hint: Run 'loops runs list --help' for usage." in other.stderr
 
 
+def test_a_missing_config_suggests_the_close_match(env):
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    result = loops(env, "train", "run", str(examples / "tiny_sft.yaml"))
+    assert_one_line_error(result, 1, "tiny_sft.yaml: no such file", f"Hint: Did you mean {examples / 'tiny-sft.yaml'}?")
+    far = loops(env, "train", "validate", str(examples / "nothing-like-it.yaml"))
+    assert_one_line_error(far, 1, "no such file", "loops train init")
+
+
 def test_unknown_profile_exits_2_with_suggestion(env):
     loops(env, "config", "set", "base_url", "https://prod.example", "--profile", "prod")
     result = loops(env, "config", "get", "kind", "--profile", "prdo")
