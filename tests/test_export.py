@@ -184,3 +184,27 @@ def test_smollm2_merged_answers_like_the_adapter(smollm2_cache, tmp_path, monkey
         want = adapted.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
         got = merged.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
     assert got.tolist() == want.tolist()
+
+
+def test_gguf_takes_head_dim_from_the_config(tmp_path):
+    """A llama-architecture base whose head_dim (32) is not hidden_size / heads (16): the GGUF
+    file says 32 for the RoPE dimension and the key/value lengths, and transformers' GGUF loader
+    (the export's own verification) rebuilds the same model from it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from baseten_loops_cli.export import export_adapter
+
+    config = LlamaConfig(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    base.save_pretrained(tmp_path / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, lora).save_pretrained(tmp_path / "adapter")
+    result = export_adapter(tmp_path / "adapter", str(tmp_path / "base"), tmp_path / "out", fmt="gguf")
+    assert result.max_abs_diff <= 1e-4
+    fields = gguf.GGUFReader(result.path).fields
+    for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
+        assert int(fields[key].parts[-1][0]) == 32, key

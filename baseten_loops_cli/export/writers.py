@@ -239,7 +239,12 @@ def _write_gguf(base_model: str, adapted: Any, path: Path, dtype: str, reference
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    # Llama-architecture configs may set head_dim apart from hidden_size / heads (e.g. Llama 3.2
+    # 3B's siblings, Mistral-style bases); llama.cpp reads it from key_length / value_length.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or (config.rope_parameters or {}).get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
