@@ -71,6 +71,14 @@ def test_hf_merged_folder_matches_base_plus_adapter(seeded, reference, tmp_path)
     assert "verified" in got.stderr
     assert {"config.json", "generation_config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
     assert not (out / "adapter_config.json").exists()
+    # An export is meant to be shared: the user's umask decides its modes (not 0600/0700).
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~mask
+    for path in out.rglob("*"):
+        assert (path.stat().st_mode & 0o777) == (0o777 if path.is_dir() else 0o666) & ~mask, path
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert (logits(model) - reference["logits"]).abs().max() <= 1e-4
     # An existing target is refused without --force, replaced with it.

@@ -177,6 +177,7 @@ def export_adapter(
     try:
         result = writers.write(adapter_dir, base_model, staging, dest, fmt=fmt, dtype=dtype,
                                card=card or {"base_model": base_model}, progress=progress)
+        _follow_umask(staging)
         if dest.exists() or dest.is_symlink():
             _remove(dest)
         os.replace(staging, dest)
@@ -187,6 +188,17 @@ def export_adapter(
                              hint="Free some space (or pick another -O) and run it again.") from None
         raise
     return result
+
+
+def _follow_umask(root: Path) -> None:
+    """An export is meant to be shared: give it the modes a plain ``mkdir``/``open`` would (the
+    staging folder is made 0700 by mkdtemp, and some writers make their files 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(root, 0o777 & ~mask)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _disk_full(exc: BaseException) -> bool:
