@@ -81,6 +81,7 @@ def test_hf_merged_folder_matches_base_plus_adapter(seeded, reference, tmp_path)
         assert (path.stat().st_mode & 0o777) == (0o777 if path.is_dir() else 0o666) & ~mask, path
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert (logits(model) - reference["logits"]).abs().max() <= 1e-4
+    assert_tokenizer_is_the_byte_tokenizer(out)
     # An existing target is refused without --force, replaced with it.
     again = export(seeded, "-O", str(out), "--merge")
     one_line_error(again, 2, "already exists", "--force")
@@ -116,6 +117,24 @@ def test_gguf_tensors_read_back_as_the_merged_weights(seeded, reference, tmp_pat
 
     model = AutoModelForCausalLM.from_pretrained(str(out), gguf_file=path.name, dtype=torch.float32).eval()
     assert (logits(model) - reference["logits"]).abs().max() <= 1e-4
+    assert_tokenizer_is_the_byte_tokenizer(out)
+
+
+def assert_tokenizer_is_the_byte_tokenizer(folder: Path) -> None:
+    """The tiny model's export loads with AutoTokenizer, which encodes, decodes and renders chat
+    exactly as the built-in byte tokenizer (what `loops sample` uses)."""
+    from transformers import AutoTokenizer
+
+    from baseten_loops_cli.tokenization import get_tokenizer, render_chat
+
+    loaded = AutoTokenizer.from_pretrained(str(folder))
+    ours = get_tokenizer(TINY)
+    for text in ("What is 2+3?", "héllo ✓ <|im_end|>\n  x"):
+        ids = loaded.encode(text, add_special_tokens=False)
+        assert ids == ours.encode(text) and loaded.decode(ids) == text
+    chat = [{"role": "user", "content": "What is 2+3?"}]
+    rendered = loaded.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert list(rendered) == render_chat(ours, chat, add_generation_prompt=True)[0]
 
 
 def test_bad_input(seeded, tmp_path):
