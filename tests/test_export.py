@@ -235,3 +235,42 @@ def test_gguf_takes_head_dim_from_the_config(tmp_path):
     fields = gguf.GGUFReader(result.path).fields
     for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
         assert int(fields[key].parts[-1][0]) == 32, key
+
+
+@pytest.mark.slow
+@pytest.mark.required_in_ci
+def test_smollm2_peft_export_loads_offline_with_plain_peft(smollm2_cache, tmp_path, monkeypatch):
+    """A SmolLM2 adapter's peft export names the base's local folder (model card, result) and,
+    with --base-path, writes it into adapter_config.json: plain peft then loads it with the hub
+    switched off (HF_HUB_OFFLINE=1), answering as base + adapter."""
+    import os
+    import sys
+
+    from peft import LoraConfig, get_peft_model
+
+    from baseten_loops_cli.export import export_adapter
+    from baseten_loops_cli.export.writers import base_dir, load_base
+
+    monkeypatch.setenv("LOOPS_CACHE_DIR", str(smollm2_cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    folder = str(base_dir(name))
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(load_base(name), lora).save_pretrained(tmp_path / "adapter")
+    plain = export_adapter(tmp_path / "adapter", name, tmp_path / "plain", fmt="peft")
+    assert plain.base_path == folder and folder in (tmp_path / "plain" / "README.md").read_text()
+    assert "--base-path" in (tmp_path / "plain" / "README.md").read_text()
+    result = export_adapter(tmp_path / "adapter", name, tmp_path / "offline", fmt="peft", base_path=folder)
+    assert json.loads((tmp_path / "offline" / "adapter_config.json").read_text())["base_model_name_or_path"] == folder
+    script = (
+        "import sys, torch\n"
+        "from peft import AutoPeftModelForCausalLM\n"
+        "m = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+        "print(float(m(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.abs().sum()))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-hub")}
+    loaded = subprocess.run([sys.executable, "-c", script, str(tmp_path / "offline")], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert result.max_abs_diff <= 1e-4
