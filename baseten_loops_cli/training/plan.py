@@ -212,8 +212,9 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
             + est / 3600 * (pricing.usd_per_hour or 0.0)
         )
     notes = []
-    if backend_kind == "local" and measured is None:
-        notes.append("time estimate not calibrated yet: it is measured on this machine by the first run of this model")
+    if backend_kind == "local":
+        notes.append(measured.note(config.base_model) if measured is not None else
+                     "time estimate not calibrated yet: it is measured on this machine by the first run of this model")
     if isinstance(config, RLConfig):
         notes.append("RL token counts are upper bounds (every completion at sampling.max_tokens)")
     if backend_kind != "local":
