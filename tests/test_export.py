@@ -118,16 +118,21 @@ def test_gguf_tensors_read_back_as_the_merged_weights(seeded, reference, tmp_pat
     model = AutoModelForCausalLM.from_pretrained(str(out), gguf_file=path.name, dtype=torch.float32).eval()
     assert (logits(model) - reference["logits"]).abs().max() <= 1e-4
     assert_tokenizer_is_the_byte_tokenizer(out)
+    # The file alone carries the tokenizer too (its metadata, as llama.cpp reads it).
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / path.name).write_bytes(path.read_bytes())
+    assert_tokenizer_is_the_byte_tokenizer(alone, gguf_file=path.name)
 
 
-def assert_tokenizer_is_the_byte_tokenizer(folder: Path) -> None:
+def assert_tokenizer_is_the_byte_tokenizer(folder: Path, **kwargs: str) -> None:
     """The tiny model's export loads with AutoTokenizer, which encodes, decodes and renders chat
     exactly as the built-in byte tokenizer (what `loops sample` uses)."""
     from transformers import AutoTokenizer
 
     from baseten_loops_cli.tokenization import get_tokenizer, render_chat
 
-    loaded = AutoTokenizer.from_pretrained(str(folder))
+    loaded = AutoTokenizer.from_pretrained(str(folder), **kwargs)
     ours = get_tokenizer(TINY)
     for text in ("What is 2+3?", "héllo ✓ <|im_end|>\n  x"):
         ids = loaded.encode(text, add_special_tokens=False)

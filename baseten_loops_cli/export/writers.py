@@ -116,7 +116,7 @@ def _write(adapter_dir: Path, base_model: str, staging: Path, final: Path, *, fm
     else:
         name = _safe_name(base_model) + ".gguf"
         diff = _write_gguf(base_model, adapted, staging / name, dtype, reference, progress)
-        if base_model == TINY:  # no GGUF form for a byte tokenizer: its tokenizer.json beside the file
+        if base_model == TINY:  # also beside the file, for loaders that read only tokenizer.json
             _write_tokenizer(base_model, staging)
         path = final / name
     (staging / "README.md").write_text(model_card(fmt, dtype, base_model, card, diff))
@@ -297,19 +297,24 @@ def _write_gguf(base_model: str, adapted: Any, path: Path, dtype: str, reference
 
 
 def _add_tokenizer(writer: Any, base_model: str, config: Any) -> None:
-    """Tokenizer metadata for a BPE tokenizer.json base (GPT-2 style, as SmolLM2 has); the
-    tiny model's byte tokenizer has no llama.cpp equivalent, so its file carries ids only."""
+    """Tokenizer metadata for a BPE tokenizer.json base (GPT-2 style, as SmolLM2 has), the tiny
+    model's byte tokenizer included (its tokenizer.json form: the bytes, no merges)."""
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
                      ("pad_token_id", writer.add_pad_token_id)):
         value = getattr(config, key, None)
         if isinstance(value, int):
             add(value)
     directory = base_dir(base_model)
-    if directory is None or not (directory / "tokenizer.json").is_file():
+    if directory is None:  # the tiny byte tokenizer, in its tokenizer.json form
+        from baseten_loops_cli.tokenization.byte_tokenizer import CHAT_TEMPLATE, tokenizer_json
+
+        spec, template = json.loads(tokenizer_json()), CHAT_TEMPLATE
+    elif (directory / "tokenizer.json").is_file():
+        spec, template = json.loads((directory / "tokenizer.json").read_text()), _chat_template(directory)
+    else:
         return
     import gguf
 
-    spec = json.loads((directory / "tokenizer.json").read_text())
     model = spec.get("model", {})
     if model.get("type") != "BPE":
         return
@@ -330,7 +335,8 @@ def _add_tokenizer(writer: Any, base_model: str, config: Any) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    template = _chat_template(directory)
+    if not merges:  # a byte vocabulary (tiny): readers that rebuild merges from scores find none
+        writer.add_token_scores([0.0] * size)
     if template:
         writer.add_chat_template(template)
 
@@ -393,8 +399,8 @@ def model_card(fmt: str, dtype: str, base_model: str, card: dict[str, Any], diff
               "or serve it with vLLM (`vllm serve THIS_FOLDER`)."
               + (" The tiny model's byte tokenizer is included as `tokenizer.json` (`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)." if base_model == TINY else ""),
         "gguf": "Base and adapter merged into one GGUF file (llama architecture) for llama.cpp-compatible runtimes."
-                + (" The tiny model's byte tokenizer has no GGUF form: it is beside the file as `tokenizer.json` "
-                   "(`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)." if base_model == TINY else ""),
+                + (" The tiny model's byte tokenizer is in the file's metadata (a byte vocabulary without merges) and "
+                   "beside it as `tokenizer.json` (`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)." if base_model == TINY else ""),
     }[fmt]
     rows = [("Base model", base_model), ("Format", fmt), ("Dtype", dtype),
             ("Checkpoint", card.get("checkpoint")), ("URI", card.get("uri")), ("Run", card.get("run_id")),
