@@ -231,6 +231,8 @@ def _run_cli_case(case: dict, tmp: Path, ctx: _Ctx, server) -> None:
     assert proc.returncode == case["exit"], where
     assert _fill(case["message"], mapping, None).lower() in proc.stderr.lower(), where
     assert "Traceback" not in proc.stderr + proc.stdout, where
+    # The README's promise for every error: one `Error:` line and a `Hint:` line with the fix.
+    assert "Error:" in proc.stderr and "\nHint: " in proc.stderr, "an Error: line without a Hint: line\n" + where
     # Bad input is a known failure: it must never reach main()'s catch-all for bugs.
     assert "Error: unexpected" not in proc.stderr, "an unhandled exception, not a message\n" + where
     assert server.token not in proc.stderr + proc.stdout, "the API key leaked\n" + where

@@ -39,7 +39,8 @@ def _task(data: Optional[Path], config: Optional[Path], *, limit, seed, samples,
             )  # fmt: skip
         return ev.SFTTask(data, cfg.data.train_on, cfg.max_seq_len, limit)
     if data is None:
-        raise UsageError("nothing to score: pass --data FILE.jsonl (or --config with eval data)")
+        raise UsageError("nothing to score: pass --data FILE.jsonl (or --config with eval data)",
+                         hint="For example: loops eval RUN:final --data examples/data/tiny_sft_eval.jsonl")
     if samples or k:
         raise UsageError("--samples and --k need an RL config (--config) with a reward", hint="SFT rows are scored by likelihood, not sampled.")
     from baseten_loops_cli.training.multiple_choice import MCTask, is_multiple_choice

@@ -242,7 +242,8 @@ class Output:
             return jq_module.compile(expr)
         except ValueError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "syntax error"
-            raise UsageError(f"--jq: invalid expression {expr!r}: {first}") from None
+            raise UsageError(f"--jq: invalid expression {expr!r}: {first}",
+                             hint="Check the expression's brackets and quotes; e.g. --jq '.runs[].id'.") from None
 
     def _emit_json_value(self, value: Any, *, lines: bool = False) -> None:
         if self._compiled_jq is not None:

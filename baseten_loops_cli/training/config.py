@@ -460,7 +460,8 @@ def apply_overrides(raw: dict, overrides: list[str], applied: dict[tuple, str] |
 
     for item in overrides:
         if "=" not in item:
-            raise UsageError(f"--set {item!r}: expected key.path=value")
+            raise UsageError(f"--set {item!r}: expected key.path=value",
+                             hint=f"e.g. --set {item.strip() or 'max_steps'}=VALUE")
         key, value = item.split("=", 1)
         parts = [p for p in key.strip().split(".") if p]
         if not parts:
@@ -480,6 +481,18 @@ def apply_overrides(raw: dict, overrides: list[str], applied: dict[tuple, str] |
     return raw
 
 
+def _missing_config_hint(path: Path) -> str:
+    """A close match beside the missing config (``tiny_sft.yaml`` -> ``tiny-sft.yaml``), else init."""
+    try:
+        siblings = [p.name for p in path.parent.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()]
+    except OSError:
+        siblings = []
+    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.75)
+    if close:
+        return f"Did you mean {path.parent / close[0]}?"
+    return "Create one with `loops train init`."
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, *, check_files: bool = False) -> LoadedConfig:
     """Load and validate a config; every problem is reported at once (:class:`ConfigProblems`).
 
@@ -489,14 +502,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file", hint="Create one with `loops train init`.") from None
+        raise ConfigError(f"{path}: no such file", hint=_missing_config_hint(path)) from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     raw, lines = _load_yaml_with_lines(text, path)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}:1: the config must be a YAML mapping (key: value lines)")
+        raise ConfigError(f"{path}:1: the config must be a YAML mapping (key: value lines)",
+                          hint="Start from `loops train init --kind sft -O FILE`.")
     applied: dict[tuple, str] = {}
     if overrides:
         raw = apply_overrides(raw, overrides, applied)

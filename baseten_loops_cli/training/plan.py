@@ -95,7 +95,8 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
             for prompt in train + (evals or []):
                 if "answer" not in prompt.row:
                     raise ConfigError(
-                        f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row"
+                        f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row",
+                        hint='Add "answer" to every row ({"prompt": ..., "answer": ...}) or use a reward file.',
                     )
         return LoadedData(tokenizer, train, evals, reward)
     if isinstance(config, DPOConfig):
@@ -211,8 +212,9 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
             + est / 3600 * (pricing.usd_per_hour or 0.0)
         )
     notes = []
-    if backend_kind == "local" and measured is None:
-        notes.append("time estimate not calibrated yet: it is measured on this machine by the first run of this model")
+    if backend_kind == "local":
+        notes.append(measured.note(config.base_model) if measured is not None else
+                     "time estimate not calibrated yet: it is measured on this machine by the first run of this model")
     if isinstance(config, RLConfig):
         notes.append("RL token counts are upper bounds (every completion at sampling.max_tokens)")
     if backend_kind != "local":

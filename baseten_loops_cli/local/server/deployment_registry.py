@@ -179,7 +179,9 @@ class DeploymentRegistry:
                 out[cp.name] = self.samplers.adapter(cp)
         return out
 
-    def record_usage(self, dep: DeploymentRow, tokens_sampled: int) -> None:
-        """A request to the deployment finished: count it for the deployment."""
+    def record_usage(self, dep: DeploymentRow, tokens_sampled: int, *,
+                     checkpoint_pk: str | None = None) -> None:
+        """A request to the deployment finished: count it for the deployment (and for the run
+        whose checkpoint ``checkpoint_pk`` answered it)."""
         self.store.add_usage(dep.id, "deployment", tokens_sampled=tokens_sampled,
-                             sample_requests=1)
+                             sample_requests=1, checkpoint_pk=checkpoint_pk)

@@ -399,9 +399,13 @@ async def _prepare(ctx: ServerContext, request: Request, implemented: frozenset[
     return dep, body, adapter, model, tokenizer, await ctx.models.spec(dep.base_model)
 
 
-def _record_usage(ctx: ServerContext, dep: DeploymentRow, outs: list[SampleResult]) -> int:
+def _record_usage(ctx: ServerContext, dep: DeploymentRow, outs: list[SampleResult], model: str) -> int:
+    """Count one request's answers for the deployment and (through the checkpoint that served
+    them) for the run it came from."""
     completion_tokens = sum(len(s.tokens) for out in outs for s in out.sequences)
-    ctx.deployments.record_usage(dep, completion_tokens)
+    adapter = _adapters(ctx, dep).get(model)
+    ctx.deployments.record_usage(dep, completion_tokens,
+                                 checkpoint_pk=adapter.checkpoint_pk if adapter else None)
     return completion_tokens
 
 
@@ -449,11 +453,11 @@ async def _answer(ctx: ServerContext, dep: DeploymentRow, body: dict,
         return await sse_batch_response(
             ctx.samplers, dep.base_model, jobs, tokenizer, chunk,
             include_usage=_include_usage(body),
-            on_done=lambda outs: _usage(prompt_tokens, _record_usage(ctx, dep, outs)))
+            on_done=lambda outs: _usage(prompt_tokens, _record_usage(ctx, dep, outs, model)))
 
     outs = list(await asyncio.gather(*(ctx.samplers.generate(dep.base_model, job)
                                        for job in jobs)))
-    completion_tokens = _record_usage(ctx, dep, outs)
+    completion_tokens = _record_usage(ctx, dep, outs, model)
     n = jobs[0].n
     return JSONResponse({**head, "object": whole,
                          "choices": [whole_choice(k * n + j, k, s, out)

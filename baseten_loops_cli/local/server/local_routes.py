@@ -40,13 +40,7 @@ async def local_status(request: Request) -> Response:
 async def local_usage(request: Request) -> Response:
     """Per-run (and per standalone sampler / deployment) counters, for `loops usage`."""
     ctx = get_ctx(request)
-    rows = ctx.usage.entries(request.query_params.get("run_id"))
-    return JSONResponse({"usage": [
-        {"owner_id": u.owner_id, "owner_kind": u.owner_kind,
-         "tokens_trained": u.tokens_trained, "tokens_sampled": u.tokens_sampled,
-         "compute_seconds": round(u.compute_seconds, 3), "operations": u.operations,
-         "sample_requests": u.sample_requests}
-        for u in rows]})
+    return JSONResponse({"usage": ctx.usage.report(request.query_params.get("run_id"))})
 
 
 async def presigned_file(request: Request) -> Response:

@@ -212,7 +212,8 @@ async def sample(request: Request) -> Response:
 
     def record(output: SampleResult) -> dict[str, int]:
         generated = sum(len(s.tokens) for s in output.sequences)
-        ctx.samplers.record_sample(sampler, generated)
+        ctx.samplers.record_sample(sampler, generated,
+                                   checkpoint_pk=adapter.checkpoint_pk if adapter else None)
         return {"prompt_tokens": len(job.prompt), "completion_tokens": generated,
                 "total_tokens": len(job.prompt) + generated}
 

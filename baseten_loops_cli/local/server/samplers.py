@@ -277,11 +277,14 @@ class SamplerService:
             raise ApiError(409, f"Sampler {sampler.id} was deactivated; create a new one.",
                            "SamplerInactive")
 
-    def record_sample(self, sampler: st.SamplerRow, tokens_sampled: int) -> None:
+    def record_sample(self, sampler: st.SamplerRow, tokens_sampled: int, *,
+                      checkpoint_pk: str | None = None) -> None:
         """A ``/sample`` request finished: count it (for the run, if the sampler is a run's
-        paired sampler) and keep the sampler awake."""
+        paired sampler; also for the run whose checkpoint ``checkpoint_pk`` served it) and
+        keep the sampler awake."""
         owner, kind = (sampler.run_id, "run") if sampler.run_id else (sampler.id, "sampler")
-        self.store.add_usage(owner, kind, tokens_sampled=tokens_sampled, sample_requests=1)
+        self.store.add_usage(owner, kind, tokens_sampled=tokens_sampled, sample_requests=1,
+                             checkpoint_pk=checkpoint_pk)
         self.store.update_sampler(sampler.id, last_active_at=time.time())
 
     def deactivate(self, sampler: st.SamplerRow) -> None:

@@ -13,6 +13,7 @@ class UsageLedger:
     def __init__(self, store: st.Store) -> None:
         self.store = store
 
-    def entries(self, owner_id: str | None = None) -> list[UsageRow]:
-        """Every owner's counters, or only ``owner_id``'s."""
-        return [u for u in self.store.list_usage() if owner_id in (None, u.owner_id)]
+    def report(self, owner_id: str | None = None) -> list[dict]:
+        """``GET /v1/local/usage``: every owner's counters (or one owner's); a run's row also
+        says who else sampled its checkpoints (``checkpoints_sampled_by``)."""
+        return self.store.usage_report(owner_id)
