@@ -33,7 +33,7 @@ def test_ctrl_c_at_the_last_step_then_resume_in_a_new_run_with_lineage(local_ser
     from baseten_loops_cli.training.plan import load_data
     from baseten_loops_cli.training.rundir import RunDir
     from baseten_loops_cli.training.session import StopRequested, open_session
-    from baseten_loops_cli.training.sft import run_sft
+    from baseten_loops_cli.training.kinds.sft import run_sft
 
     for key, value in local_server.env.items():
         monkeypatch.setenv(key, value)

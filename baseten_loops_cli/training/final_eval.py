@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.evaluation import Candidate, EvalReport, EvalTask, RLTask, SamplerLike, SFTTask, evaluate
+from baseten_loops_cli.training.evaluation import Candidate, EvalReport, SamplerLike, evaluate
 
 
 def render_text(report: EvalReport) -> str:
@@ -33,27 +33,18 @@ def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
 
     The run is still active here, so its paired sampler serves the checkpoint (pinned) and the
     session's base sampler serves the base model: nothing else is provisioned."""
-    from baseten_loops_cli.training.config import RLConfig
+    from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.rundir import atomic_write
 
     loaded, config = session.loaded, session.config
     spec = config.eval
     if spec is None:
         return None
-    is_rl = isinstance(config, RLConfig)
-    data = spec.data or (config.data.eval_prompts if is_rl else config.data.eval)
+    data = spec.data or kinds.eval_data(loaded)
     if not data:
         sink.message("eval: no data to score (set eval.data, or data.eval / data.eval_prompts); skipped.")
         return None
-    task: EvalTask
-    if is_rl:
-        samples = spec.samples or config.group_size
-        task = RLTask(
-            loaded.resolve_path(data), config.reward, loaded.base_dir, config.sampling, samples, spec.k,
-            config.pass_threshold, config.seed, config.max_seq_len, spec.limit,
-        )  # fmt: skip
-    else:
-        task = SFTTask(loaded.resolve_path(data), config.data.train_on, config.max_seq_len, spec.limit)
+    task = kinds.eval_task(loaded, loaded.resolve_path(data), limit=spec.limit, samples=spec.samples, k=spec.k)
     sampler_path = record.get("sampler_path")
     run_label = f"{session.run_id}:{record.get('name', 'final')}"
 

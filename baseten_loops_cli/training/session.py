@@ -1,8 +1,8 @@
 """What every training loop shares: the run on the backend, the worker clients, the learning-rate
 schedule, graceful Ctrl-C, and the exactly-once resume point.
 
-The loops (sft.py, rl.py) know nothing about the CLI; they take a ``TrainingSession`` and a
-``Reporter`` and write only through the run directory.
+The loops (training/kinds) know nothing about the CLI; they take a ``TrainingSession`` and a
+``MetricsSink`` and write only through the run directory.
 """
 
 from __future__ import annotations
@@ -12,18 +12,11 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig, SFTConfig
+from baseten_loops_cli.training.config import CommonConfig, LoadedConfig
 from baseten_loops_cli.training.rundir import RunDir
-
-
-class Reporter(Protocol):
-    def start(self, total_steps: int, start_step: int, main_metric: str) -> None: ...
-    def step(self, record: dict) -> None: ...
-    def message(self, text: str) -> None: ...
-    def close(self) -> None: ...
 
 
 def learning_rate(opt: Any, step: int, total_steps: int) -> float:
@@ -91,7 +84,7 @@ class TrainingSession:
     _base_sampler: Any = field(default=None, repr=False)
 
     @property
-    def config(self) -> SFTConfig | RLConfig | DPOConfig:
+    def config(self) -> CommonConfig:
         return self.loaded.config
 
     @property
@@ -146,7 +139,7 @@ def run_name(name: str, resumed_from: str | None = None) -> str:
     return name[: 255 - len(suffix)] + suffix
 
 
-def _create_run(client: Any, config: SFTConfig | RLConfig | DPOConfig, resumed_from: str | None = None) -> Any:
+def _create_run(client: Any, config: CommonConfig, resumed_from: str | None = None) -> Any:
     """Create the run in a session of its own. Creating is not idempotent: the client never
     re-sends it blindly but looks for it in this session after a lost answer, and deactivates
     a duplicate (``HttpClient.create``)."""
