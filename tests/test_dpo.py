@@ -360,7 +360,7 @@ def _ctrl_c_at_step(server, run_dir: Path, monkeypatch, at_step: int, overrides:
     run deactivated (or kept active, as `--keep-run` or a killed client leaves it). Returns
     (status, run id)."""
     from baseten_loops_cli.cli._backend import open_backend
-    from baseten_loops_cli.cli.train import _absolute_raw
+    from baseten_loops_cli.training.service import absolute_raw
     from baseten_loops_cli.training.kinds.dpo import run_dpo
     from baseten_loops_cli.training.metrics import MetricsSink
     from baseten_loops_cli.training.plan import load_data
@@ -372,7 +372,7 @@ def _ctrl_c_at_step(server, run_dir: Path, monkeypatch, at_step: int, overrides:
     loaded = load_config(EXAMPLES / "tiny-dpo.yaml", overrides)
     data = load_data(loaded)
     rundir = RunDir(run_dir)
-    rundir.create(_absolute_raw(loaded), loaded.path)
+    rundir.create(absolute_raw(loaded), loaded.path)
     session = open_session(loaded, rundir, open_backend(), resume=False, announce=lambda _: None)
     stop = StopRequested()  # not entered: no signal handler; the "Ctrl-C" is set below
 

@@ -182,7 +182,7 @@ def run(prepared: PreparedRun, backend: Any, *, view: Any, announce: Announce, k
     from baseten_loops_cli.training import calibration
 
     loaded, rundir = prepared.loaded, prepared.rundir
-    rundir.create(_absolute_raw(loaded), loaded.path)
+    rundir.create(absolute_raw(loaded), loaded.path)
     announce(f"Run directory: {rundir.path}")
     summary = _execute(backend, loaded, prepared.data, rundir, resume=False, keep_run=keep_run,
                        view=view, announce=announce)
@@ -242,7 +242,7 @@ def summary_of(rundir: RunDir, run_id: str | None, kind: str, status: str, *, de
     )
 
 
-def _absolute_raw(loaded: LoadedConfig) -> dict:
+def absolute_raw(loaded: LoadedConfig) -> dict:
     """The config as the run directory keeps it: data paths and a reward file made absolute, so
     `loops train resume` works from anywhere."""
     import copy
