@@ -63,6 +63,18 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return format(value, spec)
 
 
+def table_text(rows: list[dict], columns: list[tuple[str, Any]]) -> str:
+    """A table as plain text, as the sink prints one off a terminal (a run directory's eval.txt)."""
+    import io
+
+    from baseten_loops_cli.output.sink import Output, Streams
+
+    buffer = io.StringIO()
+    out = Output("table", streams=Streams(stdout=buffer, stderr=io.StringIO(), stdin_tty=False, stdout_tty=False, stderr_tty=False))
+    out.emit(rows, rows=rows, columns=columns)
+    return buffer.getvalue()
+
+
 def _field_text(record: dict, field: Any) -> str | None:
     if field.optional and field.key not in record:
         return None
@@ -109,6 +121,8 @@ class PlainTrainingView:
 
     def close(self) -> None:
         pass
+
+    table_text = staticmethod(table_text)
 
 
 class LiveTrainingView:
@@ -171,3 +185,5 @@ class LiveTrainingView:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+    table_text = staticmethod(table_text)

@@ -1,8 +1,8 @@
 """The end of a training run (``eval:`` in the config): score the final checkpoint as
 ``loops eval`` does and write the table into the run directory.
 
-Kept apart from :mod:`training.evaluation` because it renders a table (``output``): the
-scoring itself stays free of rendering, so ``services`` can build on it.
+The table is drawn by the run's view (``sink.table_text``: the output layer's plain table),
+so nothing in ``training`` renders.
 """
 
 from __future__ import annotations
@@ -12,19 +12,6 @@ from typing import Any
 
 from baseten_loops_cli.errors import LoopsError
 from baseten_loops_cli.training.evaluation import Candidate, EvalReport, SamplerLike, evaluate
-
-
-def render_text(report: EvalReport) -> str:
-    """The table as plain text (what a run directory's eval.txt holds)."""
-    import io
-
-    from baseten_loops_cli.output.sink import Output, Streams
-
-    buffer = io.StringIO()
-    out = Output("table", streams=Streams(stdout=buffer, stderr=io.StringIO(), stdin_tty=False, stdout_tty=False, stderr_tty=False))
-    rows, columns = report.table()
-    out.emit(report.as_dict(), rows=rows, columns=columns)
-    return buffer.getvalue()
 
 
 def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
@@ -68,11 +55,13 @@ def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
     doc = report.as_dict()
     rundir = session.rundir
     atomic_write(rundir.path / "eval.json", json.dumps(doc, indent=2, allow_nan=True) + "\n")
-    text = render_text(report)
-    atomic_write(rundir.path / "eval.txt", text)
-    sink.message(f"Eval on {data}:")
-    for line in text.rstrip("\n").splitlines():
-        sink.message(f"  {line}")
+    rows, columns = report.table()
+    text = sink.table_text(rows, columns)
+    if text is not None:  # None: no view draws tables (a caller that shows nothing)
+        atomic_write(rundir.path / "eval.txt", text)
+        sink.message(f"Eval on {data}:")
+        for line in text.rstrip("\n").splitlines():
+            sink.message(f"  {line}")
     for error in report.errors:
         sink.message(f"eval: {error.source}: {error.message}")
     return report

@@ -31,6 +31,8 @@ class TrainingView(Protocol):
     def step(self, record: dict) -> None: ...
     def message(self, text: str) -> None: ...
     def close(self) -> None: ...
+    def table_text(self, rows: list[dict], columns: list[tuple[str, Any]]) -> str | None:
+        """A table as plain text (what a run directory's eval.txt holds)."""
 
 
 class _NoView:
@@ -45,6 +47,9 @@ class _NoView:
 
     def close(self) -> None:
         pass
+
+    def table_text(self, rows: list[dict], columns: list[tuple[str, Any]]) -> str | None:
+        return None
 
 
 def _wandb_safe(record: dict) -> dict:
@@ -147,6 +152,10 @@ class MetricsSink:
 
     def message(self, text: str) -> None:
         self.view.message(text)
+
+    def table_text(self, rows: list[dict], columns: list[tuple[str, Any]]) -> str | None:
+        """The view's plain-text table of ``rows`` (None when the view draws none)."""
+        return self.view.table_text(rows, columns)
 
     def close(self) -> None:
         self.view.close()
