@@ -243,10 +243,11 @@ def summary_of(rundir: RunDir, run_id: str | None, kind: str, status: str, *, de
 
 
 def absolute_raw(loaded: LoadedConfig) -> dict:
-    """The config as the run directory keeps it: data paths and a reward file made absolute, so
-    `loops train resume` works from anywhere."""
+    """The config as the run directory keeps it: the kind's data paths and code files
+    (``file.py:function``) made absolute, so `loops train resume` works from anywhere."""
     import copy
 
+    from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.config import data_path_keys
 
     raw = copy.deepcopy(loaded.raw)
@@ -254,15 +255,14 @@ def absolute_raw(loaded: LoadedConfig) -> dict:
         value = raw[section].get(key) if isinstance(raw.get(section), dict) else None
         if isinstance(value, str):
             raw[section][key] = str(loaded.resolve_path(value).resolve())
-    reward = raw.get("reward")
-    fn = reward if isinstance(reward, str) else (reward or {}).get("fn") if isinstance(reward, dict) else None
-    if isinstance(fn, str) and ":" in fn and fn.split(":", 1)[0].endswith(".py"):
-        file_part, func = fn.rsplit(":", 1)
-        absolute = f"{loaded.resolve_path(file_part).resolve()}:{func}"
-        if isinstance(reward, str):
-            raw["reward"] = absolute
-        else:
-            raw["reward"]["fn"] = absolute
+    for keys in kinds.of(loaded.config).code_keys:
+        parent = raw
+        for part in keys[:-1]:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        value = parent.get(keys[-1]) if isinstance(parent, dict) else None
+        if isinstance(value, str) and ":" in value and value.split(":", 1)[0].endswith(".py"):
+            file_part, func = value.rsplit(":", 1)
+            parent[keys[-1]] = f"{loaded.resolve_path(file_part).resolve()}:{func}"
     return raw
 
 

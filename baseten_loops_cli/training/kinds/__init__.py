@@ -87,6 +87,7 @@ class Kind:
     run: Callable[["TrainingSession", LoadedData, "MetricsSink", "StopRequested"], str]  # -> completed | interrupted
     eval_data_key: tuple[str, str] | None = None  # the config key of the default eval data (`eval:` and `loops eval --config`)
     eval_task: Callable[..., Any] | None = None  # (loaded, data, *, limit, seed, samples, k) -> evaluation.EvalTask
+    code_keys: tuple[tuple[str, ...], ...] = ()  # keys whose value may be path/to/file.py:function (RL: reward)
     capabilities_use_case: str = "sft"  # the backend's model list that must offer base_model (sft, rl)
     check: Callable[[Any, "LoadedConfig"], None] | None = None  # (client, loaded): before provisioning
     title: str = ""  # how plans name it (default: NAME in capitals)

@@ -449,5 +449,6 @@ KIND = Kind(
     run=_run,
     eval_data_key=("data", "eval_prompts"),
     eval_task=eval_task,
+    code_keys=(("reward",), ("reward", "fn")),  # `reward: file.py:fn` or `reward: {fn: file.py:fn}`
     capabilities_use_case="rl",
 )
