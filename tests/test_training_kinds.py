@@ -141,6 +141,9 @@ def test_a_registered_kind_runs_end_to_end(local_server, tmp_path, toy_kind):
     saved = load_config(run_dir / "config.yaml").config
     assert isinstance(saved, ToyConfig) and Path(saved.data.texts).is_absolute()  # the kind's data path key
 
+    plot = loops(local_server, "train", "plot", str(run_dir))  # the kind's main metric by default
+    assert plot.code == 0 and "toy_loss  (steps 1-4" in plot.stdout, plot
+
     # The checkpoint is a real one on the server: the same sampler weights `loops eval` would score.
     listed = loops(local_server, "checkpoints", "list", "--run-id", summary["run_id"], "-o", "json")
     assert listed.code == 0, listed

@@ -219,7 +219,7 @@ def resume(
 def plot(
     ctx: typer.Context,
     run_dirs: Annotated[list[Path], typer.Argument(help="One or more run directories (overlaid, one colour and legend entry each).")],
-    metric: Annotated[Optional[list[str]], typer.Option("--metric", "-m", help="Metric(s) to plot (default: loss or reward).")] = None,
+    metric: Annotated[Optional[list[str]], typer.Option("--metric", "-m", help="Metric(s) to plot (default: the kind's main metric: loss, or reward for RL).")] = None,
     out_file: Annotated[Optional[Path], typer.Option("--out", help="Write a PNG here (needs matplotlib).")] = None,
 ) -> None:
     """Draw runs' metric curves in the terminal, or to a PNG; several runs are overlaid.
@@ -235,6 +235,7 @@ def plot(
     import shutil
 
     from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.training import service
     from baseten_loops_cli.training.plot import plot_png, plot_terminal
     from baseten_loops_cli.training.rundir import RunDir
 
@@ -245,8 +246,7 @@ def plot(
         if not records:
             raise UsageError(f"{run_dir}: no metrics.jsonl records to plot", hint="Pass run directories of `loops train run`.")
         runs[str(run_dir).rstrip("/") or str(run_dir)] = records
-    first = next(iter(runs.values()))
-    names = metric or (["reward"] if "reward" in first[0] else ["loss"])
+    names = metric or [service.main_metric_of(RunDir(run_dirs[0]))]
     available = sorted({k for rs in runs.values() for r in rs for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
     for name in names:
         if name not in available:

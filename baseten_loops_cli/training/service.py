@@ -242,6 +242,21 @@ def summary_of(rundir: RunDir, run_id: str | None, kind: str, status: str, *, de
     )
 
 
+def main_metric_of(rundir: RunDir) -> str:
+    """The main metric of the kind that wrote a run directory (its saved config says which;
+    ``loss`` when that cannot be read or names no registered kind): `train plot`'s default."""
+    import yaml
+
+    from baseten_loops_cli.training import kinds
+
+    try:
+        raw = yaml.safe_load(rundir.config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        raw = None
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    return kinds.get(kind).main_metric if isinstance(kind, str) and kind in kinds.names() else "loss"
+
+
 def absolute_raw(loaded: LoadedConfig) -> dict:
     """The config as the run directory keeps it: the kind's data paths and code files
     (``file.py:function``) made absolute, so `loops train resume` works from anywhere."""

@@ -81,7 +81,7 @@ class TrainingSession:
     created_run: bool
     start_step: int = 0
     _sampler: Any = field(default=None, repr=False)
-    _base_sampler: Any = field(default=None, repr=False)
+    _model_samplers: dict = field(default_factory=dict, repr=False)  # base model -> standalone sampler
 
     @property
     def config(self) -> CommonConfig:
@@ -104,19 +104,25 @@ class TrainingSession:
 
     def new_base_sampler_client(self) -> Any:
         """A client of a standalone sampler on the frozen base model (for the KL penalty)."""
+        return self.new_model_sampler_client(self.config.base_model)
+
+    def new_model_sampler_client(self, base_model: str) -> Any:
+        """A client of a standalone sampler on ``base_model`` (the frozen base model, or another
+        model a kind scores with, e.g. a distillation teacher): created in the run's session on
+        first use, deactivated by :meth:`close`."""
         from baseten_loops_cli.workers.sampler import SamplerClient
 
-        if self._base_sampler is None:
-            self._base_sampler = self.client.samplers.create(
-                {"session_id": self.run.session_id, "base_model": self.config.base_model}
-            )
-        return SamplerClient(self._base_sampler.base_url, api_key=self.api_key, sampler_id=self._base_sampler.id)
+        sampler = self._model_samplers.get(base_model)
+        if sampler is None:
+            sampler = self.client.samplers.create({"session_id": self.run.session_id, "base_model": base_model})
+            self._model_samplers[base_model] = sampler
+        return SamplerClient(sampler.base_url, api_key=self.api_key, sampler_id=sampler.id)
 
     def close(self, *, deactivate: bool) -> None:
         self.trainer.close()
-        if self._base_sampler is not None:
+        for sampler in self._model_samplers.values():
             try:
-                self.client.samplers.deactivate(self._base_sampler.id)
+                self.client.samplers.deactivate(sampler.id)
             except LoopsError:
                 pass
         if deactivate:
