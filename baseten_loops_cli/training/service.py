@@ -9,8 +9,8 @@ calibration record.
 
 Nothing here prints or imports ``cli``/``output``: people hear about a run through the
 ``announce`` callable (one line each) and the :class:`~training.metrics.TrainingView` the caller
-supplies (the steps); confirmation before billable capacity is the caller's to ask
-(:attr:`Plan.billable`).
+supplies (the steps); asking before billable capacity is provisioned is the caller's
+(``backend.capabilities.billable``).
 
 ``backend`` is anything with ``client``, ``api_key``, ``base_url``, ``profile_name`` and
 ``capabilities`` (settings.connection.Capabilities); cli/_backend.Backend is one.
