@@ -170,3 +170,22 @@ def test_without_registration_the_kind_is_unknown(tmp_path):
     config.write_text("kind: toy\nname: x\n")
     with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft', 'rl' or 'dpo', not 'toy'"):
         load_config(config)
+
+
+@pytest.mark.parametrize("kind, total, record, line", [
+    ("sft", 10, {"step": 2, "loss": 1.0, "eval_loss": 0.5, "learning_rate": 1e-3},
+     "step 2/10  loss 1.0000  eval_loss 0.5000  lr 1.00e-03  tok/s -  v-"),
+    ("rl", 10, {"step": 4, "reward": 0.5, "pass_rate": 0.25, "groups": 4, "eval_reward_mean": 0.7, "learning_rate": 4e-5},
+     "step 4/10  reward 0.500  pass 25%  groups 0/4  eval_reward 0.700  lr 4.00e-05  tok/s -  v-"),
+    ("dpo", 12, {"step": 0, "eval_loss": 0.69, "eval_preference_accuracy": 0.5, "eval_reward_margin": 0.0},
+     "step 0/12  loss -  eval_loss 0.6900  eval_pref_acc 50%  lr -  tok/s -  v-"),
+    ("dpo", 12, {"step": 2, "loss": 0.5, "preference_accuracy": 0.8, "reward_margin": 0.2, "eval_loss": 0.4,
+                 "eval_preference_accuracy": 0.9, "learning_rate": 1e-4, "policy_version": 2},
+     "step 2/12  loss 0.5000  pref_acc 80%  margin 0.200  eval_loss 0.4000  eval_pref_acc 90%  lr 1.00e-04  tok/s -  v2"),
+])
+def test_each_built_in_kind_declares_its_part_of_the_step_line(kind, total, record, line):
+    """The step line is the view's; what it shows between the step and the learning rate is the
+    kind's declaration (the same lines the per-kind branches of the old display printed)."""
+    from baseten_loops_cli.output.training_view import step_line
+
+    assert step_line(record, total, kinds.get(kind).step_fields) == line
