@@ -16,28 +16,21 @@ from baseten_loops_cli.cli._state import get_state
 
 
 def _task(data: Optional[Path], config: Optional[Path], *, limit, seed, samples, k) -> Any:
-    """The evaluation task from --data and --config (an RL config brings the reward)."""
+    """The evaluation task from --data and --config (the config's kind builds it, as for its
+    `eval:` block: an RL config brings the reward)."""
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training import evaluation as ev
 
-    loaded = None
     if config is not None:
-        from baseten_loops_cli.training.config import RLConfig, load_config
+        from baseten_loops_cli.training import kinds
+        from baseten_loops_cli.training.config import load_config
 
         loaded = load_config(config)
-        cfg = loaded.config
-        if data is None:
-            default = cfg.data.eval_prompts if isinstance(cfg, RLConfig) else cfg.data.eval
-            if not default:
-                key = "data.eval_prompts" if isinstance(cfg, RLConfig) else "data.eval"
-                raise UsageError(f"--data is missing and {config} has no {key}", hint="Pass --data FILE.jsonl.")
-            data = loaded.resolve_path(default)
-        if isinstance(cfg, RLConfig):
-            return ev.RLTask(
-                data, cfg.reward, loaded.base_dir, cfg.sampling, samples or cfg.group_size, k, cfg.pass_threshold,
-                cfg.seed if seed is None else seed, cfg.max_seq_len, limit,
-            )  # fmt: skip
-        return ev.SFTTask(data, cfg.data.train_on, cfg.max_seq_len, limit)
+        task = kinds.eval_task(loaded, data, limit=limit, seed=seed, samples=samples, k=k)
+        if task is None:
+            key = ".".join(kinds.of(loaded.config).eval_data_key or ("data", "eval"))
+            raise UsageError(f"--data is missing and {config} has no {key}", hint="Pass --data FILE.jsonl.")
+        return task
     if data is None:
         raise UsageError("nothing to score: pass --data FILE.jsonl (or --config with eval data)",
                          hint="For example: loops eval RUN:final --data examples/data/tiny_sft_eval.jsonl")

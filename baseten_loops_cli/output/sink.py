@@ -419,6 +419,18 @@ class Output:
 
         return CountBar(self.err_console if self.animate else None, label)
 
+    def training_view(self):
+        """How a training run shows its steps (``training.metrics.TrainingView``): a Rich live
+        view (progress bar, ETA, step line, sparkline) for a person at a terminal
+        (:attr:`animate`); otherwise one plain line per step on stderr (none with -q), and with
+        ``-o jsonl`` each step's record on stdout as it comes."""
+        from baseten_loops_cli.output.training_view import LiveTrainingView, PlainTrainingView
+
+        if self.animate:
+            return LiveTrainingView(self.err_console)
+        return PlainTrainingView(jsonl=self.format == "jsonl", quiet=self.quiet,
+                                 out=self.streams.stdout, err=self.streams.stderr)
+
     # ------------------------------------------------------------------ renderers
     def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None) -> None:
         headers = [h for h, _ in columns]

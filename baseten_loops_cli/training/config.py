@@ -10,27 +10,37 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError, UsageError
 
 
-# The data keys that name files (relative to the config file).
-DATA_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"), ("eval", "data"))
+# The keys of every kind that name files (relative to the config file); each kind adds its own
+# (``Kind.data_path_keys``).
+COMMON_PATH_KEYS = (("eval", "data"),)
+
+
+def data_path_keys(kind: str) -> tuple[tuple[str, str], ...]:
+    """The config keys of a ``kind`` config that name data files."""
+    from baseten_loops_cli.training import kinds
+
+    return tuple(kinds.get(kind).data_path_keys) + COMMON_PATH_KEYS
 
 
 def _kinds_text() -> str:
-    """'sft', 'rl' or 'dpo': the config kinds (KINDS, below), for messages."""
-    return ", ".join(repr(k) for k in KINDS[:-1]) + f" or {KINDS[-1]!r}"
+    """'sft', 'rl' or 'dpo': the registered kinds (training/kinds), for messages."""
+    from baseten_loops_cli.training import kinds
+
+    return kinds.names_text()
 
 
-class _Strict(BaseModel):
+class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Section):
     learning_rate: float = Field(1e-4, gt=0)
     schedule: Literal["constant", "linear", "cosine"] = "linear"
     warmup_steps: int = Field(0, ge=0)
@@ -42,13 +52,13 @@ class OptimizerConfig(_Strict):
     grad_clip_norm: float = Field(1.0, ge=0, description="0 disables clipping.")
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Section):
     save_every: int = Field(0, ge=0, description="Save trainer state every N steps (0 = only at the end).")
     ttl_seconds: int | None = Field(None, ge=1)
     keep_final: bool = True
 
 
-class LoggingConfig(_Strict):
+class LoggingConfig(Section):
     run_dir: str | None = Field(
         None,
         description="Relative to the working directory; --run-dir wins. Default: runs/<name>-<timestamp>.",
@@ -57,7 +67,7 @@ class LoggingConfig(_Strict):
     wandb_name: str | None = None
 
 
-class PricingConfig(_Strict):
+class PricingConfig(Section):
     """Optional prices, for the plan's cost estimate (no public Loops prices exist)."""
 
     usd_per_million_train_tokens: float | None = Field(None, ge=0)
@@ -65,26 +75,8 @@ class PricingConfig(_Strict):
     usd_per_hour: float | None = Field(None, ge=0)
 
 
-class SFTData(_Strict):
-    train: str
-    eval: str | None = None
-    train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
-    shuffle: bool = True
 
-
-class RLData(_Strict):
-    prompts: str
-    eval_prompts: str | None = None
-    shuffle: bool = True
-
-
-class DPOData(_Strict):
-    train: str
-    eval: str | None = None
-    shuffle: bool = True
-
-
-class RewardConfig(_Strict):
+class RewardConfig(Section):
     """A builtin reward (``exact_match``, ``numeric_match``, ``regex``, ``contains``,
     ``starts_with``) or ``path/to/file.py:function``."""
 
@@ -96,7 +88,7 @@ class RewardConfig(_Strict):
     )
 
 
-class LossConfig(_Strict):
+class LossConfig(Section):
     name: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
     config: dict[str, float] = Field(default_factory=dict)
 
@@ -115,7 +107,7 @@ class LossConfig(_Strict):
         return self
 
 
-class SamplingConfig(_Strict):
+class SamplingConfig(Section):
     max_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -123,7 +115,7 @@ class SamplingConfig(_Strict):
     stop: list[str] = Field(default_factory=list)
 
 
-class EvalConfig(_Strict):
+class EvalConfig(Section):
     """``eval:``: when training ends, score the final checkpoint (and the base model with
     ``base: true``) as ``loops eval`` does; the table goes to eval.json and eval.txt in the run
     directory. ``eval: true`` (or an empty ``eval:``) takes every default."""
@@ -135,7 +127,11 @@ class EvalConfig(_Strict):
     k: int | None = Field(None, ge=1, description="RL: the k of pass@k (default: samples).")
 
 
-class _Common(_Strict):
+class CommonConfig(Section):
+    """What every kind's config has; a kind's model (training/kinds) adds ``kind``, ``data`` and
+    its own keys."""
+
+    kind: str
     name: str = Field(..., min_length=1, max_length=255)
     base_model: str
     profile: str | None = Field(None, description="Backend profile (default: the active one).")
@@ -152,6 +148,8 @@ class _Common(_Strict):
     pricing: PricingConfig = Field(default_factory=PricingConfig)
     eval: EvalConfig | None = Field(None, description="Evaluate the final checkpoint when training ends.")
     EVAL_SUPPORTED: ClassVar[bool] = True  # the loop ends with final_eval.evaluate_final()
+    # Sections whose keys may all be commented out (`logging:` alone means the defaults).
+    SECTIONS: ClassVar[tuple[str, ...]] = ("optimizer", "checkpointing", "logging", "pricing", "eval")
 
     @field_validator("eval", mode="before")
     @classmethod
@@ -166,72 +164,16 @@ class _Common(_Strict):
     def _empty_sections(cls, data: Any) -> Any:
         """A section whose keys are all commented out (``logging:`` alone) means the defaults."""
         if isinstance(data, dict):
-            empty = [k for k in ("optimizer", "checkpointing", "logging", "pricing", "loss", "sampling", "eval") if k in data and data[k] is None]
+            empty = [k for k in cls.SECTIONS if k in data and data[k] is None]
             if empty:
                 data = {**data, **{k: {} for k in empty}}
         return data
 
 
-class SFTConfig(_Common):
-    kind: Literal["sft"]
-    data: SFTData
-
-
-class RLConfig(_Common):
-    kind: Literal["rl"]
-    data: RLData
-    reward: RewardConfig
-    group_size: int = Field(4, ge=2)
-    groups_per_batch: int = Field(8, ge=1)
-    loss: LossConfig = Field(default_factory=LossConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    kl_penalty_coef: float = Field(0.0, ge=0, description="KL penalty against the base model (0 = off).")
-    max_steps_off_policy: int = Field(0, ge=0, description="0 = synchronous; N >= 1 = async with that staleness bound.")
-    pass_threshold: float = Field(1.0, description="A rollout passes when its reward is at least this.")
-
-    @field_validator("reward", mode="before")
-    @classmethod
-    def _reward_shorthand(cls, value: Any) -> Any:
-        return {"fn": value} if isinstance(value, str) else value
-
-
-class DPOConfig(_Common):
-    EVAL_SUPPORTED = False
-    kind: Literal["dpo"]
-    data: DPOData
-    beta: float = Field(0.1, gt=0, description="DPO temperature: how far the policy may move from the reference.")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed fraction of flipped labels (conservative DPO).")
-    reference: str = Field(
-        "base",
-        description="The reference policy: 'base' (the base model, as the run starts) or a sampler checkpoint bt://loops:<run>/sampler_weights/<name>.",
-    )
-
-    @field_validator("reference")
-    @classmethod
-    def _reference_checkpoint(cls, value: str) -> str:
-        if value == "base":
-            return value
-        from baseten_loops_cli.api.uri import CheckpointUri
-
-        if not CheckpointUri.is_uri(value):
-            raise ValueError(f"expected 'base' or bt://loops:<run_id>/sampler_weights/<name>, not {value!r}")
-        uri = CheckpointUri.parse(value)
-        if uri.target != "sampler":
-            raise ValueError(
-                f"{value} is trainer state; the reference is scored by a sampler, so name its sampler checkpoint "
-                f"bt://loops:{uri.run_id}/sampler_weights/{uri.name}"
-            )
-        return value
-
-
-TrainConfig = Annotated[Union[SFTConfig, RLConfig, DPOConfig], Field(discriminator="kind")]
-KINDS = ("sft", "rl", "dpo")
-
-
 class LoadedConfig:
     """A validated config plus where it came from (paths in it are relative to its folder)."""
 
-    def __init__(self, config: SFTConfig | RLConfig | DPOConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
+    def __init__(self, config: CommonConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
                  overrides: dict[tuple, str] | None = None):
         self.config = config
         self.path = path
@@ -323,7 +265,17 @@ def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]
 
 
 def _model_for(raw: dict) -> type[BaseModel]:
-    return {"rl": RLConfig, "dpo": DPOConfig}.get(raw.get("kind"), SFTConfig)
+    from baseten_loops_cli.training import kinds
+
+    return kinds.get(raw["kind"]).config_model
+
+
+def _kind_lines() -> str:
+    """```kind: sft`, `kind: rl` or `kind: dpo``` (the registered kinds)."""
+    from baseten_loops_cli.training import kinds
+
+    lines = [f"`kind: {k}`" for k in kinds.names()]
+    return lines[0] if len(lines) == 1 else ", ".join(lines[:-1]) + f" or {lines[-1]}"
 
 
 def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -400,7 +352,7 @@ def _override_of(overrides: dict[tuple, str], loc: tuple) -> str | None:
 
 def _problem(err: dict, lines: dict[tuple, int], raw: dict, overrides: dict[tuple, str] | None = None) -> Problem:
     problem = _file_problem(err, lines, raw)
-    loc = tuple(p for p in err["loc"] if p not in KINDS)
+    loc = tuple(err["loc"])
     problem.override = _override_of(overrides or {}, loc)
     if problem.override is not None:
         problem.line = None
@@ -409,7 +361,7 @@ def _problem(err: dict, lines: dict[tuple, int], raw: dict, overrides: dict[tupl
 
 
 def _file_problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
-    loc = tuple(p for p in err["loc"] if p not in KINDS)
+    loc = tuple(err["loc"])
     key = ".".join(str(p) for p in loc) or "(top level)"
     line = _line_of(lines, loc)
     if err["type"] == "extra_forbidden":
@@ -433,7 +385,7 @@ def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path,
                         overrides: dict[tuple, str] | None = None) -> list[Problem]:
     """A data path that does not exist, reported at the line of its key (not later, at load)."""
     problems = []
-    for loc in DATA_PATH_KEYS:
+    for loc in data_path_keys(raw["kind"]):
         value = (raw.get(loc[0]) or {}).get(loc[1]) if isinstance(raw.get(loc[0]), dict) else None
         if not isinstance(value, str) or not value:
             continue
@@ -498,6 +450,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
 
     ``check_files`` also reports data files that do not exist, at the line of their key (what
     `loops train validate` and `run` want; loading a run directory's config does not need it)."""
+    from baseten_loops_cli.training import kinds
+
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -515,19 +469,17 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
     if overrides:
         raw = apply_overrides(raw, overrides, applied)
     if "kind" not in raw:
-        raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft`, `kind: rl` or `kind: dpo`.")
-    if raw.get("kind") not in KINDS:
+        raise ConfigError(f"{path}: missing required key 'kind'", hint=f"Add {_kind_lines()}.")
+    if not isinstance(raw.get("kind"), str) or raw["kind"] not in kinds.names():
         where = Problem(lines.get(("kind",)) or 1, "kind", "", override=_override_of(applied, ("kind",))).where(path)
         raise ConfigError(f"{where}: kind must be {_kinds_text()}, not {raw.get('kind')!r}",
                           hint=f"Set kind to {_kinds_text()}.")
-    from pydantic import TypeAdapter
-
     # Collect every problem before failing: the schema's (pydantic reports them all) and the
     # data files that do not exist, so one `validate` shows everything to fix.
     problems = _missing_data_files(raw, lines, path.resolve().parent, applied) if check_files else []
     config = None
     try:
-        config = TypeAdapter(TrainConfig).validate_python(raw)
+        config = _model_for(raw).model_validate(raw)
     except ValidationError as exc:
         problems += [_problem(err, lines, raw, applied) for err in exc.errors()]
     if problems:
