@@ -162,16 +162,6 @@ class CheckpointTarget(StrEnum):
     trainer = "trainer"
 
 
-class SyncStatus(StrEnum):
-    SYNCING = "SYNCING"
-    COMPLETE = "COMPLETE"
-
-
-class AvailabilityModel(StrEnum):
-    dedicated = "dedicated"
-    spot = "spot"
-
-
 class _HasStatus(LoopsModel):
     """Mixin: ``status_name`` for models with a ``status: {name}`` field (declared per class so
     it keeps its place in the field order)."""
