@@ -26,7 +26,7 @@ import pytest
 
 from conftest import LocalServer
 
-from tests.support import kill, wait_for
+from tests.support import cli_env, kill, wait_for
 
 pytest.importorskip("torch")
 
@@ -960,7 +960,7 @@ def test_long_poll_restart_and_crash_recovery(server_factory):
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+                          env=cli_env(**env), capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[1])
 
 
@@ -993,7 +993,7 @@ def test_cli_server_commands(local_server: LocalServer):
 def test_server_logs_follow_ends_with_130_on_ctrl_c(local_server: LocalServer):
     """Ctrl-C is the only way out of --follow: exit 130, as `runs logs -f` and the documented table."""
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "server", "logs", "-f", "-n", "1", "-o", "jsonl"],
-                            env={**os.environ, **local_server.env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            env=cli_env(local_server), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.readline()  # the last line is printed: following has begun
