@@ -19,18 +19,3 @@ def test_layer_contracts_hold() -> None:
                             timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
-
-
-def test_commands_and_services_ask_capabilities_not_the_backend_kind() -> None:
-    """`backend.capabilities` (settings/connection.py) answers what a backend does; a check of
-    the kind's name ("local") would make a third backend a hunt through the code."""
-    import re
-
-    pattern = re.compile(r"""kind\s*[!=]=\s*["']local["']""")
-    # cli/train.py is being moved onto capabilities with the training service (issue 25).
-    skip = {ROOT / "baseten_loops_cli" / "cli" / "train.py"}
-    found = [f"{path.relative_to(ROOT)}:{n}"
-             for folder in ("cli", "services")
-             for path in sorted((ROOT / "baseten_loops_cli" / folder).glob("*.py")) if path not in skip
-             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]  # fmt: skip
-    assert not found, found
