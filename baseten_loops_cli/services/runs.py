@@ -331,7 +331,8 @@ def snapshot(backend: "Backend", run_id: str) -> RunSnapshot:
     )
 
 
-def watch_run(backend: "Backend", run_id: str, *, interval: float = 3.0, sleep: Sleep = time.sleep) -> Iterator[RunSnapshot]:
+def watch_run(backend: "Backend", run_id: str, *, interval: float = 3.0,
+              sleep: Sleep = time.sleep) -> Iterator[RunSnapshot]:
     """Each new state of the run, until it is deactivated or its trainer stops (the last
     snapshot yielded is the final one)."""
     last_key = None

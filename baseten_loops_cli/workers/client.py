@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import time
 from typing import Any, Callable, Iterable, Mapping
-
 from urllib.parse import quote
 
 import httpx
@@ -121,10 +120,10 @@ class WorkerClient:
 
         The worker holds each poll up to ~30 s and answers 408 while the op is pending: polled
         again at once. A "pending"/"running" body (a server that does not hold) is polled again
-        after ``poll.interval`` (:data:`OPERATION_POLL_INTERVAL`). 404 (unknown id: a restarted worker) calls
-        ``resubmit`` for the id of the op sent again with its Idempotency-Key (without it, 404
-        is the transport's ``NotFoundError``); 410 is :class:`OperationExpiredError`; an op that
-        failed is :class:`RemoteOpError`. ``policy`` retries each poll's failures (bounded by
+        after ``poll.interval`` (:data:`OPERATION_POLL_INTERVAL`). 404 (unknown id: a restarted
+        worker) calls ``resubmit`` for the id of the op sent again with its Idempotency-Key
+        (without it, 404 is the transport's ``NotFoundError``); 410 is
+        :class:`OperationExpiredError`; an op that failed is :class:`RemoteOpError`. ``policy`` retries each poll's failures (bounded by
         what is left of ``poll``); when ``poll``'s deadline passes, :class:`OperationTimeoutError`
         (the op itself may still be running).
         """
