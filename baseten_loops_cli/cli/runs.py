@@ -425,8 +425,8 @@ def logs(
     for entry in entries:
         _print_log(out, entry)
     follower = LogFollower(source, int(start_s * 1000), level, printed=entries)
-    out.hint(f"Following {source.label} (Ctrl-C stops following; the run keeps running)...")
-    try:
+    try:  # from the line that says so on, Ctrl-C stops the following
+        out.hint(f"Following {source.label} (Ctrl-C stops following; the run keeps running)...")
         for entry in follower:
             _print_log(out, entry)
     except KeyboardInterrupt:
