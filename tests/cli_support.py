@@ -11,26 +11,27 @@ a child process, for what must be checked end to end (progress bars, signals, im
 1, and a sampler checkpoint ``s2`` plus a trainer checkpoint ``s2`` (the same name, on purpose)
 after the last step. Sampler saves are published to the run's paired sampler.
 
-``kill_once_then_resume`` (with ``start_loops``, ``sigkill``, ``trained_steps``) is the SIGKILL +
-`loops train resume` harness of the SFT and DPO reliability tests.
+``kill_once_then_resume`` (with ``start_loops``, ``trained_steps``) is the SIGKILL +
+`loops train resume` harness of the SFT and DPO reliability tests. The environment of every run
+is ``support.cli_env``; waits are ``support.wait_for``, kills ``support.kill``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import FOREIGN_PREFIXES, ROOT, cli_env, kill, wait_for
+
 TINY = "loops-local/tiny"
+__all__ = ["ROOT", "TINY", "cli_env", "kill", "wait_for"]  # re-exported: tests import them from here too
 
 
 @dataclass
@@ -50,14 +51,6 @@ class Result:
         return f"Result(code={self.code})\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
 
 
-def cli_env(server, **extra: str) -> dict[str, str]:
-    env = dict(server.env)
-    env.update({"LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1", "COLUMNS": "200", "LOOPS_OUTPUT": "",
-                "LOOPS_PROFILE": "", "LOOPS_DEBUG": ""})
-    env.update(extra)
-    return env
-
-
 def loops(server, *args: str, input: str | None = None, env: dict[str, str] | None = None) -> Result:
     """Run ``loops ARGS`` in process (stdin is not a terminal)."""
     from typer.testing import CliRunner
@@ -65,7 +58,9 @@ def loops(server, *args: str, input: str | None = None, env: dict[str, str] | No
     from baseten_loops_cli.cli.main import main
 
     runner = CliRunner()
-    full_env: dict[str, str | None] = {k: (v or None) for k, v in cli_env(server, **(env or {})).items()}
+    # The isolation sets what it is given: clear this process's LOOPS_* (and kin) explicitly.
+    full_env: dict[str, str | None] = {k: None for k in os.environ if k.startswith(FOREIGN_PREFIXES)}
+    full_env.update({k: (v or None) for k, v in cli_env(server, **(env or {})).items()})
     with runner.isolation(input=input, env=full_env) as (out, err, _):
         try:
             main(list(args))
@@ -80,10 +75,7 @@ def loops(server, *args: str, input: str | None = None, env: dict[str, str] | No
 
 def loops_subprocess(server, *args: str, input: str | None = None, env: dict[str, str] | None = None,
                      timeout: float = 120) -> Result:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
-    base.update(cli_env(server, **(env or {})))
-    base["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=base, input=input or "",
+    proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=cli_env(server, **(env or {})), input=input or "",
                           capture_output=True, text=True, timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
@@ -200,20 +192,6 @@ def _seed(local_server) -> Seeded:
     return seeded
 
 
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
-    """Poll ``predicate`` until it returns something truthy (returned), or fail."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
-        time.sleep(interval)
-
-
 # ── `loops train` SIGKILLed, then resumed ──────────────────────────────────────────────────
 
 
@@ -235,18 +213,9 @@ def trained_steps(run_dir: Path) -> list[int]:
 
 
 def start_loops(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
-    """``loops ARGS`` as a child in a process group of its own (what :func:`sigkill` kills)."""
+    """``loops ARGS`` as a child in a process group of its own (``kill(proc, group=True)`` kills it)."""
     return subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *args], env=env, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def sigkill(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s whole process group: no handler runs, nothing gets written."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.communicate(timeout=60)
 
 
 def kill_once_then_resume(server, config: Path, cwd: Path, *, steps: int, kill_after: int = 3,
@@ -257,21 +226,17 @@ def kill_once_then_resume(server, config: Path, cwd: Path, *, steps: int, kill_a
     that the resumed run ends as the clean one: ``steps`` steps, each in metrics.jsonl exactly
     once, the same final adapter. Returns the resume's result, for the caller's own checks."""
     from tests.test_reliability_faults import adapter_tensors, assert_same_adapter, loops, run_dir_result
-    from tests.test_reliability_faults import cli_env as subprocess_env
 
-    env = subprocess_env(server)
+    env = cli_env(server)
     clean = loops(["train", "run", str(config), "--run-dir", str(cwd / "clean")], env, cwd)
     assert clean.returncode == 0, clean.stderr
 
     run_dir = cwd / "killed"
     proc = start_loops(["train", "run", str(config), "--run-dir", str(run_dir)], env, cwd)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(trained_steps(run_dir)) >= kill_after:
-            break
-        time.sleep(0.02)
+    wait_for(lambda: len(trained_steps(run_dir)) >= kill_after or proc.poll() is not None, timeout=timeout,
+             interval=0.02, what=f"{kill_after} trained steps")
     assert proc.poll() is None, "finished before the kill"
-    sigkill(proc)
+    kill(proc, group=True, timeout=60)
     state = json.loads((run_dir / "state.json").read_text())
     assert state["status"] == "running"  # what a SIGKILL leaves: no chance to write anything
     resumed = loops(["train", "resume", str(run_dir)], env, cwd)

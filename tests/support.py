@@ -1,11 +1,24 @@
-"""Helpers shared by the foundation tests (not fixtures: conftest.py owns those)."""
+"""Helpers shared by the tests (not fixtures: conftest.py owns those).
+
+- :func:`cli_env`: the one environment of a ``loops`` run against a test server (a child
+  process, or in process through ``cli_support.loops``).
+- :func:`wait_for`: the one wait on a condition (never a fixed sleep followed by an assumption).
+- :func:`kill`: SIGKILL a process (a server, a ``loops`` child and its process group) and wait
+  until it is gone.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 LOOPS_ENV_VARS = (
     "LOOPS_PROFILE",
@@ -62,3 +75,76 @@ def make_memory_keyring():
 
 def file_mode(path: Path) -> int:
     return os.stat(path).st_mode & 0o777
+
+
+# ── the environment of a `loops` run ─────────────────────────────────────────────────────
+
+# Variables of the developer's shell that would change what a `loops` under test does.
+FOREIGN_PREFIXES = ("LOOPS_", "BASETEN_", "_LOOPS_", "WANDB_")
+
+
+def cli_env(server: Any = None, **overrides: str | None) -> dict[str, str]:
+    """The environment of a ``loops`` run: this process's, minus every ``LOOPS_*``,
+    ``BASETEN_*``, ``_LOOPS_*`` and ``WANDB_*`` variable; then ``server.env`` (its four
+    ``LOOPS_*_DIR``, URL and key) when a server is given; no autostart, no colour, a dumb
+    200-column terminal, this checkout on PYTHONPATH (a child imports the code under test),
+    and the Hugging Face hub offline (loopback only: a bad model name never reaches it); then
+    ``overrides`` (``None`` removes a variable)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(FOREIGN_PREFIXES)}
+    if server is not None:
+        env.update(server.env)
+    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", TERM="dumb", COLUMNS="200", PYTHONPATH=str(ROOT),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+# ── waiting and killing ──────────────────────────────────────────────────────────────────
+
+
+def wait_for(condition: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.2, what: str | None = None) -> T:
+    """Ask ``condition`` every ``interval`` seconds until it returns something truthy (which is
+    returned); after ``timeout`` seconds fail, naming ``what`` and the last answer. The polling
+    is the product's one helper (``api.polling.Poll``, tested on its own)."""
+    from baseten_loops_cli.api.polling import Poll
+
+    value = None
+    for _ in Poll(interval=interval, timeout=timeout):
+        value = condition()
+        if value:
+            return value
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what or condition}; last answer: {value!r}")
+
+
+def kill(process: Any, *, group: bool = False, timeout: float = 30.0) -> tuple[Any, Any] | None:
+    """SIGKILL ``process`` and wait until it is gone: no handler runs, nothing more gets written.
+
+    ``process``: a :class:`subprocess.Popen` (``group=True`` kills its whole process group, as
+    for a ``loops`` started with ``start_new_session``; returns what it wrote, as
+    ``communicate()``), a pid, or anything with a ``pid`` (a test server: reaped when it is our
+    child)."""
+    pid = process if isinstance(process, int) else process.pid
+    try:
+        os.killpg(pid, signal.SIGKILL) if group else os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if isinstance(process, subprocess.Popen):
+        return process.communicate(timeout=timeout)
+
+    def gone() -> bool:
+        try:  # reap it if it is our child
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(gone, timeout=timeout, interval=0.05, what=f"process {pid} to die")
+    return None

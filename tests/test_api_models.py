@@ -145,3 +145,19 @@ def test_metrics():
 def test_log_time():
     log = m.Log(timestamp="1740830400000000000", message="x")
     assert log.time.year == 2025
+
+
+def test_local_fields_are_attributes_and_dumped_only_when_sent():
+    local_sampler = {**SAMPLER, "run_id": "k4q95w5", "model_path": None, "policy_version": 3, "session_id": "s"}
+    run = m.LoopsRun.model_validate({**RUN, "policy_version": 7, "sampler": local_sampler})
+    assert run.policy_version == 7 and run.sampler.run_id == "k4q95w5" and run.sampler.policy_version == 3
+    assert run.model_extra == {} and run.to_json_dict() == {**RUN, "policy_version": 7, "sampler": local_sampler}
+    dep = m.LoopsDeployment.model_validate({**DEPLOYMENT, "status_reason": "out of memory"})
+    assert dep.status_reason == "out of memory" and dep.to_json_dict()["status_reason"] == "out of memory"
+    cp = m.LoopsCheckpoint.model_validate({**CHECKPOINT, "path": "bt://loops:k4q95w5/sampler_weights/step-100"})
+    assert cp.path.startswith("bt://") and "path" not in m.LoopsCheckpoint.model_validate(CHECKPOINT).to_json_dict()
+    md = m.ModelDeployment.model_validate({"id": "d", "status": "ACTIVE", "base_url": "http://h/deployments/d"})
+    assert md.base_url == "http://h/deployments/d" and md.name is None
+    assert md.to_json_dict() == {"id": "d", "status": "ACTIVE", "base_url": "http://h/deployments/d"}
+    bare = m.LoopsRun.model_validate(RUN)  # Baseten sends none of them: attributes are None, dumps unchanged
+    assert bare.policy_version is None and bare.sampler.run_id is None and bare.to_json_dict() == RUN

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support import cli_env
+
 BAD_DIR = Path(__file__).parent / "data" / "bad"
 FILES_DIR = BAD_DIR / "files"
-ROOT = Path(__file__).resolve().parent.parent
 CASES: list[dict[str, Any]] = yaml.safe_load((BAD_DIR / "cases.yaml").read_text(encoding="utf-8"))
 KINDS = {"config", "data", "cli", "uri", "http", "archive"}
 CLI_TIMEOUT_S = 180
@@ -188,17 +189,6 @@ def _setup(name: str, tmp: Path, ctx: _Ctx, server, case: dict | None = None) ->
     raise KeyError(f"unknown setup {name!r}")
 
 
-def _cli_env(server, extra: dict[str, str] | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
-    env.update(server.env)
-    env.update({"LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "200",
-                "PYTHONPATH": str(ROOT),
-                # Loopback only: never let a bad base model name reach the Hugging Face Hub.
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    env.update(extra or {})
-    return env
-
-
 def run_cli(args: list[str], env: dict[str, str], cwd: Path, stdin: str | None = None,
             timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=env, cwd=cwd,
@@ -226,7 +216,7 @@ def _run_cli_case(case: dict, tmp: Path, ctx: _Ctx, server) -> None:
     elif "config_file" in case:
         mapping["config"] = str(FILES_DIR / case["config_file"])
     args = [_fill(str(a), mapping, ctx) for a in case["args"]]
-    proc = run_cli(args, _cli_env(server, case.get("env")), tmp, case.get("stdin"))
+    proc = run_cli(args, cli_env(server, **(case.get("env") or {})), tmp, case.get("stdin"))
     where = f"loops {' '.join(args)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     assert proc.returncode == case["exit"], where
     assert _fill(case["message"], mapping, None).lower() in proc.stderr.lower(), where

@@ -5,17 +5,14 @@ checkpoint names and profile names (cli/_complete.py)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.cli_support import (
-    ROOT,
     SEEDED_STEPS,
     TINY,
     api,
@@ -24,6 +21,7 @@ from tests.cli_support import (
     loops,
     one_line_error,
     seeded,  # noqa: F401  (fixture)
+    wait_for,
 )
 
 # The LoopsRun keys of `baseten loops run list -o json` ({"runs": [LoopsRun]}), loops-protocol §2.3.
@@ -242,16 +240,17 @@ def test_logs_empty_window_and_bad_flags(seeded):
 
 
 def test_tail_stops_following_on_ctrl_c_and_the_run_keeps_running(seeded):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
-    env.update({k: v for k, v in cli_env(seeded.server).items() if v}, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "runs", "logs", seeded.run_id, "--tail"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=cli_env(seeded.server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()  # the backlog arrives, then it follows
         assert first.startswith("["), first
-        time.sleep(0.5)
+        said = ""  # it says when it follows: Ctrl-C from then on stops the following
+        while "Following" not in said and proc.poll() is None:
+            said += proc.stderr.readline()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
+        err = said + err
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -265,10 +264,8 @@ def test_tail_prints_each_backlog_line_once(local_server):
     """The backlog's newest lines share the millisecond following starts at (an inclusive
     start): they were printed twice ("Trainer running at step 0" on a fresh run)."""
     run = create_run(local_server, name="tail-once")
-    deadline = time.monotonic() + 60
-    while "Trainer running at step 0" not in loops(local_server, "runs", "logs", run["id"]).stdout:
-        assert time.monotonic() < deadline, "the trainer never came up"
-        time.sleep(0.2)
+    wait_for(lambda: "Trainer running at step 0" in loops(local_server, "runs", "logs", run["id"]).stdout, timeout=60,
+             what="the trainer to come up")
     api(local_server, "POST", f"/v1/loops/runs/{run['id']}/deactivate")
     tailed = loops(local_server, "runs", "logs", run["id"], "--tail")
     assert tailed.code == 0, tailed
@@ -381,9 +378,8 @@ def test_completion_served_from_cache_imports_nothing_heavy(seeded, tmp_path):
         " & {'httpx', 'pydantic', 'keyring', 'torch', 'yaml'})\n"
         "print('HEAVY=' + ','.join(heavy), file=sys.stderr)\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_", "COMP_"))}
-    env.update({k: v for k, v in cli_env(seeded.server).items() if v})
-    env.update(PYTHONPATH=str(ROOT), LOOPS_CACHE_DIR=str(cache), _LOOPS_COMPLETE="complete_bash",
+    env = {k: v for k, v in cli_env(seeded.server).items() if not k.startswith("COMP_")}
+    env.update(LOOPS_CACHE_DIR=str(cache), _LOOPS_COMPLETE="complete_bash",
                COMP_WORDS=f"loops runs describe {seeded.run_id[:3]}", COMP_CWORD="3")
     proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
     assert seeded.run_id in proc.stdout, proc.stderr

@@ -10,14 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from baseten_loops_cli.api import download as dl
-from tests.cli_support import ROOT, api, cli_env, loops, one_line_error, seeded  # noqa: F401  (fixture)
+from tests.cli_support import api, cli_env, loops, one_line_error, seeded, wait_for  # noqa: F401  (fixture)
 
 
 def _files(server, checkpoint_id: str) -> list[dict]:
@@ -212,15 +211,16 @@ def test_ctrl_c_keeps_what_was_saved_and_the_next_run_resumes(seeded, tmp_path, 
     cp = seeded.cp("t1", "trainer")
     dest = tmp_path / "interrupted"
     faults(path=f"/files/{cp['id']}/*", delay_s=4, times=20)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
-    env.update({k: v for k, v in cli_env(seeded.server).items() if v}, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "checkpoints", "download", cp["id"], "-O", str(dest)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=cli_env(seeded.server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def held() -> bool:  # the server holds a file request of this download (its fault was taken)
+        faults_now = api(seeded.server, "GET", "/v1/local/faults")["faults"]
+        return any(f.get("path") == f"/files/{cp['id']}/*" and f.get("remaining", 20) < 20 for f in faults_now)
+
     try:
-        deadline = time.monotonic() + 30
-        while not (dest / dl.MARKER_NAME).exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.3)
+        wait_for(lambda: (dest / dl.MARKER_NAME).exists() and held(), timeout=30, interval=0.05,
+                 what="the download to be under way")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:

@@ -26,6 +26,8 @@ import pytest
 
 from conftest import LocalServer
 
+from tests.support import cli_env, kill, wait_for
+
 pytest.importorskip("torch")
 
 MODEL = "loops-local/tiny"
@@ -120,14 +122,23 @@ def new_run(client: httpx.Client, *, route: str = "/v1/loops/trainers", **fields
 
 
 def wait_healthy(client: httpx.Client, run_id: str, timeout: float = 120) -> None:
-    """Poll the trainer's /health like the SDK does (the first trainer imports torch)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """Poll the trainer's /health like the SDK does (the first trainer imports torch); until
+    it is up, every answer is 503 TrainerStarting."""
+
+    def healthy() -> bool:
         health = client.get(f"/trainers/{run_id}/health", params={"base_model": MODEL})
-        if health.status_code == 200 or time.monotonic() > deadline:
-            break
-        assert_error(health, 503, "TrainerStarting")
-    assert health.status_code == 200, health.text
+        if health.status_code != 200:
+            assert_error(health, 503, "TrainerStarting")
+        return health.status_code == 200
+
+    wait_for(healthy, timeout=timeout, interval=0.05, what=f"trainer {run_id} to be healthy")
+
+
+def job_running(client: httpx.Client, prefix: str) -> bool:
+    """Whether a compute lane runs a job whose label starts with ``prefix`` (``"<op> <run>"``):
+    the server's own account, so a test waits for it instead of sleeping."""
+    return any((job or "").startswith(prefix) for m in client.get("/v1/local/status").json()["models"]
+               for job in m["current_jobs"])
 
 
 def assert_error(resp: httpx.Response, status: int, error_class: str | None = None) -> dict:
@@ -368,7 +379,8 @@ def test_server_stays_responsive_during_compute(client: httpx.Client):
     # hold (2 s), so the order of answers proves responsiveness without timing anything.
     client.post("/v1/local/faults", json={"job": f"forward_backward {run_id}", "delay_s": 6})
     slow = trainer.submit("forward_backward", {"data": DATA}).json()["operation_id"]
-    time.sleep(0.2)  # the job is now occupying the model's compute thread
+    wait_for(lambda: job_running(client, f"forward_backward {run_id}"), interval=0.05,
+             what="the held job to occupy the model's compute thread")
     for path in ("/v1/loops/runs", f"{trainer.path}/health", "/v1/local/status"):
         assert client.get(path).status_code == 200, path
     # The long-poll ends at its hold with 408 while the job still runs: the requests above
@@ -390,11 +402,7 @@ def test_sampling_runs_while_a_trainer_job_holds_the_compute_thread(client: http
     assert client.post(f"{base}/sample", json=body).status_code == 200  # loaded, warm
     client.post("/v1/local/faults", json={"job": f"forward_backward {run['id']}", "delay_s": 30})
     slow = trainer.submit("forward_backward", {"data": DATA}).json()["operation_id"]
-    wait = time.monotonic() + 60
-    while not any((job or "").startswith("forward_backward") for m in client.get("/v1/local/status").json()["models"]
-                  for job in m["current_jobs"]):
-        assert time.monotonic() < wait, "the held job never started"
-        time.sleep(0.05)
+    wait_for(lambda: job_running(client, "forward_backward"), timeout=60, interval=0.05, what="the held job to start")
     answer = client.post(f"{base}/sample", json=body, timeout=60)
     assert answer.status_code == 200 and len(answer.json()["choices"]) == 2, answer.text
     still = [m["current_jobs"] for m in client.get("/v1/local/status").json()["models"]]
@@ -580,11 +588,8 @@ def test_checkpoint_ttl_expires(client: httpx.Client, trained: Trainer):
     path = f"bt://loops:{trained.run['id']}/weights/short-lived"
     assert client.get("/v1/loops/checkpoints", params={"checkpoint_path": path}).json()[
         "checkpoints"]
-    deadline = time.monotonic() + 10
-    while client.get("/v1/loops/checkpoints", params={"checkpoint_path": path}).json()[
-            "checkpoints"]:
-        assert time.monotonic() < deadline, "TTL'd checkpoint was never deleted"
-        time.sleep(0.3)
+    wait_for(lambda: not client.get("/v1/loops/checkpoints", params={"checkpoint_path": path}).json()["checkpoints"],
+             timeout=10, interval=0.3, what="the TTL'd checkpoint to be deleted")
 
 
 def test_load_state_round_trip(client: httpx.Client, trained: Trainer):
@@ -706,16 +711,6 @@ def test_standalone_samplers_and_deactivate(client: httpx.Client, trained: Train
 # ── scale to zero ────────────────────────────────────────────────────────────────────
 
 
-def _wait_for(predicate, timeout: float = 15.0, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not reached in time")
-
-
 def _sampler_adapters(client: httpx.Client) -> list[str]:
     models = client.get("/v1/local/status").json()["models"]
     return [key for m in models for key in m["sampler_adapters_in_memory"]]
@@ -740,11 +735,11 @@ def test_scale_to_zero_and_wake(client: httpx.Client):
     def status() -> str:
         return client.get(dep_path).json()["deployment"]["status"]["name"]
 
-    _wait_for(lambda: status() == "SCALED_TO_ZERO")
+    wait_for(lambda: status() == "SCALED_TO_ZERO", timeout=15)
     assert run_id not in client.get("/v1/local/status").json()["runs_in_memory"]
-    _wait_for(lambda: client.get(f"/v1/loops/samplers/{sampler['id']}").json()["sampler"][
-        "status"]["name"] == "SCALED_TO_ZERO")
-    _wait_for(lambda: not any(key.startswith(pk) for key in _sampler_adapters(client)))
+    wait_for(lambda: client.get(f"/v1/loops/samplers/{sampler['id']}").json()["sampler"][
+        "status"]["name"] == "SCALED_TO_ZERO", timeout=15)
+    wait_for(lambda: not any(key.startswith(pk) for key in _sampler_adapters(client)), timeout=15)
     deployment = client.get(f"/v1/models/{sampler['model_id']}/deployments/"
                             f"{sampler['deployment_id']}").json()
     assert deployment["status"] == "SCALED_TO_ZERO"
@@ -889,14 +884,6 @@ def test_local_status_and_usage(client: httpx.Client, trained: Trainer):
 # ── lifecycle: long-poll, restart and crash recovery (own server) ────────────────────
 
 
-def _wait_gone(pid: int, timeout: float = 30) -> None:
-    from baseten_loops_cli.local.daemon import _pid_alive
-
-    deadline = time.monotonic() + timeout
-    while _pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def test_long_poll_restart_and_crash_recovery(server_factory):
     server = server_factory(op_poll_hold_s=0.3)
     with server.client() as client:
@@ -922,7 +909,7 @@ def test_long_poll_restart_and_crash_recovery(server_factory):
         client.post("/v1/local/faults", json={"job": f"forward *{run_id}", "delay_s": 1.0})
         in_flight = [trainer.submit("forward", {"data": DATA}).json()["operation_id"]
                      for _ in range(3)]
-        time.sleep(0.3)
+        wait_for(lambda: job_running(client, f"forward {run_id}"), interval=0.05, what="the first op to run")
 
     server.restart()
     with server.client() as client:
@@ -953,9 +940,8 @@ def test_long_poll_restart_and_crash_recovery(server_factory):
         trainer.do("forward_backward", {"data": DATA, "loss_fn": "cross_entropy"})
         client.post("/v1/local/faults", json={"job": f"forward *{run_id}", "delay_s": 5})
         crashed = trainer.submit("forward", {"data": DATA}).json()["operation_id"]
-        time.sleep(0.3)
-    os.kill(server.pid, signal.SIGKILL)
-    _wait_gone(server.pid)
+        wait_for(lambda: job_running(client, f"forward {run_id}"), interval=0.05, what="the op to run")
+    kill(server)
     server.start()
     with server.client() as client:
         trainer.client = client
@@ -976,7 +962,7 @@ def test_long_poll_restart_and_crash_recovery(server_factory):
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+                          env=cli_env(**env), capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[1])
 
 
@@ -1009,7 +995,7 @@ def test_cli_server_commands(local_server: LocalServer):
 def test_server_logs_follow_ends_with_130_on_ctrl_c(local_server: LocalServer):
     """Ctrl-C is the only way out of --follow: exit 130, as `runs logs -f` and the documented table."""
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "server", "logs", "-f", "-n", "1", "-o", "jsonl"],
-                            env={**os.environ, **local_server.env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            env=cli_env(local_server), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.readline()  # the last line is printed: following has begun
@@ -1057,7 +1043,9 @@ def test_server_stops_when_its_owner_exits(tmp_path: Path):
                         owner_pid=owner.pid, options={"preload_engine": False})
     assert daemon.status(tmp_path / "state").pid == info.pid
     owner.wait()
-    _wait_gone(info.pid, timeout=20)
+    from baseten_loops_cli.local.daemon import _pid_alive
+
+    wait_for(lambda: not _pid_alive(info.pid), timeout=20, interval=0.05, what="the server to stop")
     assert daemon.status(tmp_path / "state") is None
     assert "owner process" in (tmp_path / "state" / "server.log").read_text()
 

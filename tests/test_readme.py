@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import cli_env
+
 pytest.importorskip("torch")
 pytestmark = pytest.mark.local
 
@@ -114,10 +116,7 @@ def _env(server, workdir: Path) -> dict[str, str]:
     shim = bindir / "loops"
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m baseten_loops_cli "$@"\n')
     shim.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "WANDB_"))}
-    env.update(server.env, LOOPS_NO_AUTOSTART="1", NO_COLOR="1", COLUMNS="120", PYTHONPATH=str(ROOT),
-               PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
-    return env
+    return cli_env(server, COLUMNS="120", PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
 def _run(command: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,10 +16,10 @@ import httpx
 import pytest
 
 from tests.faultproxy import FaultProxy
+from tests.support import cli_env, kill, wait_for
 
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "loops-local/tiny"
 
 
@@ -36,16 +35,6 @@ def _tree(folder: Path) -> dict[str, str]:
             if p.is_file() and not p.name.startswith(".loops-download") and not p.name.endswith(".part")}
 
 
-def _env(server, base_url: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
-    env.update(server.env)
-    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", TERM="dumb", PYTHONPATH=str(ROOT),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    if base_url:
-        env["LOOPS_BASE_URL"] = base_url
-    return env
-
-
 def _loops_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "baseten_loops_cli", *args]
 
@@ -53,7 +42,7 @@ def _loops_cmd(*args: str) -> list[str]:
 def _download(server, ckpt: str, dest: Path, base_url: str | None = None, *extra: str,
               timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(_loops_cmd("checkpoints", "download", ckpt, "-O", str(dest), "-o", "json", *extra),
-                          env=_env(server, base_url), capture_output=True, text=True, timeout=timeout,
+                          env=cli_env(server, LOOPS_BASE_URL=base_url or server.url), capture_output=True, text=True, timeout=timeout,
                           check=False, cwd=dest.parent)
 
 
@@ -119,22 +108,18 @@ def test_download_killed_then_resumed(local_server, ckpt, tmp_path):
     with FaultProxy("127.0.0.1", _port(local_server.url), rate=0.0, throttle_bps=400_000,
                     throttle_path=r"^/files/") as proxy:
         proc = subprocess.Popen(_loops_cmd("checkpoints", "download", ckpt.ref, "-O", str(dest), "--parallel", "1"),
-                                env=_env(local_server, proxy.url), stdout=subprocess.PIPE,
+                                env=cli_env(local_server, LOOPS_BASE_URL=proxy.url), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=tmp_path)
+        def part_bytes() -> int:
+            return sum(p.stat().st_size for p in dest.glob("*.part")) if dest.exists() else 0
+
         try:
-            deadline = time.monotonic() + 60
-            part_bytes = 0
-            while time.monotonic() < deadline and proc.poll() is None:
-                parts = list(dest.glob("*.part")) if dest.exists() else []
-                part_bytes = sum(p.stat().st_size for p in parts)
-                if part_bytes >= 1 << 20:
-                    break
-                time.sleep(0.05)
+            wait_for(lambda: proc.poll() is not None or part_bytes() >= 1 << 20, timeout=60, interval=0.05,
+                     what="1 MiB of .part files")
             assert proc.poll() is None, "the download finished before it could be interrupted"
-            proc.send_signal(signal.SIGKILL)
         finally:
-            proc.wait(timeout=30)
-        assert part_bytes > 0
+            kill(proc)
+        assert part_bytes() > 0
         assert (dest / ".loops-download.json").exists()
         proxy.set_throttle(None)
         p = _download(local_server, ckpt.ref, dest, proxy.url)
@@ -150,14 +135,11 @@ def test_download_interrupted_with_ctrl_c_says_how_to_resume(local_server, ckpt,
     with FaultProxy("127.0.0.1", _port(local_server.url), rate=0.0, throttle_bps=200_000,
                     throttle_path=r"^/files/") as proxy:
         proc = subprocess.Popen(_loops_cmd("checkpoints", "download", ckpt.ref, "-O", str(dest)),
-                                env=_env(local_server, proxy.url), stdout=subprocess.PIPE,
+                                env=cli_env(local_server, LOOPS_BASE_URL=proxy.url), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (dest / ".loops-download.json").exists():  # the transfer has started
-                break
-            time.sleep(0.05)
-        time.sleep(1.0)
+        # The transfer has started (its resume record is written) and bytes are arriving.
+        wait_for(lambda: proc.poll() is not None or ((dest / ".loops-download.json").exists() and any(
+            p.stat().st_size > 0 for p in dest.glob("*.part"))), timeout=60, interval=0.05, what="bytes on disk")
         assert proc.poll() is None, "the download finished before Ctrl-C"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -232,7 +214,8 @@ def test_expired_links_are_re_signed(server_factory, tmp_path):
                 return c.get(f"/v1/loops/checkpoints/{ck.cp['id']}/files").json()["presigned_urls"]
 
         stale = list_files()
-        time.sleep(2.2)  # every link is now expired
+        wait_for(lambda: all(httpx.get(f["url"], timeout=30).status_code == 403 for f in stale), timeout=30,
+                 interval=0.2, what="every link to expire")
         for f in stale[:1]:
             r = httpx.get(f["url"], timeout=30)
             assert r.status_code == 403 and r.json()["error_class"] == "LinkExpired"

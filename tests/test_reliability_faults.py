@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from tests.faultproxy import FaultProxy
+from tests.support import cli_env
 
 pytest.importorskip("torch")
 
@@ -194,16 +195,6 @@ data:
     return path
 
 
-def cli_env(server, base_url: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
-    env.update(server.env)
-    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", TERM="dumb", PYTHONPATH=str(ROOT),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    if base_url:
-        env["LOOPS_BASE_URL"] = base_url
-    return env
-
-
 def loops(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, check=False)
@@ -228,7 +219,7 @@ def test_sft_run_through_20pct_faults_matches_fault_free_run(local_server, tmp_p
     with FaultProxy("127.0.0.1", _port(local_server.url), rate=FAULT_RATE, seed=FAULT_SEED,
                     delay_s=0.2, retry_after_s=1) as proxy:
         faulty = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "faulty")],
-                       cli_env(local_server, proxy.url), tmp_path)
+                       cli_env(local_server, LOOPS_BASE_URL=proxy.url), tmp_path)
         snap = proxy.snapshot()
     assert faulty.returncode == 0, f"faults: {snap}\n{faulty.stderr}"
     assert snap["injected"] >= 3, snap
@@ -266,7 +257,7 @@ def test_train_run_survives_a_lost_control_plane_post_without_orphans(local_serv
         return seen[key] == 1
 
     with FaultProxy("127.0.0.1", _port(local_server.url), rate=1.0, mix=[kind], allow=first_create_only) as proxy:
-        p = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "rd")], cli_env(local_server, proxy.url), tmp_path)
+        p = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "rd")], cli_env(local_server, LOOPS_BASE_URL=proxy.url), tmp_path)
         snap = proxy.snapshot()
     assert p.returncode == 0, f"{snap}\n{p.stderr}"
     assert snap["injected"] >= 2, snap

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 import time
 from pathlib import Path
 
@@ -16,11 +17,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.cli_support import kill_once_then_resume, sigkill, start_loops, trained_steps  # noqa: E402
+from tests.cli_support import kill_once_then_resume, start_loops, trained_steps  # noqa: E402
+from tests.support import cli_env, kill, wait_for  # noqa: E402
 from tests.test_reliability_faults import (  # noqa: E402
     adapter_tensors,
     assert_same_adapter,
-    cli_env,
     loops,
     run_dir_result,
     sft_config,
@@ -63,14 +64,14 @@ def test_train_killed_at_random_points_then_resumed(local_server, tmp_path):
         # A kill point: a random moment of the run's life, from start-up to the last steps.
         delay = rng.uniform(0.3, max(0.6, clean_s * 0.9))
         proc = start_loops(_command(config, run_dir), env, tmp_path)
-        deadline = time.monotonic() + delay
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.02)
-        if proc.poll() is not None:  # it finished before the kill point
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            kill(proc, group=True, timeout=60)
+        else:  # it finished before the kill point
             out, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err
             break
-        sigkill(proc)
         done_after = len(trained_steps(run_dir))
         kills.append(f"after {delay:.2f}s (steps on disk {done_before} -> {done_after})")
     final = loops(_command(config, run_dir), env, tmp_path) if (run_dir / "state.json").exists() else None

@@ -5,7 +5,6 @@ with the same step count and the same adapter as an uninterrupted run."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from tests.support import cli_env, kill, wait_for  # noqa: E402
 from tests.test_reliability_faults import BATCHES, adapter_tensors, assert_same_adapter  # noqa: E402
 
 MODEL = "loops-local/tiny"
@@ -45,22 +45,6 @@ def _steps(tc, start: int, stop: int) -> None:
             tc.save_state(f"step-{step + 1}").result(timeout=300)
 
 
-def _kill(server) -> None:
-    os.kill(server.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(server.pid, 0)
-        except ProcessLookupError:
-            return
-        try:  # reap it if it is our child
-            os.waitpid(server.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("server did not die")
-
-
 def test_server_sigkill_mid_run_then_restart_and_resume(server_factory):
     server = server_factory()
     with server.client() as c:
@@ -83,7 +67,7 @@ def test_server_sigkill_mid_run_then_restart_and_resume(server_factory):
                     "/v1/loops/checkpoints", params={"run_id": victim["id"]}).json()["checkpoints"]),
                 "usage": c.get("/v1/local/usage", params={"run_id": victim["id"]}).json()["usage"],
             }
-        _kill(server)
+        kill(server)
         # The client sees the server gone: a bounded, typed error, not a hang.
         from baseten_loops_cli.errors import LoopsError
 
@@ -130,7 +114,7 @@ def test_server_killed_under_loops_train_then_restart_and_resume(server_factory,
     import subprocess
     import sys
 
-    from tests.test_reliability_faults import cli_env, loops, run_dir_result, sft_config
+    from tests.test_reliability_faults import loops, run_dir_result, sft_config
 
     server = server_factory()
     config = sft_config(tmp_path, steps=8, save_every=2, seed=13)
@@ -143,24 +127,20 @@ def test_server_killed_under_loops_train_then_restart_and_resume(server_factory,
                              "--run-dir", str(run_dir)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
+    wait_for(lambda: proc.poll() is not None or (metrics.exists() and len(metrics.read_text().splitlines()) >= 3),
+             timeout=120, interval=0.02, what="3 steps in metrics.jsonl")
     assert proc.poll() is None, "training finished before the server could be killed"
     run_id = json.loads((run_dir / "state.json").read_text())["run_id"]
     with server.client() as c:
         cps_before = sorted(x["checkpoint_id"] for x in c.get(
             "/v1/loops/checkpoints", params={"run_id": run_id}).json()["checkpoints"])
-    _kill(server)
+    kill(server)
     problems: list[str] = []
     t0 = time.monotonic()
     try:
         out, err = proc.communicate(timeout=CLIENT_EXIT_BUDGET_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)
+        out, err = kill(proc, group=True)
         problems.append(f"`loops train run` was still running {CLIENT_EXIT_BUDGET_S:.0f}s after its server "
                         f"died (killed by the test); stderr tail:\n{err[-1500:]}")
     else:

@@ -5,11 +5,10 @@ first token), and the streamed text is the unstreamed answer."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-from tests.cli_support import QUESTION, ROOT, SECRET, api, cli_env, loops, one_line_error, seeded  # noqa: F401  (fixture)
+from tests.cli_support import QUESTION, SECRET, api, cli_env, loops, one_line_error, seeded  # noqa: F401  (fixture)
 
 MAX_TOKENS = 12
 
@@ -42,8 +41,7 @@ def test_stream_yields_pieces_as_the_sampler_decodes(seeded):
 
 def test_the_first_text_is_printed_while_the_sampler_is_still_decoding(seeded):
     server = seeded.server
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
-    env.update(cli_env(server), PYTHONPATH=str(ROOT))
+    env = cli_env(server)
     api(server, "POST", "/v1/local/faults", json={"job": "sample *", "pause_after_tokens": 1})
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *_args(seeded, "--stream")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

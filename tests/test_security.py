@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import cli_env, wait_for
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -49,15 +51,6 @@ def _listening_addresses(port: int) -> list[str]:
                 raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
                 found.append(socket.inet_ntop(socket.AF_INET6, raw))
     return found
-
-
-def _cli_env(server, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "_LOOPS_"))}
-    env.update(server.env)
-    env.update({"LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1", "TERM": "dumb", "PYTHONPATH": str(ROOT),
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    env.update(extra)
-    return env
 
 
 def _loops(args: list[str], env: dict[str, str], cwd: Path, stdin: str = "", timeout: float = 300):
@@ -165,7 +158,10 @@ def test_token_in_query_string_is_refused_and_not_logged(server_factory):
         for param in ("api_key", "token", "key"):
             r = c.get(f"/v1/loops/runs?{param}={server.token}")
             assert r.status_code == 401
-    time.sleep(0.5)  # let the access log flush
+    # The access log writes each line after its answer: wait until all three are in (as
+    # written, redacted or not), then look for the key.
+    wait_for(lambda: all(f"/v1/loops/runs?{param}=" in server.log_text for param in ("api_key", "token", "key")),
+             timeout=10, interval=0.05, what="the three requests in the access log")
     assert server.token not in server.log_text, (
         "the server's access log recorded the API key from a query string; redact query "
         "strings (api_key/token/key/sig) in the access log")
@@ -217,7 +213,7 @@ def test_credential_and_config_files_are_0600(tmp_path):
 def test_wrong_api_key_is_never_echoed_even_with_debug(local_server, tmp_path):
     """A rejected key (the classic leak: 'invalid key sk-...') in every output, --debug on."""
     secret = "sk-live-" + os.urandom(16).hex()
-    env = _cli_env(local_server, BASETEN_API_KEY=secret)
+    env = cli_env(local_server, BASETEN_API_KEY=secret)
     outputs = []
     for args in (["--debug", "runs", "list"], ["runs", "list", "-o", "json", "--debug"],
                  ["--debug", "auth", "status"], ["--debug", "config", "list"],
@@ -241,13 +237,13 @@ def test_a_key_with_stray_whitespace_is_never_echoed(local_server, tmp_path):
     whitespace is dropped; a key an HTTP header cannot carry is refused (exit 4) unnamed."""
     secret = "sk-live-" + os.urandom(16).hex()
     # Surrounding whitespace is ignored: the server's own token with a newline still works.
-    p = _loops(["runs", "list", "-o", "json"], _cli_env(local_server, BASETEN_API_KEY=local_server.token + "\n"),
+    p = _loops(["runs", "list", "-o", "json"], cli_env(local_server, BASETEN_API_KEY=local_server.token + "\n"),
                tmp_path, timeout=120)
     assert p.returncode == 0, p.stderr
     json.loads(p.stdout)
     for key in (" " + secret + "\r\n", secret[:12] + "\n" + secret[12:], secret[:12] + " " + secret[12:],
                 secret[:-1] + "é"):
-        env = _cli_env(local_server, BASETEN_API_KEY=key)
+        env = cli_env(local_server, BASETEN_API_KEY=key)
         for args in (["runs", "list", "-o", "json"], ["--debug", "runs", "list"]):
             p = _loops(args, env, tmp_path, timeout=120)
             text = p.stdout + p.stderr
@@ -275,13 +271,16 @@ def _assert_key_not_leaked(server, key: str, texts: list[tuple[list[str], str]],
 
 
 def test_api_key_never_in_debug_output_or_logs(local_server, tmp_path):
-    env = _cli_env(local_server)
+    env = cli_env(local_server)
     texts = []
     for args in (["--debug", "runs", "list"], ["--debug", "usage"], ["--debug", "auth", "status"],
-                 ["--debug", "runs", "get", "no-such-run"], ["--debug", "checkpoints", "list", "--run-id", "nope"],
+                 ["--debug", "runs", "describe", "no-such-run"], ["--debug", "checkpoints", "list", "--run-id", "nope"],
                  ["--debug", "samplers", "list"]):
         p = _loops(args, env, tmp_path, timeout=120)
         texts.append((args, p.stdout + p.stderr))
+        if "no-such-run" in args:  # the API's 404 (a request that carried the key), not a usage error
+            assert p.returncode == 1 and "Error: no run 'no-such-run'" in p.stderr, p.stderr
+            assert "404" in p.stderr, p.stderr  # the debug log of the request that answered it
     _assert_key_not_leaked(local_server, local_server.token, texts, tmp_path)
 
 
@@ -289,7 +288,7 @@ def test_api_key_never_in_debug_output_or_logs(local_server, tmp_path):
 def test_api_key_never_in_debug_output_or_logs_of_a_training_run(local_server, tmp_path):
     """A whole training run with --debug: HTTP debug log of every control-plane and worker call."""
     pytest.importorskip("torch")
-    env = _cli_env(local_server)
+    env = cli_env(local_server)
     texts = []
     cfg = tmp_path / "sft.yaml"
     cfg.write_text("kind: sft\nname: keyleak\nbase_model: loops-local/tiny\nlora_rank: 4\nmax_seq_len: 64\n"
@@ -485,7 +484,7 @@ _TAGS = [
 @pytest.mark.parametrize("tag", _TAGS)
 def test_yaml_with_python_tags_is_refused_not_executed(local_server, tmp_path, tag):
     marker = tmp_path / "PWNED"
-    env = _cli_env(local_server)
+    env = cli_env(local_server)
     data = ROOT / "examples" / "data" / "tiny_sft_train.jsonl"
     bodies = [
         tag.format(marker=marker) + "\n",
@@ -517,7 +516,7 @@ def test_run_dir_config_is_loaded_safely_on_resume(local_server, tmp_path):
     marker = tmp_path / "PWNED"
     (rd / "config.yaml").write_text(f'!!python/object/apply:os.system ["touch {marker}"]\n')
     (rd / "state.json").write_text(json.dumps({"status": "failed", "step": 0}))
-    p = _loops(["train", "resume", str(rd)], _cli_env(local_server), tmp_path, timeout=120)
+    p = _loops(["train", "resume", str(rd)], cli_env(local_server), tmp_path, timeout=120)
     assert p.returncode != 0 and not marker.exists()
     assert "Traceback" not in p.stderr and "Error: unexpected" not in p.stderr, p.stderr
 
@@ -544,7 +543,7 @@ def test_reward_code_is_loaded_only_from_the_file_the_config_names(local_server,
     # A rewards.py in the working directory and on PYTHONPATH: it must never be the one used.
     (cwd / "rewards.py").write_text(evil)
     (cfg_dir / "rewards.py").write_text(legit)
-    env = _cli_env(local_server)
+    env = cli_env(local_server)
     env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(cwd)
 
     cfg = _rl_config(cfg_dir, "rewards.py:score", prompts)

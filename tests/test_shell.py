@@ -29,6 +29,8 @@ import pytest
 
 from conftest import in_ci
 
+from tests.support import wait_for
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPLETIONS = ROOT / "completions"
 MAN = ROOT / "man"
@@ -529,20 +531,15 @@ def run_id(backend_env) -> str:
         pass
 
 
-def _eventually(fn, timeout: float = 30.0):
-    """fn() until it is truthy: the first TAB may be answered before the run list is fetched
-    (cli/_complete.py waits 0.3 s, then refreshes in the background for the next TAB)."""
-    end = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > end:
-            return value
-        time.sleep(0.5)
+# The first TAB may be answered before the run list is fetched (cli/_complete.py waits 0.3 s,
+# then refreshes in the background for the next TAB): these tests ask until it is there.
+COMPLETION_POLL_S = 0.5
 
 
 @needs_bash
 def test_bash_completes_run_ids_from_the_local_backend(backend_env, run_id):
-    completed = _eventually(lambda: run_id in _bash_complete(backend_env, ["loops", "runs", "describe", ""]))
+    completed = wait_for(lambda: run_id in _bash_complete(backend_env, ["loops", "runs", "describe", ""]),
+                         interval=COMPLETION_POLL_S, what="the run id among the completions")
     assert completed, _bash_complete(backend_env, ["loops", "runs", "describe", ""])
     prefix = run_id[: max(1, len(run_id) - 2)]
     assert run_id in _bash_complete(backend_env, ["loops", "runs", "describe", prefix])
@@ -551,8 +548,8 @@ def test_bash_completes_run_ids_from_the_local_backend(backend_env, run_id):
 @needs_zsh
 def test_zsh_completes_run_ids_from_the_local_backend(backend_env, run_id):
     # Warm the completion cache first, so the one interactive TAB below is answered at once.
-    _eventually(lambda: run_id in _bash_complete(backend_env, ["loops", "runs", "describe", ""])
-                if HAVE_BASH else True)
+    wait_for(lambda: run_id in _bash_complete(backend_env, ["loops", "runs", "describe", ""]) if HAVE_BASH else True,
+             interval=COMPLETION_POLL_S, what="the run id among the completions")
     dump = Path(backend_env["HOME"]) / ".zcompdump"
     term = _zsh_terminal(backend_env, [f"fpath=({COMPLETIONS} $fpath)", "autoload -Uz compinit",
                                        f"compinit -u -d {dump}"])

@@ -7,13 +7,11 @@ never trained) and all routes are compared before and after each restart."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 
 import pytest
 
-from tests.cli_support import chat_datum, loops, trainer, wait_for
+from tests.cli_support import chat_datum, loops, trainer
+from tests.support import kill, wait_for
 
 pytest.importorskip("torch")
 
@@ -88,20 +86,9 @@ def _trainer_and_sampler(server, run_id: str) -> tuple[str | None, str | None]:
     return _name(dep), _name(run["sampler"])
 
 
-def _kill(server) -> None:
-    os.kill(server.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.waitpid(server.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        try:
-            os.kill(server.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError("server did not die")
+def _jobs(server) -> list[str]:
+    """What the server's compute lanes run now (its own account: ``/v1/local/status``)."""
+    return [job for m in _call(server, "GET", "/v1/local/status").json()["models"] for job in m["current_jobs"]]
 
 
 @pytest.mark.parametrize("how", ["restart", "crash"])
@@ -134,7 +121,7 @@ def test_every_route_agrees_after_a_restart_in_every_state(server_factory, how):
     wait_for(lambda: any(m["current_job"] and m["current_job"].startswith("forward_backward")
                          for m in _call(server, "GET", "/v1/local/status").json()["models"]), interval=0.05)
     if how == "crash":
-        _kill(server)
+        kill(server)
         server.start()
     else:
         server.restart()
@@ -169,7 +156,7 @@ def test_a_deactivation_cut_short_by_a_crash_is_finished_on_restart(server_facto
     wait_for(lambda: _name(_call(server, "GET", f"/v1/loops/deployments/{run['deployment_id']}").json()["deployment"])
              == "RUNNING")
     assert statuses(server, run["id"]) == ("ACTIVE", "RUNNING", "ACTIVE")
-    _kill(server)
+    kill(server)
     with sqlite3.connect(server.data_dir / "loops.db") as db:
         db.execute("UPDATE runs SET status = 'INACTIVE' WHERE id = ?", (run["id"],))
         db.execute("UPDATE deployments SET status = 'RUNNING' WHERE id = ?", (run["deployment_id"],))
@@ -187,9 +174,14 @@ def test_a_run_deactivated_while_its_trainer_loads_stays_stopped(server_factory)
     assert _call(server, "POST", "/v1/local/faults", json={"job": "deploy *", "delay_s": 3, "times": 1}).status_code == 200
     run = _new_run(server, "deactivated-while-loading")
     wait_for(lambda: _trainer_and_sampler(server, run["id"])[0] == "DEPLOYING", timeout=60)
+    load = f"deploy {run['id']}"
+    wait_for(lambda: load in _jobs(server), interval=0.05, what="the held load to start")
     assert _call(server, "POST", f"/v1/loops/runs/{run['id']}/deactivate").status_code == 200
     assert statuses(server, run["id"])[:2] == ("INACTIVE", "STOPPED")
-    time.sleep(0.5)  # anything the ended load might still write
+    # The load ends (at once: clearing the faults ends its hold), and whatever it writes then
+    # is written before the server says the job is done.
+    assert _call(server, "DELETE", "/v1/local/faults").status_code == 200
+    wait_for(lambda: load not in _jobs(server), interval=0.05, what="the held load to end")
     assert statuses(server, run["id"])[:2] == ("INACTIVE", "STOPPED")
     logs = _call(server, "GET", f"/v1/loops/deployments/{run['deployment_id']}/logs",
                  params={"direction": "asc"}).json()["logs"]

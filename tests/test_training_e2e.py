@@ -4,25 +4,19 @@ SIGKILL followed by `loops train resume` give the same run as an uninterrupted o
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.support import cli_env, kill, wait_for
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.local
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def cli_env(server) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "WANDB_"))}
-    env.update(server.env)
-    return env
 
 
 def loops(server, *args, timeout=300, env=None, **kw):
@@ -153,13 +147,13 @@ def assert_same_run(server, got: Path, reference: Path) -> None:
 
 
 def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def reached() -> bool:
         if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir)):
-            return
+            return True
         assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} never came")
+        return False
+
+    wait_for(reached, timeout=timeout, interval=0.05, what=f"step {step}")
 
 
 def test_sigkill_then_resume_matches_an_uninterrupted_run(local_server, tmp_path, reference_run):
@@ -167,8 +161,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(local_server, tmp_path
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *_run_args(killed)],
                             env=cli_env(local_server), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _wait_for_step(killed, 5, proc)  # past the step-3 checkpoint: steps 4-5 must be redone, once
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill(proc)
     resumed = loops(local_server, "train", "resume", str(killed))
     assert resumed.returncode == 0, resumed.stderr
     assert "Resuming at step" in resumed.stderr
@@ -209,8 +202,7 @@ def test_kill_before_the_first_checkpoint_starts_over_exactly_once(local_server,
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *args],
                             env=cli_env(local_server), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _wait_for_step(run_dir, 2, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill(proc)
     first_run = json.loads((run_dir / "state.json").read_text())["run_id"]
     resumed = loops(local_server, "train", "resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr

@@ -365,7 +365,8 @@ def test_train_run_through_a_gateway_that_applies_the_create_then_answers_502(lo
     import json
 
     from tests.faultproxy import FaultProxy
-    from tests.test_reliability_faults import cli_env, loops, sft_config
+    from tests.support import cli_env
+    from tests.test_reliability_faults import loops, sft_config
 
     config = sft_config(tmp_path, steps=2, save_every=0)
     config.write_text(config.read_text().replace("name: reliability-sft", "name: applied-then-502"))
@@ -379,7 +380,7 @@ def test_train_run_through_a_gateway_that_applies_the_create_then_answers_502(lo
 
     with FaultProxy("127.0.0.1", httpx.URL(local_server.url).port, rate=1.0, mix=["502_after"],
                     allow=first_run_create) as proxy:  # fmt: skip
-        p = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "rd")], cli_env(local_server, proxy.url), tmp_path)
+        p = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "rd")], cli_env(local_server, LOOPS_BASE_URL=proxy.url), tmp_path)
         snap = proxy.snapshot()
     assert p.returncode == 0, f"{snap}\n{p.stderr}"
     assert snap["by_kind"] == {"502_after": 1}, snap

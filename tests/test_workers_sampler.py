@@ -109,6 +109,42 @@ def test_queued_202_is_polled(server):
     assert client(server, run_id="r").sample([1]).sequences[0].tokens == [7, 8]
 
 
+def test_a_queued_sample_shares_the_trainers_long_poll(server):
+    """WorkerClient._await_operation: "pending" is asked again after the poll interval, an
+    op's error is RemoteOpError, an evicted result (410) OperationExpiredError."""
+    from baseten_loops_cli.api.errors import OperationExpiredError, RemoteOpError
+
+    server.route("POST", "/s/sync/sample", lambda r: Reply(202, {"operation_id": "op1", "schema_version": 1}))
+    server.script("GET", "/s/sync/operations/op1", Reply(200, {"status": "pending"}), Reply(408),
+                  Reply(200, {"status": "error", "error": "out of memory", "error_class": "EngineError"}))  # fmt: skip
+    waits: list[float] = []
+    with pytest.raises(RemoteOpError) as err:
+        client(server, run_id="r", sleep=waits.append).sample([1])
+    assert err.value.operation == "sample" and err.value.error_class == "EngineError" and "out of memory" in str(err.value)
+    assert waits == [0.5]  # after "pending" only: a 408 was a held poll, asked again at once
+    assert "idempotency-key" not in {k.lower() for k in server.requests_to("GET", "/s/sync/operations/op1")[0].headers}
+    server.script("GET", "/s/sync/operations/op1", Reply(410))
+    with pytest.raises(OperationExpiredError):
+        client(server, run_id="r").sample([1])
+
+
+def test_waiting_for_a_policy_version_ends_at_its_deadline(server):
+    from baseten_loops_cli.api.errors import OperationTimeoutError
+
+    server.route("GET", "/s/sync/trainers_policy_version", lambda r: Reply(200, {"policy_version": 2}))
+    now = [0.0]
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        now[0] += seconds
+
+    sc = client(server, run_id="r", sleep=sleep, clock=lambda: now[0])
+    with pytest.raises(OperationTimeoutError, match="still serves policy version 2 after 2s"):
+        sc.wait_for_policy_version(3, timeout=2, interval=0.75)
+    assert waits == [0.75, 0.75, 0.5] and len(server.requests_to("GET", "/s/sync/trainers_policy_version")) == 4
+
+
 def test_models_and_policy_version(server):
     server.route("GET", "/s/sync/v1/models", lambda r: Reply(200, {"data": [{"id": "base", "parent": None}]}))
     server.route("GET", "/s/sync/trainers_policy_version", lambda r: Reply(200, {"policy_version": 4}))

@@ -167,11 +167,10 @@ class Samplers(_Resource):
         since = time.time()
 
         def find() -> list[LoopsSampler]:
-            # The listing carries each sampler's session and source (extra fields of LoopsSampler).
+            # The listing carries each sampler's session and source (fields a backend may send).
             def mine(s: LoopsSampler) -> bool:
-                extra = s.model_extra or {}
-                return (extra.get("session_id") == req.session_id and not SamplerDeploymentStatus.is_terminal(s.status_name)
-                        and all(extra.get(k) == getattr(req, k) for k in chosen if k != "base_model")
+                return (s.session_id == req.session_id and not SamplerDeploymentStatus.is_terminal(s.status_name)
+                        and all(getattr(s, k) == getattr(req, k) for k in chosen if k != "base_model")
                         and (req.base_model is None or s.base_model == req.base_model))  # fmt: skip
 
             return _made_since([s for s in self.list() if mine(s)], since)

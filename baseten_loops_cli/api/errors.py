@@ -154,7 +154,7 @@ class ServerShutdownError(LoopsError):
     def __init__(self, message: str = "the worker is shutting down (HTTP 503)", *, url: str | None = None):
         super().__init__(
             one_line(message),
-            hint="retry once the run's trainer is back (`loops runs get <run>` shows its status)",
+            hint="retry once the run's trainer is back (`loops runs describe <run>` shows its status)",
         )
         self.url = url
 

@@ -10,15 +10,28 @@ Conventions:
 * ``created_at`` parses to a timezone-aware ``datetime`` (a naive value is taken as UTC) and
   serialises back as ISO 8601 UTC (``2025-01-02T03:04:05Z``).
 * Envelopes (``{"run": ...}``, ``{"runs": [...]}``) have their own models with the exact keys.
+* Fields the protocol does not promise (the local backend's additions: a run's
+  ``policy_version``, a trainer deployment's ``status_reason``, a sampler's ``run_id`` /
+  ``model_path``, a checkpoint's ``path``, a checkpoint deployment's ``base_url``, ...) are
+  declared, so code reads attributes, and listed in the class's ``SENT_ONLY``: they are dumped
+  only when the backend sent them, so a round trip gives back exactly what came.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 # ── base classes and shared field types ─────────────────────────────────────────────────────
 
@@ -31,6 +44,20 @@ class LoopsModel(BaseModel):
     def to_json_dict(self) -> dict[str, Any]:
         """JSON-ready dict (datetimes as ISO 8601 UTC), unknown fields included."""
         return self.model_dump(mode="json", by_alias=True)
+
+
+class _SentOnly(LoopsModel):
+    """Base of models with fields in ``SENT_ONLY``: declared, but dumped only when sent."""
+
+    SENT_ONLY: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_unsent(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self.SENT_ONLY - self.model_fields_set:
+                data.pop(name, None)
+        return data
 
 
 class LoopsRequest(BaseModel):
@@ -162,17 +189,7 @@ class CheckpointTarget(StrEnum):
     trainer = "trainer"
 
 
-class SyncStatus(StrEnum):
-    SYNCING = "SYNCING"
-    COMPLETE = "COMPLETE"
-
-
-class AvailabilityModel(StrEnum):
-    dedicated = "dedicated"
-    spot = "spot"
-
-
-class _HasStatus(LoopsModel):
+class _HasStatus(_SentOnly):
     """Mixin: ``status_name`` for models with a ``status: {name}`` field (declared per class so
     it keeps its place in the field order)."""
 
@@ -210,6 +227,13 @@ class LoopsSampler(_HasStatus):
     user: User | None = None
     instance_type: InstanceType | None = None
     node_count: int = 1
+    # Sent by the local backend only:
+    session_id: str | None = None
+    run_id: str | None = None  # the run of a paired sampler (None: standalone)
+    model_path: str | None = None  # the bt:// sampler checkpoint a standalone sampler serves
+    policy_version: int | None = None  # the adapter version it serves now
+
+    SENT_ONLY = frozenset({"session_id", "run_id", "model_path", "policy_version"})
 
     @property
     def is_serverless(self) -> bool:
@@ -233,6 +257,9 @@ class LoopsRun(_HasStatus):
     user: User | None = None
     sampler: LoopsSampler | None = None
     base_checkpoint: str | None = None
+    policy_version: int | None = None  # optimizer steps taken (local backend only)
+
+    SENT_ONLY = frozenset({"policy_version"})
 
     @property
     def is_active(self) -> bool:
@@ -252,6 +279,9 @@ class LoopsDeployment(_HasStatus):
     instance_type: InstanceType | None = None
     node_count: int = 1
     sampler: LoopsSampler | None = None
+    status_reason: str | None = None  # why it FAILED or STOPPED (local backend only)
+
+    SENT_ONLY = frozenset({"status_reason"})
 
     @property
     def is_live(self) -> bool:
@@ -268,7 +298,7 @@ class LoraConfig(LoopsModel):
     expert_layout: str | None = None  # per_expert | shared_outer | shared_adapter
 
 
-class LoopsCheckpoint(LoopsModel):
+class LoopsCheckpoint(_SentOnly):
     id: str = ""  # database key, used in API paths
     checkpoint_id: str  # the name it was saved under
     run_id: str
@@ -280,6 +310,9 @@ class LoopsCheckpoint(LoopsModel):
     size_bytes: int = 0
     sync_status: str | None = None  # not a readiness signal
     created_at: UtcDatetime | None = None
+    path: str | None = None  # its bt:// URI (local backend only)
+
+    SENT_ONLY = frozenset({"path"})
 
     @property
     def uri(self) -> str:
@@ -401,14 +434,24 @@ class DeploymentMetricsResponse(LoopsModel):
     metrics: DeploymentMetrics = Field(default_factory=DeploymentMetrics)
 
 
-class ModelDeployment(LoopsModel):
+class ModelDeployment(_SentOnly):
     """``GET /v1/models/{model_id}/deployments/{deployment_id}`` (a Baseten model deployment).
 
     There ``status`` is a bare DeploymentStatusV1 string; a ``{name}`` object is accepted too.
+    The local backend describes a checkpoint deployment with ``base_model``, ``checkpoints``
+    and ``base_url`` (its OpenAI routes are under ``{base_url}/v1``).
     """
 
     id: str | None = None
     status: str | StatusRef | None = None
+    model_id: str | None = None
+    name: str | None = None
+    created_at: str | None = None  # as sent (shown as is)
+    base_model: str | None = None
+    checkpoints: list[dict[str, Any]] | None = None  # LoopsCheckpoint JSON
+    base_url: str | None = None
+
+    SENT_ONLY = frozenset({"model_id", "name", "created_at", "base_model", "checkpoints", "base_url"})
 
     @property
     def status_name(self) -> str:

@@ -38,6 +38,7 @@ def login(
     """
     from baseten_loops_cli.errors import AuthError, UsageError
     from baseten_loops_cli.settings import credentials
+    from baseten_loops_cli.settings.connection import capabilities_of
     from baseten_loops_cli.settings.profiles import (
         BASETEN_DEFAULT_URL,
         ConfigFile,
@@ -50,7 +51,7 @@ def login(
     name = validate_profile_name(state.profile or "baseten")
     config = ConfigFile.load()
     profile = config.profiles.get(name)
-    if profile is not None and profile.kind == "local":
+    if profile is not None and capabilities_of(profile.kind).local_server:
         raise UsageError(
             f"profile {name!r} is a local profile: it uses the local server's token",
             hint="Log in to a Baseten profile instead, e.g. `loops auth login --profile baseten`.",
@@ -98,14 +99,15 @@ def status(ctx: typer.Context) -> None:
     """
     from baseten_loops_cli.errors import AuthError, ExitCode
     from baseten_loops_cli.settings import credentials
-    from baseten_loops_cli.settings.connection import key_origin
+    from baseten_loops_cli.settings.connection import capabilities_of, key_origin
     from baseten_loops_cli.settings.local_server import read_info
     from baseten_loops_cli.settings.profiles import resolve_profile
 
     state = get_state(ctx)
     resolved = resolve_profile(state.profile)
     base_url = resolved.base_url
-    if base_url is None and resolved.kind == "local":
+    local_server = capabilities_of(resolved.kind).local_server
+    if base_url is None and local_server:
         info = read_info()
         base_url = info.get("url") if info else None
     stored = credentials.get_key(resolved.name, kind=resolved.kind)
@@ -146,7 +148,7 @@ def status(ctx: typer.Context) -> None:
     if not stored.found:
         state.output.hint(
             "Start it with `loops server start`."
-            if resolved.kind == "local"
+            if local_server
             else f"Run `loops auth login --profile {resolved.name}` or export BASETEN_API_KEY."
         )
         raise typer.Exit(int(ExitCode.AUTH))

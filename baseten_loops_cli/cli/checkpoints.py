@@ -163,7 +163,7 @@ def files(ctx: typer.Context, checkpoint: CkptArg, target: TargetOpt = None) -> 
     """
     from baseten_loops_cli.output.format import human_size
     from baseten_loops_cli.services.checkpoints import files_of
-    from baseten_loops_cli.services.resolve import checkpoint_id_of, extra
+    from baseten_loops_cli.services.resolve import checkpoint_id_of
 
     state = get_state(ctx)
     client = state.backend().client
@@ -172,7 +172,7 @@ def files(ctx: typer.Context, checkpoint: CkptArg, target: TargetOpt = None) -> 
     state.output.emit(
         {"checkpoint_id": checkpoint_id, "files": entries},
         rows=entries,
-        columns=[("NAME", "relative_file_name"), ("SIZE", lambda f: human_size(extra(f, "size_bytes"))), ("URL", "url")],
+        columns=[("NAME", "relative_file_name"), ("SIZE", lambda f: human_size(f.size_bytes)), ("URL", "url")],
         id_key="relative_file_name",
         empty="No files found for this Loops checkpoint.",
     )

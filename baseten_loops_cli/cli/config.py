@@ -22,6 +22,7 @@ def list_profiles(ctx: typer.Context) -> None:
       loops config list -o json
     """
     from baseten_loops_cli.settings import credentials, paths
+    from baseten_loops_cli.settings.connection import capabilities_of
     from baseten_loops_cli.settings.profiles import BASETEN_DEFAULT_URL, ConfigFile, select_profile_name
 
     state = get_state(ctx)
@@ -49,7 +50,7 @@ def list_profiles(ctx: typer.Context) -> None:
             ("", lambda r: "*" if r["active"] else " "),
             ("NAME", "name"),
             ("KIND", "kind"),
-            ("BASE URL", lambda r: r["base_url"] or ("(local server)" if r["kind"] == "local" else BASETEN_DEFAULT_URL)),
+            ("BASE URL", lambda r: r["base_url"] or ("(local server)" if capabilities_of(r["kind"]).local_server else BASETEN_DEFAULT_URL)),
             ("KEY", "key_source"),
         ],
     )

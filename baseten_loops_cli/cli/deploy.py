@@ -93,7 +93,7 @@ def create(
             text=json.dumps(doc.request, indent=2).splitlines(),
         )
         return
-    if backend.kind != "local":
+    if backend.capabilities.billable:
         out.confirm(f"Deploy {listed} as model {name!r} on {instance}? This creates a billable deployment.", yes=yes, action=f"deploying {listed}")
     out.info(f"Deploying {listed} as model {name!r}...")
     info = deployments.deploy(backend, plan)

@@ -185,7 +185,6 @@ def _resumed_from(name: str | None) -> str | None:
 def describe_fields(run, dep, checkpoints: list, usage: dict | None, policy_version: int | None) -> list:
     """The key/value view of a run (``runs create`` and ``runs describe``)."""
     from baseten_loops_cli.output.format import human_duration, human_size, human_time
-    from baseten_loops_cli.services.resolve import extra
 
     fields: list = [
         ("ID", "id"),
@@ -215,7 +214,7 @@ def describe_fields(run, dep, checkpoints: list, usage: dict | None, policy_vers
             ("Model", lambda r: sampler.model_id or "serverless"),
             ("Deployment", lambda r: sampler.deployment_id),
             ("Base URL", lambda r: sampler.base_url),
-            ("Policy Version", lambda r: sampler_version_text(extra(sampler, "policy_version"), policy_version)),
+            ("Policy Version", lambda r: sampler_version_text(sampler.policy_version, policy_version)),
         ]
     else:
         fields.append(("ID", lambda r: "none yet (created on the first sampling call)"))
@@ -427,8 +426,8 @@ def logs(
     for entry in entries:
         _print_log(out, entry)
     follower = LogFollower(source, int(start_s * 1000), level, printed=entries)
-    out.hint(f"Following {source.label} (Ctrl-C stops following; the run keeps running)...")
-    try:
+    try:  # from the line that says so on, Ctrl-C stops the following
+        out.hint(f"Following {source.label} (Ctrl-C stops following; the run keeps running)...")
         for entry in follower:
             _print_log(out, entry)
     except KeyboardInterrupt:

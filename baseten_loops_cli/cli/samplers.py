@@ -25,15 +25,11 @@ SamplerArg = Annotated[
 
 def _serves(s) -> str:
     """What a sampler serves: its checkpoint's URI, else its base model."""
-    from baseten_loops_cli.services.resolve import extra
-
-    return str(extra(s, "model_path") or s.base_model)
+    return str(s.model_path or s.base_model)
 
 
 def _run_of(s) -> str:
-    from baseten_loops_cli.services.resolve import extra
-
-    return extra(s, "run_id") or "standalone"
+    return s.run_id or "standalone"
 
 
 def sampler_columns(org: bool) -> list:
@@ -66,13 +62,13 @@ def list_samplers(
       loops samplers list --all -o json --jq '.samplers[].id'
     """
     from baseten_loops_cli.cli.runs import hidden_hint
-    from baseten_loops_cli.services.resolve import created_key, extra, sampler_is_terminal
+    from baseten_loops_cli.services.resolve import created_key, sampler_is_terminal
 
     state = get_state(ctx)
     out = state.output
     samplers = state.backend().client.samplers.list(scope="org" if org else None)
     if run_id:
-        samplers = [s for s in samplers if extra(s, "run_id") == run_id]
+        samplers = [s for s in samplers if s.run_id == run_id]
     shown = samplers if all_ else [s for s in samplers if not sampler_is_terminal(s)]
     hidden = len(samplers) - len(shown)
     samplers = sorted(shown, key=created_key, reverse=not reverse)
@@ -180,13 +176,12 @@ def deactivate(
       loops samplers deactivate smp1234 --yes
     """
     from baseten_loops_cli.cli._deactivate import deactivate_command
-    from baseten_loops_cli.services.resolve import extra
     from baseten_loops_cli.services.runs import deactivate_samplers
 
     def question(todo: list) -> str:
         names = ", ".join(f"{s.id} ({_serves(s)})" for s in todo)
         text = f"Deactivate {'sampler' if len(todo) == 1 else f'{len(todo)} samplers'} {names}? It stops serving; checkpoints stay."
-        paired = [str(extra(s, "run_id")) for s in todo if extra(s, "run_id")]
+        paired = [s.run_id for s in todo if s.run_id]
         if paired:
             text += f" Run {', '.join(paired)} keeps training; sampling from it needs a new sampler."
         return text

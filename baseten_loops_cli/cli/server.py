@@ -90,9 +90,9 @@ def logs(
 
     -o json / jsonl print one {"line": ...} object per line. Ctrl-C ends --follow (exit 130).
     """
-    import time
     from collections import deque
 
+    from baseten_loops_cli.api.polling import Poll
     from baseten_loops_cli.errors import LoopsError
     from baseten_loops_cli.settings.local_server import LOG_FILE, state_file
 
@@ -111,13 +111,13 @@ def logs(
         if not follow:
             return
         fh.seek(0, 2)
+        poll = Poll(interval=0.25)  # a new line is read at once; the end of the file, a quarter second later
         try:
-            while True:
+            for _ in poll:
                 line = fh.readline()
                 if line:
                     show(line)
-                else:
-                    time.sleep(0.25)
+                    poll.again()
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
 

@@ -134,10 +134,6 @@ class Output:
         return bool(self.streams.stdout_tty)
 
     @property
-    def interactive(self) -> bool:
-        return bool(self.streams.stdin_tty and self.streams.stderr_tty)
-
-    @property
     def animate(self) -> bool:
         """Live views and progress bars are drawn (on stderr) for a person at a terminal."""
         return self.human and bool(self.streams.stderr_tty)
@@ -364,11 +360,6 @@ class Output:
         that prints documents (json, jsonl, yaml, --jq): a usage error naming both."""
         if self.format in ("json", "jsonl", "yaml"):
             raise UsageError(f"{option} prints text as it is generated, not -o {self.format}", hint=hint)
-
-    def emit_record(self, record: Any) -> None:
-        """Stream one record (jsonl/json modes); tables ignore records (they render their own)."""
-        if self.format in ("json", "jsonl"):
-            self._emit_json_value(to_jsonable(record), lines=True)
 
     def stream(self, record: Any, *, text: str | None, quiet_text: str | None = None) -> None:
         """One item of a stream that is printed as it comes (a log line, a watch snapshot):

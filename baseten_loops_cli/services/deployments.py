@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from pydantic import BaseModel, Field
 
 from baseten_loops_cli.api.models import LoopsCheckpoint, ModelDeployment
+from baseten_loops_cli.api.polling import Clock, Poll, Sleep
 from baseten_loops_cli.errors import LoopsError, UsageError
-from baseten_loops_cli.services.resolve import NotFound, did_you_mean, display_name, extra, resolve_checkpoint, suggest, uri_of
+from baseten_loops_cli.services.resolve import NotFound, did_you_mean, display_name, resolve_checkpoint, suggest, uri_of
 
 if TYPE_CHECKING:
     from baseten_loops_cli.api.client import LoopsClient
@@ -37,7 +38,9 @@ RECORDS_FILE = "deployments.json"
 # Deployment (DeploymentStatusV1) statuses that end a wait.
 FAILED_STATUSES = frozenset({"DEPLOY_FAILED", "BUILD_FAILED", "BUILD_STOPPED", "FAILED", "UNHEALTHY", "INACTIVE"})
 STOPPED_STATUSES = frozenset({"INACTIVE", "DELETED"})
-LOCAL_INSTANCE_TYPE = "local-cpu"
+# How long `deploy --wait` waits for ACTIVE: a Baseten deployment builds and loads its model
+# (minutes, more for a large base model); the local one is served at once.
+WAIT_ACTIVE_TIMEOUT_S = 3600.0
 
 
 class DeployedCheckpoint(BaseModel):
@@ -146,10 +149,9 @@ def endpoint_url(backend: "Backend", model_id: str, deployment_id: str, status: 
     """The OpenAI-compatible base URL (ending in ``/v1``) of a deployment."""
     from urllib.parse import urlsplit
 
-    base_url = extra(status, "base_url") if status is not None else None
-    if base_url:
-        return f"{str(base_url).rstrip('/')}/v1"
-    if backend.kind == "local":
+    if status is not None and status.base_url:
+        return f"{status.base_url.rstrip('/')}/v1"
+    if backend.capabilities.deployments_under_base_url:
         return f"{backend.base_url}/deployments/{deployment_id}/v1"
     host = urlsplit(backend.base_url).hostname or "api.baseten.co"
     return f"https://model-{model_id}.{host}/deployment/{deployment_id}/sync/v1"
@@ -218,8 +220,9 @@ def plan_deployment(
             f"two of the checkpoints are named {dupes[0]!r} (from different runs); requests pick one by name",
             hint="Deploy them separately.",
         )
-    if backend.kind == "local":
-        instance = instance_type or LOCAL_INSTANCE_TYPE
+    default_instance = backend.capabilities.default_instance_type
+    if default_instance:
+        instance = instance_type or default_instance
     elif not instance_type and not dry_run:
         raise UsageError(
             "--instance-type is required on a Baseten profile",
@@ -286,12 +289,16 @@ def wait_active(
     *,
     on_status: Callable[[str], None] = lambda _s: None,
     interval: float = 2.0,
+    timeout: float = WAIT_ACTIVE_TIMEOUT_S,
+    sleep: Sleep = time.sleep,
+    clock: Clock = time.monotonic,
 ) -> DeploymentInfo:
-    """Poll until the deployment is ACTIVE (``LoopsError`` if it fails first); ``on_status``
-    hears each new status. Returns ``info`` with the final status and URL."""
+    """Poll until the deployment is ACTIVE (``LoopsError`` if it fails first, or is not ACTIVE
+    after ``timeout`` seconds); ``on_status`` hears each new status. Returns ``info`` with the
+    final status and URL."""
     client, model_id, deployment_id = backend.client, info.model_id, info.deployment_id
     last = None
-    while True:
+    for _ in Poll(interval=interval, timeout=timeout, sleep=sleep, clock=clock):
         body = deployment_status(client, model_id, deployment_id)
         status = body.status_name or None
         if status != last:
@@ -303,7 +310,10 @@ def wait_active(
             return info.model_copy(update={"status": status, "url": url, "curl": curl_line(backend, url, first)})
         if status in FAILED_STATUSES:
             raise LoopsError(f"deployment {deployment_id} is {status}", hint=f"See `loops deploy describe {model_id}/{deployment_id}`.")
-        time.sleep(interval)
+    raise LoopsError(
+        f"deployment {deployment_id} is still {last or 'starting'} after {timeout:g}s",
+        hint=f"It keeps coming up in the background; check it with `loops deploy describe {model_id}/{deployment_id}`.",
+    )
 
 
 # ── list / describe / stop ────────────────────────────────────────────────────────────────
@@ -360,11 +370,11 @@ def describe_deployment(backend: "Backend", ref: str) -> DeploymentInfo:
     listed = DeploymentRow(
         deployment_id=deployment_id,
         model_id=model_id,
-        model_name=extra(body, "name") or (row.model_name if row else None),
+        model_name=body.name or (row.model_name if row else None),
         status=body.status_name or None,
-        base_model=extra(body, "base_model") or (row.base_model if row else None),
-        checkpoints=extra(body, "checkpoints") or (row.checkpoints if row else []),
-        created_at=extra(body, "created_at") or (row.created_at if row else None),
+        base_model=body.base_model or (row.base_model if row else None),
+        checkpoints=body.checkpoints or (row.checkpoints if row else []),
+        created_at=body.created_at or (row.created_at if row else None),
         url=url,
     )
     first = next(iter(listed.checkpoint_names), None)

@@ -47,9 +47,14 @@ class NotFound(LoopsError):
 
 
 def extra(model: Any, key: str, default: Any = None) -> Any:
-    """A field the backend sent that the protocol's model does not declare (the local backend
-    adds ``policy_version``, ``lora_rank``, ``path``, ...); ``default`` when absent."""
-    value = (getattr(model, "model_extra", None) or {}).get(key)
+    """A field the backend sent that the model does not declare; ``default`` when absent.
+
+    The fields code reads are declared in ``api.models`` (read them as attributes); a declared
+    field is returned here too, for callers not yet moved to the attribute."""
+    if model is not None and key in type(model).model_fields:
+        value = getattr(model, key)
+    else:
+        value = (getattr(model, "model_extra", None) or {}).get(key)
     return default if value is None else value
 
 
@@ -134,9 +139,8 @@ def checkpoint_uri(run_id: str, target: str, name: str) -> str:
 
 def uri_of(cp: "LoopsCheckpoint") -> str | None:
     """The bt:// URI of a checkpoint (the backend's ``path`` when it sends one)."""
-    path = extra(cp, "path")
-    if path and str(path).startswith("bt://"):
-        return str(path)
+    if cp.path and cp.path.startswith("bt://"):
+        return cp.path
     if cp.run_id and cp.checkpoint_id and cp.target in _FOLDER_OF:
         return checkpoint_uri(cp.run_id, cp.target, cp.checkpoint_id)
     return None

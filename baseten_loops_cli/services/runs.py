@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from baseten_loops_cli.api.models import DeactivateResponse, Log, LoopsCheckpoint, LoopsDeployment, LoopsRun, LoopsSampler
+from baseten_loops_cli.api.polling import Clock, Poll, Sleep
 from baseten_loops_cli.errors import LoopsError, RunFailedError
 from baseten_loops_cli.services.resolve import (
     TRAINER_FAILED,
     TRAINER_TERMINAL,
     created_key,
-    extra,
     get_run,
     get_sampler,
     sampler_is_terminal,
@@ -123,7 +123,7 @@ def trainer_deployment(client: "LoopsClient", deployment_id: str | None) -> Loop
 
 def run_usage(backend: "Backend", run_id: str) -> dict[str, Any] | None:
     """Tokens and compute the backend reports for a run (the local backend does), or None."""
-    if backend.kind != "local":
+    if not backend.capabilities.usage_counters:
         return None
     try:
         rows = backend.client.local_usage(run_id=run_id)
@@ -135,9 +135,8 @@ def run_usage(backend: "Backend", run_id: str) -> dict[str, Any] | None:
 def policy_version(backend: "Backend", run: LoopsRun) -> int | None:
     """The trainer's policy version (= optimizer steps): from the run when the backend reports
     it, else from a dedicated trainer's ``/policy_version``."""
-    reported = extra(run, "policy_version")
-    if isinstance(reported, int):
-        return reported
+    if run.policy_version is not None:
+        return run.policy_version
     if not run.deployment_id or not run.base_url:
         return None
     from baseten_loops_cli.workers.trainer import TrainerClient
@@ -245,12 +244,13 @@ def wait_for_trainer(
     timeout: float | None = None,
     interval: float = 2.0,
     on_status: Callable[[str], None] = lambda _s: None,
+    sleep: Sleep = time.sleep,
+    clock: Clock = time.monotonic,
 ) -> LoopsRun:
     """Poll until the run's trainer is RUNNING; :class:`RunFailedError` if it fails first.
     ``on_status`` hears each new trainer status."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    last = None
-    while True:
+    last = status = None
+    for _ in Poll(interval=interval, timeout=timeout, sleep=sleep, clock=clock):
         run = get_run(client, run.id)
         if not run.is_active:
             raise RunFailedError(f"run {run.id} was deactivated while waiting for its trainer")
@@ -264,18 +264,16 @@ def wait_for_trainer(
         if status in ("RUNNING", "SCALED_TO_ZERO"):
             return run
         if status in TRAINER_TERMINAL:
-            reason = extra(dep, "status_reason")
+            reason = dep.status_reason
             exc = RunFailedError if status in TRAINER_FAILED else LoopsError
             raise exc(
                 f"run {run.id}'s trainer is {status}" + (f": {reason}" if reason else ""),
                 hint=f"See its logs: loops runs logs {run.id}",
             )
-        if deadline is not None and time.monotonic() > deadline:
-            raise LoopsError(
-                f"run {run.id}'s trainer is still {status or 'starting'} after {timeout:.0f}s",
-                hint=f"It keeps coming up in the background; check with `loops runs watch {run.id}`.",
-            )
-        time.sleep(interval)
+    raise LoopsError(
+        f"run {run.id}'s trainer is still {status or 'starting'} after {timeout:.0f}s",
+        hint=f"It keeps coming up in the background; check with `loops runs watch {run.id}`.",
+    )
 
 
 # ── watch ─────────────────────────────────────────────────────────────────────────────────
@@ -325,19 +323,20 @@ def snapshot(backend: "Backend", run_id: str) -> RunSnapshot:
         run_id=run.id,
         run_status=run.status_name,
         trainer_status=dep.status_name if dep else None,
-        trainer_status_reason=extra(dep, "status_reason") if dep else None,
+        trainer_status_reason=dep.status_reason if dep else None,
         sampler_status=sampler.status_name if sampler else None,
         step=version,
         policy_version=version,
-        sampler_policy_version=extra(sampler, "policy_version") if sampler else None,
+        sampler_policy_version=sampler.policy_version if sampler else None,
     )
 
 
-def watch_run(backend: "Backend", run_id: str, *, interval: float = 3.0) -> Iterator[RunSnapshot]:
+def watch_run(backend: "Backend", run_id: str, *, interval: float = 3.0,
+              sleep: Sleep = time.sleep) -> Iterator[RunSnapshot]:
     """Each new state of the run, until it is deactivated or its trainer stops (the last
     snapshot yielded is the final one)."""
     last_key = None
-    while True:
+    for _ in Poll(interval=interval, sleep=sleep):
         snap = snapshot(backend, run_id)
         key = snap.model_dump(exclude={"time"})
         if key != last_key:  # an ended state always differs from the live one before it
@@ -345,7 +344,6 @@ def watch_run(backend: "Backend", run_id: str, *, interval: float = 3.0) -> Iter
             yield snap
         if snap.ended:
             return
-        time.sleep(interval)
 
 
 # ── logs ──────────────────────────────────────────────────────────────────────────────────
@@ -435,8 +433,10 @@ class LogFollower:
     newest one's millisecond, and the lines of that millisecond are not yielded again (the
     query's start is inclusive, so they come back)."""
 
-    def __init__(self, source: LogSource, since_ms: int, min_level: str | None, printed: Sequence[Log] = ()):
+    def __init__(self, source: LogSource, since_ms: int, min_level: str | None, printed: Sequence[Log] = (), *,
+                 sleep: Sleep = time.sleep, clock: Clock = time.monotonic):
         self.source, self.cursor, self.min_level = source, since_ms, min_level
+        self._sleep, self._clock = sleep, clock
         self.end_status: str | None = None
         self._seen: set = set()
         if printed:
@@ -445,8 +445,9 @@ class LogFollower:
 
     def __iter__(self) -> Iterator[Log]:
         seen: set = set(self._seen)
-        last_status_check = 0.0
-        while True:
+        last_status_check: float | None = None
+        poll = Poll(interval=TAIL_POLL_S, sleep=self._sleep, clock=self._clock)
+        for _ in poll:
             now_ms = int(time.time() * 1000)
             got = self.source.page(start_epoch_millis=self.cursor, end_epoch_millis=now_ms, direction="asc",
                                    limit=LOG_PAGE_SIZE, min_level=self.min_level)
@@ -461,13 +462,13 @@ class LogFollower:
                     seen = {k for k in seen if int(k[0] or 0) // 1_000_000 >= newest_ms}
                     self.cursor = newest_ms
             if len(got) >= LOG_PAGE_SIZE:
-                continue  # more is waiting: fetch again right away
-            if time.monotonic() - last_status_check >= STATUS_POLL_S:
-                last_status_check = time.monotonic()
+                poll.again()  # more is waiting: fetch again right away
+                continue
+            if last_status_check is None or poll.elapsed() - last_status_check >= STATUS_POLL_S:
+                last_status_check = poll.elapsed()
                 ended, self.end_status = self.source.ended()
                 if ended:
                     return
-            time.sleep(TAIL_POLL_S)
 
 
 # ── deactivate many ───────────────────────────────────────────────────────────────────────

@@ -30,7 +30,6 @@ from baseten_loops_cli.errors import LoopsError, UsageError
 from baseten_loops_cli.services.resolve import (
     NotFound,
     display_name,
-    extra,
     resolve_checkpoint,
     run_not_found,
     sampler_is_terminal,
@@ -168,7 +167,7 @@ def _checkpoint_source(client: "LoopsClient", ref: str, cp: LoopsCheckpoint) -> 
         sampler = paired_sampler(client, run)
         return SampleSource(sampler=sampler, base_model=cp.base_model or sampler.base_model, run_header=run.id, pin=uri, **common)
     for s in client.samplers.list():
-        if extra(s, "model_path") == uri and not sampler_is_terminal(s):
+        if s.model_path == uri and not sampler_is_terminal(s):
             return SampleSource(sampler=s, base_model=cp.base_model or s.base_model, **common)
     session_id = client.sessions.create().id
     sampler = client.samplers.create({"session_id": session_id, "model_path": uri})

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from baseten_loops_cli.api.models import SAMPLER_LIVE, TRAINER_LIVE, InstanceType, LoopsDeployment, LoopsSampler
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.services.resolve import created_key, extra
+from baseten_loops_cli.services.resolve import created_key
 from baseten_loops_cli.services.runs import select_runs
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def _alloc(component: LoopsDeployment | LoopsSampler | None) -> tuple[str | None
 def _counters(backend: "Backend") -> dict[str, dict[str, Any]] | None:
     """Per-owner counters keyed by run / sampler id, or None when the backend reports none
     (only the local backend does)."""
-    if backend.kind != "local":
+    if not backend.capabilities.usage_counters:
         return None
     try:
         rows = backend.client.local_usage()
@@ -159,7 +159,7 @@ def build_rows(deployments: list[LoopsDeployment], samplers: list[LoopsSampler],
     for s in samplers:
         if s.id in bound:
             continue
-        owner_run = extra(s, "run_id")
+        owner_run = s.run_id
         row = _row(owner_run, s, None, s, usage.get(owner_run or s.id))
         row.sampler_id = s.id
         rows.append(row)
@@ -190,7 +190,7 @@ def allocations(backend: "Backend", *, org: bool = False, user: str | None = Non
     if user:
         rows = [r for r in rows if (r.owner or "").lower() == user.lower()]
     gpu_rows = any((r.trainer_gpus or 0) + (r.sampler_gpus or 0) for r in rows)
-    unit = "gpus" if gpu_rows or backend.kind != "local" else "allocations"
+    unit = "gpus" if gpu_rows or backend.capabilities.gpu_allocations else "allocations"
     shown = rows if include_idle else [r for r in rows if r.in_use]
     return UsageReport(summary=summarize(rows, unit), rows=shown, hidden=len(rows) - len(shown), any_rows=bool(rows),
                        reports_usage=counters is not None)

@@ -28,6 +28,12 @@ class Capabilities:
     - ``deployments_under_base_url``: a deployment's OpenAI routes are served below the
       backend's own URL (``/deployments/ID/v1``), not on a model host of their own.
     - ``default_instance_type``: what a deployment runs on unless told; None: must be named.
+    - ``gpu_allocations``: trainers and samplers hold GPUs, so ``loops usage`` sums GPUs; else
+      it counts allocations (the local backend's CPU workers report no GPUs).
+    - ``local_server``: the backend is this machine's local server: its URL is in the
+      server's state file (unless the profile names one) and its key is the server's token,
+      so there is nothing to log in to (``auth login`` refuses such a profile; a missing
+      token means "start the server").
     """
 
     billable: bool
@@ -35,13 +41,17 @@ class Capabilities:
     usage_counters: bool
     deployments_under_base_url: bool
     default_instance_type: str | None
+    gpu_allocations: bool
+    local_server: bool
 
 
 CAPABILITIES = {
     "local": Capabilities(billable=False, calibrated_plans=True, usage_counters=True,
-                          deployments_under_base_url=True, default_instance_type="local-cpu"),
+                          deployments_under_base_url=True, default_instance_type="local-cpu",
+                          gpu_allocations=False, local_server=True),
     "baseten": Capabilities(billable=True, calibrated_plans=False, usage_counters=False,
-                            deployments_under_base_url=False, default_instance_type=None),
+                            deployments_under_base_url=False, default_instance_type=None,
+                            gpu_allocations=True, local_server=False),
 }
 
 
@@ -64,7 +74,7 @@ class Connection:
 
 def needs_local_server(resolved: ResolvedProfile) -> bool:
     """Whether this profile is served by the local server at a URL only it knows."""
-    return resolved.kind == "local" and resolved.base_url is None
+    return capabilities_of(resolved.kind).local_server and resolved.base_url is None
 
 
 def resolve_connection(profile_flag: str | None = None, *,
@@ -82,7 +92,7 @@ def resolve_connection(profile_flag: str | None = None, *,
     assert base_url is not None
     stored = credentials.get_key(resolved.name, kind=resolved.kind)
     if not stored.found:
-        if resolved.kind == "local":
+        if capabilities_of(resolved.kind).local_server:
             raise AuthError(
                 "no token for the local server",
                 hint="Restart it with `loops server stop && loops server start`.",

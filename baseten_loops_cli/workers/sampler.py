@@ -22,15 +22,20 @@ from urllib.parse import quote
 import httpx
 
 from baseten_loops_cli.api.errors import (
-    ApiError,
     OperationTimeoutError,
     ProtocolError,
-    RemoteOpError,
     RequestTimeoutError,
     SampleTimeoutError,
 )
 from baseten_loops_cli.api.http import USER_AGENT, RetryPolicy, connection_error
-from baseten_loops_cli.workers.client import DEFAULT_GET_RETRIES, WorkerClient, json_body, require_dict
+from baseten_loops_cli.api.polling import Clock, Poll, Sleep
+from baseten_loops_cli.workers.client import (
+    DEFAULT_GET_RETRIES,
+    DEFAULT_POLL_HOLD_TIMEOUT,
+    WorkerClient,
+    json_body,
+    require_dict,
+)
 from baseten_loops_cli.workers.types import ExternalRef, ModelInput, SampledSequence, SampleResult
 
 RUN_ID_HEADER = "X-Run-Id"
@@ -245,16 +250,17 @@ class SamplerClient(WorkerClient):
         min_policy_version: int | None = None,
         timeout: float = 300.0,
         ready_timeout: float = DEFAULT_READY_TIMEOUT,
-        poll_hold_timeout: float = 35.0,
+        poll_hold_timeout: float = DEFAULT_POLL_HOLD_TIMEOUT,
         max_unavailable_retries: int = 6,
         get_retries: int = DEFAULT_GET_RETRIES,
         user_agent: str = USER_AGENT,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Sleep = time.sleep,
+        clock: Clock = time.monotonic,
         rng: Callable[[], float] = random.random,
         transport: httpx.BaseTransport | None = None,
     ):
         super().__init__(base_url, api_key=api_key, run_id=run_id, timeout=timeout, get_retries=get_retries,
-                         user_agent=user_agent, sleep=sleep, rng=rng, transport=transport)  # fmt: skip
+                         user_agent=user_agent, sleep=sleep, clock=clock, rng=rng, transport=transport)  # fmt: skip
         self.sampler_id = sampler_id
         self.checkpoint_path = checkpoint_path
         self.min_policy_version = min_policy_version
@@ -336,13 +342,13 @@ class SamplerClient(WorkerClient):
             checkpoint_path=checkpoint_path, prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs, affinity_key=affinity_key,
         )  # fmt: skip
-        deadline = time.monotonic() + self.ready_timeout
+        poll = self._poll(timeout=self.ready_timeout)  # a queued sample's polls share its budget
         try:
             resp = self._http.send("POST", "sample", json=body, headers=headers, policy=self._sample_policy, repeatable=True)
         except RequestTimeoutError as exc:
             raise self._sample_timeout() from exc
         if resp.status_code == 202:
-            return self._result(self._poll_queued(resp, headers, deadline), None, body, prompt_logprobs and topk_prompt_logprobs > 0)
+            return self._result(self._poll_queued(resp, headers, poll), None, body, prompt_logprobs and topk_prompt_logprobs > 0)
         return self._result(json_body(resp), resp.headers, body, prompt_logprobs and topk_prompt_logprobs > 0)
 
     async def asample(
@@ -369,7 +375,7 @@ class SamplerClient(WorkerClient):
             checkpoint_path=checkpoint_path, prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs, affinity_key=affinity_key,
         )  # fmt: skip
-        deadline = time.monotonic() + self.ready_timeout
+        poll = self._poll(timeout=self.ready_timeout)
         try:
             resp = await self._http.asend("POST", "sample", json=body, headers=headers, policy=self._sample_policy,
                                           repeatable=True)  # fmt: skip
@@ -379,7 +385,7 @@ class SamplerClient(WorkerClient):
             import asyncio  # here, not at module level: sync callers never need it (~15 ms)
 
             # Rare (serverless queue); poll on a worker thread with the sync client.
-            payload = await asyncio.to_thread(self._poll_queued, resp, headers, deadline)
+            payload = await asyncio.to_thread(self._poll_queued, resp, headers, poll)
             return self._result(payload, None, body, prompt_logprobs and topk_prompt_logprobs > 0)
         return self._result(json_body(resp), resp.headers, body, prompt_logprobs and topk_prompt_logprobs > 0)
 
@@ -444,16 +450,14 @@ class SamplerClient(WorkerClient):
 
     def wait_for_policy_version(self, version: int, *, timeout: float = 600.0, interval: float = 0.5) -> int:
         """Poll :meth:`trainers_policy_version` until it reaches ``version``; returns it."""
-        deadline = time.monotonic() + timeout
-        while True:
+        current = None
+        for _ in self._poll(timeout=timeout, interval=interval):
             current = self.trainers_policy_version()
             if current >= version:
                 return current
-            if time.monotonic() >= deadline:
-                raise OperationTimeoutError(
-                    f"the sampler still serves policy version {current} after {timeout:g}s (waiting for {version})"
-                )
-            self._sleep(interval)
+        raise OperationTimeoutError(
+            f"the sampler still serves policy version {current} after {timeout:g}s (waiting for {version})"
+        )
 
     # -- internals -------------------------------------------------------------------------
 
@@ -473,40 +477,23 @@ class SamplerClient(WorkerClient):
         payload = require_dict(payload, "/sample")
         return parse_completions(payload, headers, prompt_token_ids=body["prompt"], include_topk_prompt_logprobs=with_topk)
 
-    def _poll_queued(self, accepted: httpx.Response, headers: Mapping[str, str], deadline: float) -> dict:
-        """Poll ``/operations/{id}`` for a queued (202) sample, as the trainer protocol."""
+    def _poll_queued(self, accepted: httpx.Response, headers: Mapping[str, str], poll: Poll) -> dict:
+        """The result of a queued (202) sample: ``/operations/{id}`` long-polled as a trainer op."""
         try:
-            op_id = accepted.json()["operation_id"]
+            op_id = str(accepted.json()["operation_id"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError("/sample answered 202 without an operation_id") from exc
-        path = f"operations/{quote(str(op_id), safe='')}"
         poll_headers = {k: v for k, v in headers.items() if k != IDEMPOTENCY_KEY_HEADER}
-        last: Exception | None = None
         policy = self._sample_policy.replace(retry_statuses=_SAMPLE_RETRY_STATUSES - {408}, retry_timeouts=True)
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                resp = self._http.send("GET", path, headers=poll_headers, policy=policy.replace(deadline=remaining),
-                                       timeout=httpx.Timeout(self.poll_hold_timeout, connect=10.0), accept={408})  # fmt: skip
-            except (RequestTimeoutError, ApiError) as exc:
-                if time.monotonic() < deadline:
-                    raise
-                last = exc
-                break
-            if resp.status_code == 408:
-                continue  # still queued: the server's hold ran out
-            payload = require_dict(json_body(resp), f"GET /{path}")
-            if payload.get("status") == "done":
-                return payload.get("result") or {}
-            if payload.get("status") == "error":
-                raise RemoteOpError(str(payload.get("error") or "unknown error"), error_class=payload.get("error_class"),
-                                    operation="sample", operation_id=str(op_id), run_id=self.run_id)  # fmt: skip
-            self._sleep(min(0.5, max(deadline - time.monotonic(), 0)))
-        try:  # best effort, once: do not leave a queued generation running for nobody
-            self._http.send("POST", f"{path}/cancel", headers=poll_headers, policy=policy.replace(max_retries=0))
-        except Exception:  # noqa: BLE001 - the timeout below is what the caller needs to see
-            pass
-        raise OperationTimeoutError(f"queued sample {op_id} did not finish within {self.ready_timeout:g}s"
-                                    + (f"; last answer: {last}" if last is not None else ""))
+        try:
+            return self._await_operation(op_id, operation="sample", poll=poll, policy=policy, headers=poll_headers)
+        except OperationTimeoutError:
+            try:  # best effort, once: do not leave a queued generation running for nobody
+                self._http.send("POST", f"operations/{quote(op_id, safe='')}/cancel", headers=poll_headers,
+                                policy=policy.replace(max_retries=0))  # fmt: skip
+            except Exception:  # noqa: BLE001 - the timeout is what the caller needs to see
+                pass
+            raise
 
 
 def sample_many(client: SamplerClient, prompts: Iterable[Sequence[int]], **kwargs: Any) -> list[SampleResult]:

@@ -23,24 +23,22 @@ import threading
 import time
 import uuid
 from typing import Any, Callable, Generic, Iterable, Mapping, TypeVar
-from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
 
 from baseten_loops_cli.api.errors import (
     ApiError,
-    OperationExpiredError,
     OperationTimeoutError,
     PolicyVersionUnavailableError,
     ProtocolError,
     RemoteOpError,
-    RequestTimeoutError,
     ServerShutdownError,
     UnknownOperationError,
 )
 from baseten_loops_cli.api.http import USER_AGENT, RetryPolicy, is_permanent_rejection
-from baseten_loops_cli.workers.client import DEFAULT_GET_RETRIES, WorkerClient, json_body
+from baseten_loops_cli.api.polling import Clock, Sleep
+from baseten_loops_cli.workers.client import DEFAULT_GET_RETRIES, DEFAULT_POLL_HOLD_TIMEOUT, WorkerClient, json_body
 from baseten_loops_cli.workers.types import (
     AdamParams,
     Datum,
@@ -66,9 +64,6 @@ DEFAULT_RESULT_TIMEOUT = 3600.0
 # Statuses that mean "not ready yet" only while the trainer has never accepted an op
 # (a cold dedicated trainer behind its proxy answers 400/404 until it is up).
 _COLD_START_STATUSES = frozenset({400, 404})
-# A poll's own answers: 408 = still pending (the server's hold ran out), 404 = unknown op,
-# 410 = result evicted. They are protocol states, never retried by the transport.
-_POLL_STATES = frozenset({404, 408, 410})
 
 
 def _jsonable_data(data: Iterable[Datum | Mapping[str, Any]]) -> list[dict]:
@@ -146,7 +141,7 @@ class OpFuture(Generic[T]):
             if self._result is not None:
                 return self._result
             try:
-                self._result = self._poll(self._client.result_timeout if timeout is None else timeout)
+                self._result = self._await(self._client.result_timeout if timeout is None else timeout)
                 return self._result
             except OperationTimeoutError:
                 raise  # not cached: the op may still finish
@@ -169,62 +164,21 @@ class OpFuture(Generic[T]):
 
     # -- polling -------------------------------------------------------------------------
 
-    def _poll(self, budget: float) -> dict:
+    def _await(self, budget: float) -> dict:
         c = self._client
-        deadline = time.monotonic() + budget
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._timed_out(budget)
-            # Read timeout just above the server's hold, so an idle poll gets the server's 408.
-            read_timeout = min(c.poll_hold_timeout, max(remaining, 0.05))
-            try:
-                resp = c._http.send(
-                    "GET", f"operations/{quote(self._operation_id, safe='')}",
-                    timeout=httpx.Timeout(read_timeout, connect=min(10.0, read_timeout)),
-                    policy=c._poll_policy.replace(deadline=remaining), accept=_POLL_STATES,
-                )  # fmt: skip
-            except (RequestTimeoutError, ApiError) as exc:
-                if time.monotonic() >= deadline:
-                    raise self._timed_out(budget, exc) from exc
-                raise
-            status = resp.status_code
-            if status == 408:
-                continue  # the normal "still pending": re-poll at once
-            if status == 404:
-                if self._resubmitted:
-                    raise UnknownOperationError(
-                        f"the trainer has no record of {self.op} {self._operation_id} even after resubmitting it",
-                        hint="the trainer may have restarted; re-run the step",
-                    )
-                # Unknown id (restart) or evicted result: resubmit with the SAME key and body,
-                # so a server that did run it dedupes, and one that did not runs it now.
-                self._resubmitted = True
-                self._operation_id = c._send_submission(self._submission)
-                continue
-            if status == 410:
-                raise OperationExpiredError(f"the result of {self.op} {self._operation_id} expired on the trainer")
-            body = json_body(resp)
-            state = body.get("status") if isinstance(body, dict) else None
-            if state == "done":
-                result = body.get("result")
-                return result if isinstance(result, dict) else {"value": result}
-            if state == "error":
-                raise RemoteOpError(
-                    str(body.get("error") or "unknown error"),
-                    error_class=body.get("error_class"),
-                    operation=self.op,
-                    operation_id=self._operation_id,
-                    run_id=c.run_id,
-                )
-            # "pending"/"running" from a server that answers at once instead of holding.
-            c._sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+        return c._await_operation(self._operation_id, operation=self.op, poll=c._poll(timeout=budget),
+                                  policy=c._poll_policy, resubmit=self._resubmit)  # fmt: skip
 
-    def _timed_out(self, budget: float, last: Exception | None = None) -> OperationTimeoutError:
-        return OperationTimeoutError(
-            f"{self.op} {self._operation_id} did not finish within {budget:g}s (it may still be running)"
-            + (f"; last answer: {last}" if last is not None else "")
-        )
+    def _resubmit(self) -> str:
+        """The op sent again (same key and body) after a poll's 404; once per future."""
+        if self._resubmitted:
+            raise UnknownOperationError(
+                f"the trainer has no record of {self.op} {self._operation_id} even after resubmitting it",
+                hint="the trainer may have restarted; re-run the step",
+            )
+        self._resubmitted = True
+        self._operation_id = self._client._send_submission(self._submission)
+        return self._operation_id
 
 
 class TrainerClient(WorkerClient):
@@ -245,7 +199,7 @@ class TrainerClient(WorkerClient):
         api_key: str | None,
         run_id: str | None,
         base_model: str,
-        poll_hold_timeout: float = 35.0,
+        poll_hold_timeout: float = DEFAULT_POLL_HOLD_TIMEOUT,
         timeout: float = 60.0,
         submit_timeout: float = DEFAULT_SUBMIT_TIMEOUT,
         result_timeout: float = DEFAULT_RESULT_TIMEOUT,
@@ -254,14 +208,15 @@ class TrainerClient(WorkerClient):
         unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT,
         get_retries: int = DEFAULT_GET_RETRIES,
         user_agent: str = USER_AGENT,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Sleep = time.sleep,
+        clock: Clock = time.monotonic,
         rng: Callable[[], float] = random.random,
         transport: httpx.BaseTransport | None = None,
     ):
         # The serverless gateway needs X-Run-Id on every request.
         super().__init__(base_url, api_key=api_key, run_id=run_id, timeout=timeout,
                          headers={RUN_ID_HEADER: run_id} if run_id else None, get_retries=get_retries,
-                         user_agent=user_agent, sleep=sleep, rng=rng, transport=transport)  # fmt: skip
+                         user_agent=user_agent, sleep=sleep, clock=clock, rng=rng, transport=transport)  # fmt: skip
         self.base_model = base_model
         self.poll_hold_timeout = poll_hold_timeout
         self.submit_timeout = submit_timeout
