@@ -20,7 +20,6 @@ from baseten_loops_cli.services.resolve import (
     checkpoints_of_run,
     created_key,
     display_name,
-    extra,
     resolve_checkpoint,
     sampler_is_terminal,
     uri_of,
@@ -84,7 +83,7 @@ class SamplerPool:
         from baseten_loops_cli.workers.sampler import SamplerClient
 
         live = [s for s in self.client.samplers.list() if not sampler_is_terminal(s) and s.base_model == base_model
-                and not extra(s, "run_id") and not extra(s, "model_path")]  # fmt: skip
+                and not s.run_id and not s.model_path]  # fmt: skip
         sampler = live[0] if live else None
         if sampler is None:
             sampler, what = create_sampler(self.client, base_model=base_model)

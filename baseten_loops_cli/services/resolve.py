@@ -46,18 +46,6 @@ class NotFound(LoopsError):
     """A run, checkpoint, sampler or deployment the user named does not exist."""
 
 
-def extra(model: Any, key: str, default: Any = None) -> Any:
-    """A field the backend sent that the model does not declare; ``default`` when absent.
-
-    The fields code reads are declared in ``api.models`` (read them as attributes); a declared
-    field is returned here too, for callers not yet moved to the attribute."""
-    if model is not None and key in type(model).model_fields:
-        value = getattr(model, key)
-    else:
-        value = (getattr(model, "model_extra", None) or {}).get(key)
-    return default if value is None else value
-
-
 def sampler_is_terminal(sampler: "LoopsSampler | None") -> bool:
     from baseten_loops_cli.api.models import SamplerDeploymentStatus
 
