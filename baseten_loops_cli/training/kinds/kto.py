@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from baseten_loops_cli.training import preference_losses as pl
-from baseten_loops_cli.training.config import CommonConfig, Section
+from baseten_loops_cli.training.config import CommonConfig, Section, config_error
 from baseten_loops_cli.training.data import Example, batches_for_step
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.kinds.dpo import (
@@ -49,6 +49,7 @@ class KTOConfig(CommonConfig):
     EVAL_SUPPORTED = False
     kind: Literal["kto"]
     data: KTOData
+    loss: str = Field("kto", description="Always kto (the paired losses are kind: dpo's).")
     beta: float | None = Field(None, description="How far the policy may move from the reference (default 0.1).")
     desirable_weight: float | None = Field(None, description="lambda_D: the weight of desirable (label true) rows (default 1.0).")
     undesirable_weight: float | None = Field(None, description="lambda_U: the weight of undesirable (label false) rows (default 1.0).")
@@ -56,11 +57,26 @@ class KTOConfig(CommonConfig):
         "base",
         description="The reference policy: 'base' (the base model, as the run starts) or a sampler checkpoint bt://loops:<run>/sampler_weights/<name>.",
     )
+    # The paired losses' parameters, declared only to be refused with their owner's name (not
+    # as an unknown key): "gamma belongs to loss simpo, not to kto".
+    label_smoothing: float | None = None
+    gamma: float | None = None
+    lambda_: float | None = Field(None, alias="lambda")
 
-    @field_validator("beta", "desirable_weight", "undesirable_weight")
+    @field_validator("loss")
+    @classmethod
+    def _kto_loss(cls, value: str) -> str:
+        if value != "kto":
+            paired = value in pl.PAIRED_LOSSES
+            raise config_error(f"kind: kto trains with the kto loss, not {value!r}",
+                               f"Use kind: dpo for loss {value} (paired rows)." if paired else "Remove `loss`, or set it to kto.")
+        return value
+
+    @field_validator("beta", "desirable_weight", "undesirable_weight", "label_smoothing", "gamma", "lambda_")
     @classmethod
     def _loss_parameter(cls, value: float | None, info: ValidationInfo) -> float | None:
-        error = param_error("kto", info.field_name, value) if value is not None else None
+        key = "lambda" if info.field_name == "lambda_" else info.field_name
+        error = param_error("kto", key, value) if value is not None else None
         if error is not None:
             raise error
         return value
@@ -69,10 +85,6 @@ class KTOConfig(CommonConfig):
     @classmethod
     def _reference_checkpoint(cls, value: str) -> str:
         return reference_value(value)
-
-    @property
-    def loss(self) -> str:
-        return "kto"
 
     @property
     def needs_reference(self) -> bool:
