@@ -190,9 +190,9 @@ def test_kto_value_gradient_and_metrics_match_the_paper(kl_shift):
 
 
 def test_dpo_matches_the_loops_dpo_metrics_and_ties_count_half():
-    """Our dpo is the protocol's (training/dpo.py computes the same metrics from the same rows),
-    and the tie rule is the one training/dpo.py and the local engine use."""
-    from baseten_loops_cli.training import dpo
+    """Our dpo is the protocol's (training/kinds/dpo.py computes the same metrics from the same rows),
+    and the tie rule is the one training/kinds/dpo.py and the local engine use."""
+    from baseten_loops_cli.training.kinds import dpo
 
     assert pl.TIE_NATS == dpo.TIE_NATS
     seqs = _batch(6, seed=3)

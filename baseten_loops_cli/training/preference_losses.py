@@ -52,7 +52,7 @@ the **mean**, as TRL reports it. Formulas, per pair (chosen ``w``, rejected ``l`
   (as in the paper and TRL). TRL's ``KTOTrainer`` averages the loss over the batch's examples;
   so does ``LossResult.loss``.
 
-Metrics, means over the batch (as ``training/dpo.py`` logs DPO): ``loss``, ``chosen_reward`` /
+Metrics, means over the batch (as ``training/kinds/dpo.py`` logs DPO): ``loss``, ``chosen_reward`` /
 ``rejected_reward``, ``reward_margin`` (always ``chosen_reward - rejected_reward``) and
 ``preference_accuracy`` (chosen ahead of rejected; a gap within ``TIE_NATS`` counts half, so an
 untrained DPO/IPO policy scores exactly 0.5). The rewards are TRL's: ``beta * r`` for dpo and ipo
@@ -79,7 +79,7 @@ NEEDS_REFERENCE = frozenset({"dpo", "ipo", "kto"})
 # Losses that run on the protocol's own loss rather than the custom-loss path.
 PROTOCOL_LOSS = {"dpo": "dpo"}
 
-# A pair whose gap is within this many nats is a tie and counts half (training/dpo.py's
+# A pair whose gap is within this many nats is a tie and counts half (training/kinds/dpo.py's
 # TIE_NATS and local/engine/losses.py's DPO_TIE_NATS: the same rule, checked by a test).
 TIE_NATS = 1e-3
 # ORPO's log-odds are infinite at mean logprob 0; a mean above -ORPO_MIN_GAP is read as this.
@@ -322,7 +322,7 @@ def _mean(values: list[float]) -> float:
 # ------------------------------------------------------------------ paired losses
 def paired_loss(loss: str, sequences: Sequence[SequenceScore], params: Mapping[str, Any] | None = None) -> LossResult:
     """The ``loss`` of interleaved pairs (chosen at even indices, rejected at odd: the layout of
-    ``training.dpo.pair_datums`` and of the protocol's ``dpo`` loss). ``grads[i]`` is
+    ``training.kinds.dpo.pair_datums`` and of the protocol's ``dpo`` loss). ``grads[i]`` is
     ``dL/dS`` of ``sequences[i]``, ``L`` the sum over pairs."""
     if loss not in PAIRED_LOSSES:
         raise ValueError(f"{loss!r} is not a paired loss (one of {', '.join(PAIRED_LOSSES)})")

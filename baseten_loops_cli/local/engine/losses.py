@@ -219,7 +219,7 @@ def _dpo(data: list[DatumLossInput], config: dict[str, Any]) -> LossResult:
     z = z.detach()
     gap = margins.detach()[0::2] - margins.detach()[1::2]  # the log-ratio difference, in nats
     # A pair the policy ranks within DPO_TIE_NATS of the reference is a tie and counts half,
-    # so an untrained policy scores 0.5 whatever the float noise (training/dpo.py agrees).
+    # so an untrained policy scores 0.5 whatever the float noise (training/kinds/dpo.py agrees).
     wins = (gap > DPO_TIE_NATS).float() + 0.5 * (gap.abs() <= DPO_TIE_NATS).float()
     metrics = {"loss:sum": float(total.detach()),
                "dpo_loss": float(pair_losses.detach().mean()),

@@ -48,7 +48,7 @@ from baseten_loops_cli.training.templates import COMMON
 # A pair whose policy-vs-reference log-ratio gap is within this many nats is a tie and counts
 # half: an untrained policy scores 0.5 whatever the float noise between trainer and sampler.
 # (The local engine's dpo loss uses the same rule: local/engine/losses.py DPO_TIE_NATS.)
-TIE_NATS = 1e-3
+TIE_NATS = pl.TIE_NATS
 REFERENCE_CHECKPOINT = "dpo-reference"
 _SCORES_IN_FLIGHT = 32  # reference-scoring requests at once (a local sampler batches them)
 _SCORES_PER_APPEND = 64  # and made durable in chunks of this many
