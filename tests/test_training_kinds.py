@@ -182,6 +182,9 @@ def test_without_registration_the_kind_is_unknown(tmp_path):
     ("dpo", 12, {"step": 2, "loss": 0.5, "preference_accuracy": 0.8, "reward_margin": 0.2, "eval_loss": 0.4,
                  "eval_preference_accuracy": 0.9, "learning_rate": 1e-4, "policy_version": 2},
      "step 2/12  loss 0.5000  pref_acc 80%  margin 0.200  eval_loss 0.4000  eval_pref_acc 90%  lr 1.00e-04  tok/s -  v2"),
+    ("kto", 16, {"step": 3, "loss": 0.4, "reward_margin": 1.5, "kl_estimate": 0.25, "eval_loss": 0.3,
+                 "eval_reward_margin": 2.0, "learning_rate": 1e-4, "policy_version": 3},
+     "step 3/16  loss 0.4000  margin 1.500  kl 0.250  eval_loss 0.3000  eval_margin 2.000  lr 1.00e-04  tok/s -  v3"),
 ])
 def test_each_built_in_kind_declares_its_part_of_the_step_line(kind, total, record, line):
     """The step line is the view's; what it shows between the step and the learning rate is the
