@@ -1,4 +1,5 @@
-"""Generate the example preference pairs of tiny-dpo.yaml and smol-dpo.yaml (deterministic).
+"""Generate the example preference data of tiny-dpo.yaml, smol-dpo.yaml (pairs) and tiny-kto.yaml
+(unpaired: one completion per row, labelled true or false). Deterministic.
 
     python examples/make_dpo_data.py
 """
@@ -43,6 +44,23 @@ def main() -> None:
         })  # fmt: skip
     write("smol_dpo_train.jsonl", rows[:160])
     write("smol_dpo_eval.jsonl", rows[160:])
+    # Tiny KTO: the tiny DPO task as thumbs up/down. Each prompt appears twice, once with the
+    # "ANSWER: <sum>" reply (label true) and once with the same sum said another way (false), in
+    # shuffled order; the held-out prompts are not in the training file.
+    rng = random.Random(12)
+    rows = []
+    for a, b in arithmetic_pairs(rng, 10)[:40]:
+        s = a + b
+        prompt = f"What is {a}+{b}?"
+        rows.append([{"prompt": prompt, "completion": f"ANSWER: {s}", "label": True},
+                     {"prompt": prompt, "completion": rng.choice(styles).format(a=a, b=b, s=s), "label": False}])
+    # Shuffled, so a row's KL sequence (its prompt with the previous row's completion) is
+    # mismatched, as KTO's estimate wants.
+    train, held_out = [row for pair in rows[:32] for row in pair], [row for pair in rows[32:] for row in pair]
+    rng.shuffle(train)
+    rng.shuffle(held_out)
+    write("tiny_kto_train.jsonl", train)
+    write("tiny_kto_eval.jsonl", held_out)
 
 
 if __name__ == "__main__":

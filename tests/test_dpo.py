@@ -100,7 +100,7 @@ def test_datum_is_laid_out_as_the_sdk_builds_it():
 
 def test_dpo_config_defaults_and_reference_errors(tmp_path):
     config = load_config(dpo_config(tmp_path, TRAIN)).config
-    assert (config.kind, config.beta, config.label_smoothing, config.reference) == ("dpo", 0.1, 0.0, "base")
+    assert (config.kind, config.loss, config.loss_params, config.reference) == ("dpo", "dpo", {"beta": 0.1, "label_smoothing": 0.0}, "base")
     path = dpo_config(tmp_path, TRAIN, extra="reference: bt://loops:abc1234/weights/step-2\n")
     with pytest.raises(ConfigError, match=r"dpo\.yaml:16: reference: .*trainer state.*sampler_weights/step-2"):
         load_config(path)

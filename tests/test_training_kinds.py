@@ -161,14 +161,14 @@ def test_a_registered_kind_has_its_template_and_its_errors(local_server, tmp_pat
     assert "bad.yaml:4: repeat:" in err.value.message and "unknown key 'data.txts'; did you mean 'data.texts'?" in err.value.message
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("name: x\nkind: ppo\n")
-    with pytest.raises(ConfigError, match=r"unknown.yaml:2: kind must be 'sft', 'rl', 'dpo' or 'toy', not 'ppo'"):
+    with pytest.raises(ConfigError, match=r"unknown.yaml:2: kind must be 'sft', 'rl', 'dpo', 'kto' or 'toy', not 'ppo'"):
         load_config(unknown)
 
 
 def test_without_registration_the_kind_is_unknown(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("kind: toy\nname: x\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft', 'rl' or 'dpo', not 'toy'"):
+    with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft', 'rl', 'dpo' or 'kto', not 'toy'"):
         load_config(config)
 
 
@@ -182,6 +182,9 @@ def test_without_registration_the_kind_is_unknown(tmp_path):
     ("dpo", 12, {"step": 2, "loss": 0.5, "preference_accuracy": 0.8, "reward_margin": 0.2, "eval_loss": 0.4,
                  "eval_preference_accuracy": 0.9, "learning_rate": 1e-4, "policy_version": 2},
      "step 2/12  loss 0.5000  pref_acc 80%  margin 0.200  eval_loss 0.4000  eval_pref_acc 90%  lr 1.00e-04  tok/s -  v2"),
+    ("kto", 16, {"step": 3, "loss": 0.4, "reward_margin": 1.5, "kl_estimate": 0.25, "eval_loss": 0.3,
+                 "eval_reward_margin": 2.0, "learning_rate": 1e-4, "policy_version": 3},
+     "step 3/16  loss 0.4000  margin 1.500  kl 0.250  eval_loss 0.3000  eval_margin 2.000  lr 1.00e-04  tok/s -  v3"),
 ])
 def test_each_built_in_kind_declares_its_part_of_the_step_line(kind, total, record, line):
     """The step line is the view's; what it shows between the step and the learning rate is the

@@ -43,7 +43,7 @@ def _plan_lines(plan, loaded, backend_desc: str) -> list[str]:
 @app.command("init")
 def init(
     ctx: typer.Context,
-    kind: Annotated[str, typer.Option("--kind", help="sft, rl or dpo.")] = "sft",
+    kind: Annotated[str, typer.Option("--kind", help="sft, rl, dpo or kto.")] = "sft",
     output_file: Annotated[
         Optional[Path], typer.Option("-O", "--output-file", help="Write here instead of stdout.")
     ] = None,
@@ -58,6 +58,8 @@ def init(
       loops train init --kind rl > my-rl.yaml
 
       loops train init --kind dpo -O my-dpo.yaml
+
+      loops train init --kind kto -O my-kto.yaml
     """
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training import kinds

@@ -378,7 +378,17 @@ def _file_problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
         return Problem(line, key, f"kind must be {_kinds_text()}", f"Set kind to {_kinds_text()}.")
     value = err.get("input")
     fix = f"Change the value ({value!r})." if not isinstance(value, (dict, list)) else None
+    # A validator that knows the fix names it in its error's context (config_error below).
+    fix = (err.get("ctx") or {}).get("fix") or fix
     return Problem(line, key, f"{key}: {err['msg'].removeprefix('Value error, ')}", fix)
+
+
+def config_error(message: str, fix: str | None = None) -> Exception:
+    """What a config model's validator raises for a value it refuses: the message (after
+    ``KEY: ``) and the fix the one-line error's hint gives (else "Change the value")."""
+    from pydantic_core import PydanticCustomError
+
+    return PydanticCustomError("config_value", "{message}", {"message": message, "fix": fix})
 
 
 def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path,

@@ -266,10 +266,12 @@ def load_preference_pairs(path: Path, tokenizer: Any, *, max_seq_len: int) -> li
     """Rows ``{"prompt" | "messages", "chosen", "rejected"}`` or ``{"chosen": [messages],
     "rejected": [messages]}``; both sides must share everything before the final reply."""
     from baseten_loops_cli.tokenization import render_chat
+    from baseten_loops_cli.training.kto_data import check_paired_row
 
     pairs = []
     for lineno, row in read_jsonl(path):
         where = f"{path}:{lineno}"
+        check_paired_row(row, where)  # an unpaired (KTO) row: named as such, not "missing 'chosen'"
         if isinstance(row.get("prompt"), str):
             prompt = [{"role": "user", "content": row["prompt"]}]
         elif "prompt" in row:

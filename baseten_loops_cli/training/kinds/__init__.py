@@ -1,6 +1,6 @@
 """The registry of training kinds: the one table that maps a config's ``kind:`` to its plug-in.
 
-A kind is one module here (``sft.py``, ``rl.py``, ``dpo.py``) that ends with ``KIND = Kind(...)``:
+A kind is one module here (``sft.py``, ``rl.py``, ``dpo.py``, ``kto.py``) that ends with ``KIND = Kind(...)``:
 its config model (the pydantic class of the whole config, built on ``config.CommonConfig``), its
 data loading, its plan estimate, its loop, its main metric and step fields, its ``train init``
 template, the config keys that name data files, and how its ``eval:`` task is built. Nothing
@@ -29,6 +29,7 @@ _BUILTIN = {
     "sft": "baseten_loops_cli.training.kinds.sft",
     "rl": "baseten_loops_cli.training.kinds.rl",
     "dpo": "baseten_loops_cli.training.kinds.dpo",
+    "kto": "baseten_loops_cli.training.kinds.kto",
 }
 _REGISTRY: dict[str, "Kind | str"] = dict(_BUILTIN)
 
@@ -117,7 +118,7 @@ def names() -> tuple[str, ...]:
 
 
 def names_text() -> str:
-    """``'sft', 'rl' or 'dpo'``: the registered kinds, for messages."""
+    """``'sft', 'rl', 'dpo' or 'kto'``: the registered kinds, for messages."""
     kinds = [repr(k) for k in names()]
     return kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + f" or {kinds[-1]}"
 

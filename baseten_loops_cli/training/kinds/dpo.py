@@ -1,5 +1,5 @@
-"""Preference tuning (``kind: dpo``): pairs of a chosen and a rejected reply, the ``dpo`` loss
-against a frozen reference.
+"""Preference tuning (``kind: dpo``): pairs of a chosen and a rejected reply, trained with one of
+the paired preference losses (``loss: dpo | ipo | simpo | orpo``, training/preference_losses.py).
 
 Before step 1, every sequence (each pair's chosen and rejected conversation, train and eval) is
 scored once by the reference policy, the way the SDK's ``helpers.datum.attach_reference_logprobs``
@@ -9,11 +9,17 @@ the policy as the run starts (``reference: base``; published to the run's sample
 scores go to ``reference_logprobs.jsonl`` in the run directory as they arrive, keyed by the
 sequence's tokens, so a resumed run reuses them and trains on exactly the same numbers.
 
-Per step: the batch's pairs as interleaved (chosen, rejected) datums, ``forward_backward`` with
-the ``dpo`` loss (``beta``, ``label_smoothing``) and ``optim_step`` pipelined as in SFT. The
-step's DPO loss, reward margin and preference accuracy are computed here from the logprobs the
-trainer returns, so they mean the same on every backend. The eval split is scored with
-``forward`` (no gradient) before training, every ``eval_every`` steps and at the end.
+The reference-free losses (``simpo``, ``orpo``: not in ``NEEDS_REFERENCE``) skip that pass.
+
+Per step: the batch's pairs as interleaved (chosen, rejected) datums and ``optim_step`` pipelined
+as in SFT. ``loss: dpo`` sends them to ``forward_backward`` with the protocol's ``dpo`` loss
+(``beta``, ``label_smoothing``); the other losses take the SDK's custom-loss path
+(``preference_losses.submit_custom_loss``: ``/forward`` for the logprobs, the loss and its
+gradient in closed form here, then a weighted ``cross_entropy`` ``/forward_backward``), so every
+loss runs on Baseten through the protocol alone. The step's loss, reward margin and preference
+accuracy are computed here from the logprobs the trainer returns, so they mean the same on every
+backend. The eval split is scored with ``forward`` (no gradient) before training, every
+``eval_every`` steps and at the end.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import math
 import time
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from baseten_loops_cli.errors import ConfigError, LoopsError
-from baseten_loops_cli.training.config import CommonConfig, Section
+from baseten_loops_cli.training import preference_losses as pl
+from baseten_loops_cli.training.config import CommonConfig, Section, config_error
 from baseten_loops_cli.training.data import PreferencePair, batches_for_step, dpo_datum, reference_logprobs_field
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
@@ -41,12 +48,13 @@ from baseten_loops_cli.training.templates import COMMON
 # A pair whose policy-vs-reference log-ratio gap is within this many nats is a tie and counts
 # half: an untrained policy scores 0.5 whatever the float noise between trainer and sampler.
 # (The local engine's dpo loss uses the same rule: local/engine/losses.py DPO_TIE_NATS.)
-TIE_NATS = 1e-3
+TIE_NATS = pl.TIE_NATS
 REFERENCE_CHECKPOINT = "dpo-reference"
 _SCORES_IN_FLIGHT = 32  # reference-scoring requests at once (a local sampler batches them)
 _SCORES_PER_APPEND = 64  # and made durable in chunks of this many
 
-__all__ = ["KIND", "DPOConfig", "check_reference", "evaluate", "preference_metrics", "run_dpo", "total_steps"]
+__all__ = ["KIND", "DPOConfig", "check_reference", "evaluate", "param_error", "preference_metrics", "reference_logprobs",
+           "run_dpo", "sequence_datum", "sequence_key", "total_steps"]
 
 
 class DPOData(Section):
@@ -55,36 +63,98 @@ class DPOData(Section):
     shuffle: bool = True
 
 
+def reference_value(value: str) -> str:
+    """A config's ``reference``: ``base`` or a sampler checkpoint's URI (ValueError otherwise)."""
+    if value == "base":
+        return value
+    from baseten_loops_cli.api.uri import CheckpointUri
+
+    if not CheckpointUri.is_uri(value):
+        raise ValueError(f"expected 'base' or bt://loops:<run_id>/sampler_weights/<name>, not {value!r}")
+    uri = CheckpointUri.parse(value)
+    if uri.target != "sampler":
+        raise ValueError(
+            f"{value} is trainer state; the reference is scored by a sampler, so name its sampler checkpoint "
+            f"bt://loops:{uri.run_id}/sampler_weights/{uri.name}"
+        )
+    return value
+
+
+def param_error(loss: str, key: str, value: Any) -> Exception | None:
+    """The config error for one loss parameter ``key: value`` under ``loss`` (a parameter of
+    another loss, not a number, out of bounds), or None: ``preference_losses.param_problems``
+    as a config model's validator raises it (the file:line of the key comes with it)."""
+    problems = pl.param_problems(loss, {key: value})
+    if not problems:
+        return None
+    message = problems[0].message
+    for prefix in (f"{key}: ", f"{key} "):
+        message = message.removeprefix(prefix)
+    return config_error(message, problems[0].fix)
+
+
 class DPOConfig(CommonConfig):
     EVAL_SUPPORTED = False
     kind: Literal["dpo"]
     data: DPOData
-    beta: float = Field(0.1, gt=0, description="DPO temperature: how far the policy may move from the reference.")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed fraction of flipped labels (conservative DPO).")
+    # `loss` comes before its parameters: their validators read it (a bad loss: they are skipped).
+    loss: str = Field("dpo", description="dpo | ipo | simpo | orpo (training/preference_losses.py).")
+    beta: float | None = Field(None, description="dpo, ipo: how far the policy may move from the reference (default 0.1); simpo: the reward scale (default 2.0).")
+    label_smoothing: float | None = Field(None, description="dpo: assumed fraction of flipped labels, in [0, 0.5) (default 0).")
+    gamma: float | None = Field(None, description="simpo: the target reward margin (default 1.0).")
+    lambda_: float | None = Field(None, alias="lambda", description="orpo: the weight of the odds-ratio term (default 0.1).")
     reference: str = Field(
         "base",
-        description="The reference policy: 'base' (the base model, as the run starts) or a sampler checkpoint bt://loops:<run>/sampler_weights/<name>.",
+        description="The reference policy (dpo, ipo): 'base' (the base model, as the run starts) or a sampler checkpoint bt://loops:<run>/sampler_weights/<name>.",
     )
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        if value in pl.UNPAIRED_LOSSES:
+            raise config_error(f"{value} trains on unpaired rows (a completion and a label), not on pairs",
+                               f"Use `kind: {value}` for unpaired rows, or a paired loss: {', '.join(pl.PAIRED_LOSSES)}.")
+        if value not in pl.PAIRED_LOSSES:
+            raise config_error(f"unknown loss {value!r} (one of {', '.join(pl.PAIRED_LOSSES)})",
+                               f"Set loss to one of {', '.join(pl.PAIRED_LOSSES)} (unpaired rows: kind: kto).")
+        return value
+
+    @field_validator("beta", "label_smoothing", "gamma", "lambda_")
+    @classmethod
+    def _loss_parameter(cls, value: float | None, info: ValidationInfo) -> float | None:
+        loss = info.data.get("loss")
+        if value is None or loss is None:
+            return value
+        error = param_error(loss, "lambda" if info.field_name == "lambda_" else info.field_name, value)
+        if error is not None:
+            raise error
+        return value
+
+    @property
+    def loss_params(self) -> dict[str, float]:
+        """The loss's parameters: those given over the loss's defaults."""
+        given = {"beta": self.beta, "label_smoothing": self.label_smoothing, "gamma": self.gamma, "lambda": self.lambda_}
+        return pl.resolve_params(self.loss, {k: v for k, v in given.items() if v is not None})
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss in pl.NEEDS_REFERENCE
 
     @field_validator("reference")
     @classmethod
-    def _reference_checkpoint(cls, value: str) -> str:
+    def _reference_checkpoint(cls, value: str, info: ValidationInfo) -> str:
         if value == "base":
             return value
-        from baseten_loops_cli.api.uri import CheckpointUri
-
-        if not CheckpointUri.is_uri(value):
-            raise ValueError(f"expected 'base' or bt://loops:<run_id>/sampler_weights/<name>, not {value!r}")
-        uri = CheckpointUri.parse(value)
-        if uri.target != "sampler":
-            raise ValueError(
-                f"{value} is trainer state; the reference is scored by a sampler, so name its sampler checkpoint "
-                f"bt://loops:{uri.run_id}/sampler_weights/{uri.name}"
-            )
-        return value
+        loss = info.data.get("loss")
+        if loss is not None and loss not in pl.NEEDS_REFERENCE:
+            raise config_error(f"loss {loss} is reference-free: it has no reference policy",
+                               f"Remove `reference`, or use a loss with a reference: {', '.join(sorted(pl.NEEDS_REFERENCE - set(pl.UNPAIRED_LOSSES)))}.")
+        return reference_value(value)
 
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
+    """The pairs of both splits (``data.load_preference_pairs``: every row checked, an unpaired
+    KTO row named as such)."""
     from baseten_loops_cli.training.data import load_preference_pairs
 
     config = loaded.config
@@ -99,7 +169,9 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 
 def estimate(config, data: LoadedData) -> Estimate:
     """Exact: each step's pairs, chosen + rejected (whole sequences); before step 1 the reference
-    scores every sequence of both splits once (a prefill each, no backward)."""
+    (dpo, ipo) scores every sequence of both splits once (a prefill each, no backward). The
+    custom-loss path (every loss but dpo) also scores each step's batch with a ``/forward``
+    before its ``/forward_backward``."""
     steps = total_steps(len(data.train), config)
     train_tokens = sum(
         len(data.train[i].chosen.tokens) + len(data.train[i].rejected.tokens)
@@ -107,9 +179,17 @@ def estimate(config, data: LoadedData) -> Estimate:
         for i in batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
     )
     pairs = data.train + (data.eval or [])
-    scored = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in pairs)
-    note = f"before step 1 the reference ({config.reference}) scores {2 * len(pairs)} sequences (~{scored:,} tokens) once"
-    return Estimate(steps, train_tokens, 0, scored_tokens=scored, notes=[note])
+    scored, notes = 0, []
+    if config.needs_reference:
+        scored = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in pairs)
+        notes.append(f"before step 1 the reference ({config.reference}) scores {2 * len(pairs)} sequences (~{scored:,} tokens) once")
+    else:
+        notes.append(f"loss {config.loss} is reference-free: no reference pass")
+    if config.loss not in pl.PROTOCOL_LOSS:
+        scored += train_tokens  # the custom-loss path's /forward of each step
+        notes.append(f"loss {config.loss} runs on the custom-loss path: each step is a forward, then a weighted "
+                     "cross_entropy forward_backward (the SDK's forward_backward_custom)")
+    return Estimate(steps, train_tokens, 0, scored_tokens=scored, notes=notes)
 
 
 def sequence_key(tokens: list[int]) -> str:
@@ -119,13 +199,15 @@ def sequence_key(tokens: list[int]) -> str:
 
 
 def loss_config(config: Any) -> dict:
-    return {"beta": config.beta, "label_smoothing": config.label_smoothing}
+    """The protocol's ``dpo`` loss config (``loss: dpo``)."""
+    params = config.loss_params
+    return {"beta": params["beta"], "label_smoothing": params["label_smoothing"]}
 
 
 def check_reference(client: Any, loaded: Any) -> None:
     """A checkpoint reference must exist and share the base model: checked before provisioning."""
     config = loaded.config
-    if config.reference == "base":
+    if config.reference == "base" or not config.needs_reference:
         return
     found = [c for c in client.checkpoints.list(checkpoint_path=config.reference) if c.target in (None, "sampler")]
     where = loaded.where("reference")
@@ -164,15 +246,21 @@ def reference_logprobs(
     """Every sequence's ``ref_logprobs`` by :func:`sequence_key`: those in the run directory,
     plus any missing ones, scored now and appended as they arrive (a Ctrl-C stops after the
     chunk in flight, keeping what was scored)."""
+    return reference_scores(session, [e for pair in pairs for e in (pair.chosen, pair.rejected)], sink, stop)
+
+
+def reference_scores(session: TrainingSession, sequences: list[Any], sink: Any,
+                     stop: StopRequested | None = None) -> dict[str, list[float]]:
+    """:func:`reference_logprobs` for any rendered sequences (``data.Example``: KTO's examples
+    and their KL sequences too)."""
     config = session.config
     rundir = session.rundir
     scores = {r["key"]: r["ref_logprobs"] for r in rundir.references()}
     todo: dict[str, list[int]] = {}
-    for pair in pairs:
-        for example in (pair.chosen, pair.rejected):
-            key = sequence_key(example.tokens)
-            if key not in scores:
-                todo.setdefault(key, example.tokens)
+    for example in sequences:
+        key = sequence_key(example.tokens)
+        if key not in scores:
+            todo.setdefault(key, example.tokens)
     if not todo:
         return scores
     sink.message(f"Scoring {len(todo)} sequences with the reference policy ({config.reference})...")
@@ -215,13 +303,19 @@ def reference_logprobs(
     return scores
 
 
-def pair_datums(pairs: list[PreferencePair], scores: dict[str, list[float]]) -> list[dict]:
-    """The interleaved rows the ``dpo`` loss pairs positionally: chosen even, rejected odd."""
-    return [
-        dpo_datum(example, scores[sequence_key(example.tokens)])
-        for pair in pairs
-        for example in (pair.chosen, pair.rejected)
-    ]
+def sequence_datum(example: Any, scores: dict[str, list[float]] | None) -> dict:
+    """The SDK's DPO row of one sequence (``data.dpo_datum``), with its reference logprobs from
+    ``scores`` or, for a reference-free loss (``scores`` None), without any."""
+    if scores is None:
+        datum = dpo_datum(example, [0.0] * len(example.tokens))
+        del datum["loss_fn_inputs"]["ref_logprobs"]
+        return datum
+    return dpo_datum(example, scores[sequence_key(example.tokens)])
+
+
+def pair_datums(pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> list[dict]:
+    """The interleaved rows the paired losses pair positionally: chosen even, rejected odd."""
+    return [sequence_datum(example, scores) for pair in pairs for example in (pair.chosen, pair.rejected)]
 
 
 # ------------------------------------------------------------------ metrics
@@ -264,57 +358,93 @@ def preference_metrics(datums: list[dict], outputs: list[dict], beta: float, lab
     }
 
 
-def evaluate(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]]) -> dict:
-    """The eval split's DPO metrics under the current policy (``forward``: no gradient),
-    prefixed ``eval_``."""
+def evaluate(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> dict:
+    """The eval split's metrics under the current policy (``forward``: no gradient), prefixed
+    ``eval_``."""
     return submit_eval(session, pairs, scores)()
 
 
-def submit_eval(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]]) -> Any:
+def submit_eval(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> Any:
     """Submit :func:`evaluate`'s ``forward`` passes now; the returned function waits for them
-    (a pipelined loop submits them right behind a step's ``optim_step``)."""
+    (a pipelined loop submits them right behind a step's ``optim_step``). ``loss: dpo`` scores
+    with the protocol's ``dpo`` loss, the others with the custom-loss path's ``/forward``
+    (``submit_custom_loss(..., backward=False)``, unwaited)."""
     config = session.config
+    params = config.loss_params
     batches = []
     for start in range(0, len(pairs), config.batch_size):
         batch = pair_datums(pairs[start : start + config.batch_size], scores)
-        batches.append((batch, session.trainer.forward(batch, "dpo", loss_config(config))))
+        if config.loss in pl.PROTOCOL_LOSS:
+            future = session.trainer.forward(batch, pl.PROTOCOL_LOSS[config.loss], loss_config(config))
+        else:
+            future = session.trainer.forward([pl.forward_datum(d) for d in batch], pl.CUSTOM_LOSS_FN,
+                                             dict(pl.CUSTOM_LOSS_CONFIG))
+        batches.append((batch, future))
 
     def metrics() -> dict:
-        datums, outputs = [], []
-        for batch, future in batches:
-            datums += batch
-            outputs += future.result()["loss_fn_outputs"]
-        values = preference_metrics(datums, outputs, config.beta, config.label_smoothing)
+        if config.loss in pl.PROTOCOL_LOSS:
+            datums, outputs = [], []
+            for batch, future in batches:
+                datums += batch
+                outputs += future.result()["loss_fn_outputs"]
+            values = preference_metrics(datums, outputs, params["beta"], params["label_smoothing"])
+        else:
+            sequences = [s for batch, future in batches for s in pl.scores_from_forward(batch, future.result())]
+            values = pl.paired_loss(config.loss, sequences, params).metrics
         return {f"eval_{k}": v for k, v in values.items()}
 
     return metrics
 
 
 # ------------------------------------------------------------------ the loop
-def run_dpo(
-    session: TrainingSession,
-    train: list[PreferencePair],
-    eval_pairs: list[PreferencePair] | None,
-    sink: Any,
-    stop: StopRequested,
-) -> str:
-    """Train to the end ("completed") or until Ctrl-C ("interrupted"); records go to ``sink``
-    (see :func:`baseten_loops_cli.training.kinds.sft.run_sft`)."""
+class StepSubmission:
+    """One step's ops as a preference loop submits them: the ``forward_backward`` future, how to
+    read the step's metrics from its result, the tokens trained and the record's row count."""
+
+    def __init__(self, future: Any, metrics: Any, tokens: int, rows: dict[str, int]):
+        self.future = future
+        self.metrics = metrics  # (forward_backward result) -> dict
+        self.tokens = tokens
+        self.rows = rows  # e.g. {"pairs": 8}
+
+
+def submit_preference_step(session: TrainingSession, datums: list[dict], extra: list[dict], compute: Any,
+                           protocol: tuple[str, dict, Any] | None, rows: dict[str, int]) -> StepSubmission:
+    """A step's ``forward_backward``: the protocol's own loss (``protocol`` = (loss_fn, config,
+    metrics of (datums, outputs))) or the SDK's custom-loss path (``compute`` on the scores of
+    ``datums`` + ``extra``; the ``/forward`` is waited for, the backward is not)."""
+    tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
+    if protocol is not None:
+        loss_fn, loss_fn_config, metrics_of = protocol
+        future = session.trainer.forward_backward(datums, loss_fn, loss_fn_config)
+        return StepSubmission(future, lambda result: metrics_of(datums, result["loss_fn_outputs"]), tokens, rows)
+    future, custom = pl.submit_custom_loss(session.trainer, datums, compute, extra=extra)
+
+    def metrics(result: dict) -> dict:
+        pl.check_unnormalized(result.get("metrics") or {})
+        return custom.metrics
+
+    return StepSubmission(future, metrics, tokens, rows)
+
+
+def preference_loop(session: TrainingSession, n_train: int, sink: Any, stop: StopRequested, *,
+                    submit_step: Any, submit_eval: Any | None, summary: Any) -> str:
+    """The loop the preference kinds (dpo, kto) share, after their reference pass: the step-0
+    eval baseline, then per step ``submit_step(indices) -> StepSubmission`` and ``optim_step``
+    pipelined (training/pipeline.py), ``submit_eval()`` (a function that waits for the eval's
+    metrics, ``eval_``-prefixed) every ``eval_every`` steps and at the end, resume points, and
+    the final checkpoint. ``summary(baseline, last)`` is the closing eval line."""
     config = session.config
-    steps = total_steps(len(train), config)
+    steps = total_steps(n_train, config)
     opt = config.optimizer
-    sink.start(steps, session.start_step, "loss")
-    scores = reference_logprobs(session, train + (eval_pairs or []), sink, stop)
-    if save_if_stopped(session, stop, session.start_step):
-        return "interrupted"
     baseline = None
-    if eval_pairs:
+    if submit_eval is not None:
         before = [r for r in session.rundir.metrics() if r.get("step") == 0 and "eval_loss" in r]
         if before:
             baseline = before[0]
         elif session.start_step == 0:
-            # Where the policy starts (0.5 accuracy: it is the reference), for the final comparison.
-            baseline = {"step": 0, **evaluate(session, eval_pairs, scores)}
+            # Where the policy starts (with a reference: it is the reference, every margin 0).
+            baseline = {"step": 0, **submit_eval()()}
             sink.step(baseline)
     clock = StepClock()
     pipeline = StepPipeline()  # see training/pipeline.py and run_sft
@@ -322,27 +452,23 @@ def run_dpo(
     while step < steps:
         if save_if_stopped(session, stop, step, pipeline):
             return "interrupted"
-        indices = batches_for_step(len(train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
-        datums = pair_datums([train[i] for i in indices], scores)
+        indices = batches_for_step(n_train, config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
         lr = learning_rate(opt, step, steps)
-        fb = session.trainer.forward_backward(datums, "dpo", loss_config(config))
+        submitted = submit_step(indices)
         optim = session.trainer.optim_step(adam_params(opt, lr))
         step += 1
-        eval_metrics = (submit_eval(session, eval_pairs, scores)
-                        if eval_pairs and config.eval_every and step % config.eval_every == 0 else None)
+        eval_metrics = (submit_eval() if submit_eval is not None and config.eval_every and step % config.eval_every == 0
+                        else None)
         checkpoint = (submit_checkpoint(session, step)
                       if config.checkpointing.save_every and step % config.checkpointing.save_every == 0
                       and step < steps else None)  # fmt: skip
 
-        def collect(step=step, datums=datums, indices=indices, lr=lr, fb=fb, optim=optim,
-                    eval_metrics=eval_metrics, checkpoint=checkpoint) -> None:
-            fb_result = fb.result()
+        def collect(step=step, lr=lr, submitted=submitted, optim=optim, eval_metrics=eval_metrics,
+                    checkpoint=checkpoint) -> None:
+            values = submitted.metrics(submitted.future.result())
             optim_result = optim.result()
-            tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
-            record = step_record(step, steps, clock, learning_rate=lr, tokens=tokens, optim_result=optim_result,
-                                 **preference_metrics(datums, fb_result["loss_fn_outputs"], config.beta,
-                                                      config.label_smoothing),
-                                 pairs=len(indices))
+            record = step_record(step, steps, clock, learning_rate=lr, tokens=submitted.tokens,
+                                 optim_result=optim_result, **values, **submitted.rows)
             if eval_metrics is not None:
                 record.update(eval_metrics())
             sink.step(record)
@@ -353,19 +479,50 @@ def run_dpo(
     pipeline.drain()
     if save_if_stopped(session, stop, step):  # Ctrl-C during the last step
         return "interrupted"
-    if eval_pairs:
+    if submit_eval is not None:
         last = next((r for r in reversed(session.rundir.metrics()) if r.get("step") == steps and "eval_loss" in r), None)
         if last is None:
-            last = {"step": steps, **evaluate(session, eval_pairs, scores)}
+            last = {"step": steps, **submit_eval()()}
             sink.final(last)
-        start = f"{baseline['eval_preference_accuracy']:.0%} -> " if baseline else ""
-        sink.message(
-            f"Eval: preference accuracy {start}{last['eval_preference_accuracy']:.0%}, "
-            f"reward margin {last['eval_reward_margin']:.3f}, loss {last['eval_loss']:.4f}"
-        )
+        sink.message(summary(baseline, last))
     record = save_checkpoint(session, steps, final=True)
     sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
     return "completed"
+
+
+def run_dpo(
+    session: TrainingSession,
+    train: list[PreferencePair],
+    eval_pairs: list[PreferencePair] | None,
+    sink: Any,
+    stop: StopRequested,
+) -> str:
+    """Train to the end ("completed") or until Ctrl-C ("interrupted"); records go to ``sink``
+    (see :func:`baseten_loops_cli.training.kinds.sft.run_sft`)."""
+    config = session.config
+    sink.start(total_steps(len(train), config), session.start_step, "loss")
+    params = config.loss_params
+    scores = reference_logprobs(session, train + (eval_pairs or []), sink, stop) if config.needs_reference else None
+    if save_if_stopped(session, stop, session.start_step):
+        return "interrupted"
+    protocol = None
+    if config.loss in pl.PROTOCOL_LOSS:
+        protocol = (pl.PROTOCOL_LOSS[config.loss], loss_config(config),
+                    lambda datums, outputs: preference_metrics(datums, outputs, params["beta"], params["label_smoothing"]))
+
+    def submit_step(indices: list[int]) -> StepSubmission:
+        datums = pair_datums([train[i] for i in indices], scores)
+        return submit_preference_step(session, datums, [], lambda seqs: pl.paired_loss(config.loss, seqs, params),
+                                      protocol, {"pairs": len(indices)})
+
+    def summary(baseline: dict | None, last: dict) -> str:
+        start = f"{baseline['eval_preference_accuracy']:.0%} -> " if baseline else ""
+        return (f"Eval: preference accuracy {start}{last['eval_preference_accuracy']:.0%}, "
+                f"reward margin {last['eval_reward_margin']:.3f}, loss {last['eval_loss']:.4f}")
+
+    return preference_loop(session, len(train), sink, stop, submit_step=submit_step,
+                           submit_eval=(lambda: submit_eval(session, eval_pairs, scores)) if eval_pairs else None,
+                           summary=summary)
 
 
 def _run(session: TrainingSession, data: LoadedData, sink: Any, stop: StopRequested) -> str:
@@ -373,7 +530,7 @@ def _run(session: TrainingSession, data: LoadedData, sink: Any, stop: StopReques
 
 
 TEMPLATE = """\
-# loops DPO config (preference pairs). Check it with `loops train validate FILE`.
+# loops preference config (pairs: DPO, IPO, SimPO, ORPO). Check it with `loops train validate FILE`.
 kind: dpo
 """ + COMMON + """
 batch_size: 8                   # preference pairs per step
@@ -383,9 +540,13 @@ data:
   # eval: data/eval_pairs.jsonl #    or: {{"messages": [...], "chosen": "...", "rejected": "..."}}
   shuffle: true                 #    or: {{"chosen": [messages], "rejected": [messages]}}
 
-beta: 0.1                       # how far the policy may move from the reference (higher = closer)
-label_smoothing: 0.0            # assumed fraction of mislabelled pairs (conservative DPO)
-reference: base                 # base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
+loss: dpo                       # dpo | ipo (noisy labels) | simpo | orpo (both reference-free: no reference pass)
+# Each loss takes only its own parameters (defaults shown); a parameter of another loss is an error.
+# beta: 0.1                     # dpo, ipo: how far the policy may move from the reference (higher = closer); simpo: 2.0
+# label_smoothing: 0.0          # dpo: assumed fraction of mislabelled pairs (conservative DPO), in [0, 0.5)
+# gamma: 1.0                    # simpo: the target reward margin
+# lambda: 0.1                   # orpo: the weight of the odds-ratio term (TRL calls it beta)
+reference: base                 # dpo, ipo: base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
 """
 
 KIND = Kind(
@@ -394,7 +555,9 @@ KIND = Kind(
     noun="pairs",
     main_metric="loss",
     metric_names=("loss", "reward_margin", "preference_accuracy", "chosen_reward", "rejected_reward", "pairs",
-                  "eval_loss", "eval_reward_margin", "eval_preference_accuracy"),
+                  "nll_loss", "log_odds_ratio",  # orpo
+                  "eval_loss", "eval_reward_margin", "eval_preference_accuracy", "eval_chosen_reward",
+                  "eval_rejected_reward", "eval_nll_loss", "eval_log_odds_ratio"),
     step_fields=(
         StepField("loss", "loss"),
         StepField("preference_accuracy", "pref_acc", ".0%", optional=True),

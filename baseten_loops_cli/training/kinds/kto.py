@@ -1,0 +1,259 @@
+"""Unpaired preference tuning (``kind: kto``): one completion per row with a thumbs up or down
+(``label: true | false``), the KTO loss (Ethayarajh et al. 2024) against a frozen reference.
+
+Rows are read by :func:`read_examples` (the one place this kind reads data: ``kto_data``'s row
+checks, so a data-format layer can sit under it). Each example's KL sequence (its prompt with
+another example's completion, ``kto_data.kl_examples``) gives the batch's KL estimate ``z0``.
+
+Before step 1 the reference scores every example and KL sequence of both splits once, as DPO's
+sequences (``dpo.reference_scores``: kept in ``reference_logprobs.jsonl``, reused on resume).
+Per step, the SDK's custom-loss path (``preference_losses.submit_custom_loss``): one ``/forward``
+of the batch's examples and their KL sequences, the KTO loss and its gradient in closed form on
+the client, then a weighted ``cross_entropy`` ``/forward_backward`` of the examples only (no
+gradient through ``z0``), and ``optim_step``; the loop is the one DPO uses
+(``dpo.preference_loop``). Metrics: ``loss``, ``desirable_reward`` / ``undesirable_reward``
+(``beta`` times the log-ratio, means over each label), ``reward_margin`` (their difference) and
+``kl_estimate``, with ``eval_`` twins on ``data.eval``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from baseten_loops_cli.training import preference_losses as pl
+from baseten_loops_cli.training.config import CommonConfig, Section, config_error
+from baseten_loops_cli.training.data import Example, batches_for_step
+from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
+from baseten_loops_cli.training.kinds.dpo import (
+    StepSubmission, check_reference, param_error, preference_loop, reference_scores, reference_value,
+    sequence_datum, submit_preference_step,
+)  # fmt: skip
+from baseten_loops_cli.training.kinds.sft import total_steps
+from baseten_loops_cli.training.session import StopRequested, TrainingSession, save_if_stopped
+from baseten_loops_cli.training.templates import COMMON
+
+__all__ = ["KIND", "KTOConfig", "KTOItem", "read_examples", "run_kto"]
+
+
+class KTOData(Section):
+    train: str
+    eval: str | None = None
+    shuffle: bool = True
+
+
+class KTOConfig(CommonConfig):
+    EVAL_SUPPORTED = False
+    kind: Literal["kto"]
+    data: KTOData
+    loss: str = Field("kto", description="Always kto (the paired losses are kind: dpo's).")
+    beta: float | None = Field(None, description="How far the policy may move from the reference (default 0.1).")
+    desirable_weight: float | None = Field(None, description="lambda_D: the weight of desirable (label true) rows (default 1.0).")
+    undesirable_weight: float | None = Field(None, description="lambda_U: the weight of undesirable (label false) rows (default 1.0).")
+    reference: str = Field(
+        "base",
+        description="The reference policy: 'base' (the base model, as the run starts) or a sampler checkpoint bt://loops:<run>/sampler_weights/<name>.",
+    )
+    # The paired losses' parameters, declared only to be refused with their owner's name (not
+    # as an unknown key): "gamma belongs to loss simpo, not to kto".
+    label_smoothing: float | None = None
+    gamma: float | None = None
+    lambda_: float | None = Field(None, alias="lambda")
+
+    @field_validator("loss")
+    @classmethod
+    def _kto_loss(cls, value: str) -> str:
+        if value != "kto":
+            paired = value in pl.PAIRED_LOSSES
+            raise config_error(f"kind: kto trains with the kto loss, not {value!r}",
+                               f"Use kind: dpo for loss {value} (paired rows)." if paired else "Remove `loss`, or set it to kto.")
+        return value
+
+    @field_validator("beta", "desirable_weight", "undesirable_weight", "label_smoothing", "gamma", "lambda_")
+    @classmethod
+    def _loss_parameter(cls, value: float | None, info: ValidationInfo) -> float | None:
+        key = "lambda" if info.field_name == "lambda_" else info.field_name
+        error = param_error("kto", key, value) if value is not None else None
+        if error is not None:
+            raise error
+        return value
+
+    @field_validator("reference")
+    @classmethod
+    def _reference_checkpoint(cls, value: str) -> str:
+        return reference_value(value)
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    @property
+    def loss_params(self) -> dict[str, float]:
+        given = {"beta": self.beta, "desirable_weight": self.desirable_weight, "undesirable_weight": self.undesirable_weight}
+        return pl.resolve_params("kto", {k: v for k, v in given.items() if v is not None})
+
+
+@dataclass
+class KTOItem:
+    """One row of a split: its rendered completion, its label, and its KL sequence."""
+
+    example: Example
+    label: bool
+    kl: Example
+    source: str
+
+
+def read_examples(path: Path, tokenizer: Any, *, max_seq_len: int) -> list[KTOItem]:
+    """Every row of a KTO data file, checked (file:line: a paired row, a missing or non-boolean
+    label, only one label in the file, too long) and rendered, each with its KL sequence. The one
+    function of this kind that reads data."""
+    from baseten_loops_cli.training.kto_data import kl_examples, load_kto_examples
+
+    examples = load_kto_examples(path, tokenizer, max_seq_len=max_seq_len)
+    kls = kl_examples(examples, tokenizer, max_seq_len=max_seq_len)
+    return [KTOItem(e.example, e.label, kl, e.row.source) for e, kl in zip(examples, kls)]
+
+
+def load_data(loaded, tokenizer: Any) -> LoadedData:
+    config = loaded.config
+    train = read_examples(loaded.resolve_path(config.data.train), tokenizer, max_seq_len=config.max_seq_len)
+    evals = (read_examples(loaded.resolve_path(config.data.eval), tokenizer, max_seq_len=config.max_seq_len)
+             if config.data.eval else None)
+    return LoadedData(tokenizer, train, evals)
+
+
+def estimate(config, data: LoadedData) -> Estimate:
+    """Exact: each step's examples are trained; their KL sequences are only scored (the step's
+    ``/forward`` scores both); before step 1 the reference scores every example and KL sequence
+    of both splits once."""
+    steps = total_steps(len(data.train), config)
+    batches = [batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
+               for step in range(steps)]
+    train_tokens = sum(len(data.train[i].example.tokens) for batch in batches for i in batch)
+    step_forward = sum(len(data.train[i].example.tokens) + len(data.train[i].kl.tokens) for batch in batches for i in batch)
+    items = data.train + (data.eval or [])
+    reference = sum(len(item.example.tokens) + len(item.kl.tokens) for item in items)
+    desirable = sum(1 for item in data.train if item.label)
+    params = config.loss_params
+    notes = [f"{desirable} desirable and {len(data.train) - desirable} undesirable examples",
+             f"before step 1 the reference ({config.reference}) scores {2 * len(items)} sequences "
+             f"(examples and their KL sequences, ~{reference:,} tokens) once",
+             "each step is a forward (examples + KL sequences), then a weighted cross_entropy forward_backward "
+             "(the SDK's forward_backward_custom)"]
+    advice = pl.kto_weight_advice(desirable, len(data.train) - desirable, params["desirable_weight"],
+                                  params["undesirable_weight"])
+    if advice:
+        notes.append(advice)
+    return Estimate(steps, train_tokens, 0, scored_tokens=reference + step_forward, notes=notes)
+
+
+def _datums(items: list[KTOItem], scores: dict[str, list[float]]) -> tuple[list[dict], list[dict], list[bool]]:
+    """The examples' datums, their KL sequences' datums (scored, never trained) and labels."""
+    return ([sequence_datum(item.example, scores) for item in items], [sequence_datum(item.kl, scores) for item in items],
+            [item.label for item in items])
+
+
+def submit_eval(session: TrainingSession, items: list[KTOItem], scores: dict[str, list[float]]) -> Any:
+    """Submit the eval split's ``/forward`` passes (examples and KL sequences) now; the returned
+    function waits for them and gives the KTO metrics of the whole split, prefixed ``eval_``."""
+    config = session.config
+    batches = []
+    for start in range(0, len(items), config.batch_size):
+        datums, kls, labels = _datums(items[start : start + config.batch_size], scores)
+        future = session.trainer.forward([pl.forward_datum(d) for d in datums + kls], pl.CUSTOM_LOSS_FN,
+                                         dict(pl.CUSTOM_LOSS_CONFIG))
+        batches.append((datums, kls, labels, future))
+
+    def metrics() -> dict:
+        sequences, kl_sequences, labels = [], [], []
+        for datums, kls, batch_labels, future in batches:
+            scored = pl.scores_from_forward(datums + kls, future.result())
+            sequences += scored[: len(datums)]
+            kl_sequences += scored[len(datums):]
+            labels += batch_labels
+        values = pl.kto_loss(sequences, labels, kl_sequences, config.loss_params).metrics
+        return {f"eval_{k}": v for k, v in values.items()}
+
+    return metrics
+
+
+def run_kto(session: TrainingSession, train: list[KTOItem], eval_items: list[KTOItem] | None, sink: Any,
+            stop: StopRequested) -> str:
+    """Train to the end ("completed") or until Ctrl-C ("interrupted"); records go to ``sink``."""
+    config = session.config
+    params = config.loss_params
+    sink.start(total_steps(len(train), config), session.start_step, "loss")
+    items = train + (eval_items or [])
+    scores = reference_scores(session, [s for item in items for s in (item.example, item.kl)], sink, stop)
+    if save_if_stopped(session, stop, session.start_step):
+        return "interrupted"
+
+    def submit_step(indices: list[int]) -> StepSubmission:
+        datums, kls, labels = _datums([train[i] for i in indices], scores)
+        n = len(datums)
+        return submit_preference_step(
+            session, datums, kls, lambda seqs: pl.kto_loss(seqs[:n], labels, seqs[n:], params), None,
+            {"examples": n, "desirable": sum(labels)},
+        )
+
+    def summary(baseline: dict | None, last: dict) -> str:
+        margin = "eval_reward_margin"
+        start = f"{baseline[margin]:.3f} -> " if baseline and margin in baseline else ""
+        return (f"Eval: desirable-vs-undesirable reward margin {start}{last.get(margin, float('nan')):.3f}, "
+                f"KL estimate {last['eval_kl_estimate']:.3f}, loss {last['eval_loss']:.4f}")
+
+    return preference_loop(session, len(train), sink, stop, submit_step=submit_step,
+                           submit_eval=(lambda: submit_eval(session, eval_items, scores)) if eval_items else None,
+                           summary=summary)
+
+
+def _run(session: TrainingSession, data: LoadedData, sink: Any, stop: StopRequested) -> str:
+    return run_kto(session, data.train, data.eval, sink, stop)
+
+
+TEMPLATE = """\
+# loops KTO config (unpaired preferences: one completion per row, labelled good or bad).
+# Check it with `loops train validate FILE`.
+kind: kto
+""" + COMMON + """
+batch_size: 8                   # examples per step (mix both labels)
+
+data:
+  train: data/feedback.jsonl    # JSONL: {{"prompt": "...", "completion": "...", "label": true}}  (false = undesirable)
+  # eval: data/eval_feedback.jsonl   or: {{"messages": [...], "completion": "...", "label": false}}
+  shuffle: true
+
+beta: 0.1                       # how far the policy may move from the reference (higher = closer)
+desirable_weight: 1.0           # lambda_D; keep desirable_weight * #desirable / (undesirable_weight * #undesirable)
+undesirable_weight: 1.0         #   in [1, 4/3] (the KTO paper; the plan notes it when it is not)
+reference: base                 # base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
+"""
+
+KIND = Kind(
+    name="kto",
+    config_model=KTOConfig,
+    noun="examples",
+    main_metric="loss",
+    metric_names=("loss", "reward_margin", "desirable_reward", "undesirable_reward", "kl_estimate", "examples",
+                  "desirable", "eval_loss", "eval_reward_margin", "eval_desirable_reward", "eval_undesirable_reward",
+                  "eval_kl_estimate"),
+    step_fields=(
+        StepField("loss", "loss"),
+        StepField("reward_margin", "margin", ".3f", optional=True),
+        StepField("kl_estimate", "kl", ".3f", optional=True),
+        StepField("eval_loss", "eval_loss", optional=True),
+        StepField("eval_reward_margin", "eval_margin", ".3f", optional=True),
+    ),
+    data_path_keys=(("data", "train"), ("data", "eval")),
+    template=lambda: TEMPLATE.format(name="my-kto", lr="5.0e-5", schedule="linear"),
+    load_data=load_data,
+    estimate=estimate,
+    run=_run,
+    eval_data_key=("data", "eval"),
+    eval_task=None,  # labelled completions are not rows `loops eval` scores (no `eval:` block)
+    capabilities_use_case="rl",  # needs a sampler (the reference) as DPO does
+    check=check_reference,
+)
