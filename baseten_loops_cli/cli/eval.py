@@ -31,7 +31,9 @@ def _task(data: Optional[Path], config: Optional[Path], *, limit, seed, samples,
             if not default:
                 key = "data.eval_prompts" if isinstance(cfg, RLConfig) else "data.eval"
                 raise UsageError(f"--data is missing and {config} has no {key}", hint="Pass --data FILE.jsonl.")
-            data = loaded.resolve_path(default)
+            from baseten_loops_cli.training.formats import eval_source
+
+            data = eval_source(loaded, default)  # a path, or a mixture / hold-out of the training rows
         if isinstance(cfg, RLConfig):
             return ev.RLTask(
                 data, cfg.reward, loaded.base_dir, cfg.sampling, samples or cfg.group_size, k, cfg.pass_threshold,

@@ -23,12 +23,13 @@ def _absolute_raw(loaded) -> dict:
     import copy
 
     from baseten_loops_cli.training.config import DATA_PATH_KEYS
+    from baseten_loops_cli.training.formats.spec import absolute_sources
 
     raw = copy.deepcopy(loaded.raw)
     for section, key in DATA_PATH_KEYS:
         value = raw[section].get(key) if isinstance(raw.get(section), dict) else None
-        if isinstance(value, str):
-            raw[section][key] = str(loaded.resolve_path(value).resolve())
+        if value is not None:
+            raw[section][key] = absolute_sources(value, loaded.resolve_path)
     reward = raw.get("reward")
     fn = reward if isinstance(reward, str) else (reward or {}).get("fn") if isinstance(reward, dict) else None
     if isinstance(fn, str) and ":" in fn and fn.split(":", 1)[0].endswith(".py"):

@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError, UsageError
+from baseten_loops_cli.training.formats.spec import SOURCE_TAGS, EvalSources, FormatOptions, Sources
 
 
 # The data keys that name files (relative to the config file).
@@ -65,22 +66,22 @@ class PricingConfig(_Strict):
     usd_per_hour: float | None = Field(None, ge=0)
 
 
-class SFTData(_Strict):
-    train: str
-    eval: str | None = None
+class SFTData(FormatOptions):
+    train: Sources
+    eval: EvalSources | None = None
     train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
     shuffle: bool = True
 
 
-class RLData(_Strict):
-    prompts: str
-    eval_prompts: str | None = None
+class RLData(FormatOptions):
+    prompts: Sources
+    eval_prompts: EvalSources | None = None
     shuffle: bool = True
 
 
-class DPOData(_Strict):
-    train: str
-    eval: str | None = None
+class DPOData(FormatOptions):
+    train: Sources
+    eval: EvalSources | None = None
     shuffle: bool = True
 
 
@@ -399,6 +400,7 @@ def _override_of(overrides: dict[tuple, str], loc: tuple) -> str | None:
 
 
 def _problem(err: dict, lines: dict[tuple, int], raw: dict, overrides: dict[tuple, str] | None = None) -> Problem:
+    err = {**err, "loc": tuple(p for p in err["loc"] if p not in SOURCE_TAGS)}  # a data source's shape tag
     problem = _file_problem(err, lines, raw)
     loc = tuple(p for p in err["loc"] if p not in KINDS)
     problem.override = _override_of(overrides or {}, loc)
@@ -432,22 +434,21 @@ def _file_problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
 def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path,
                         overrides: dict[tuple, str] | None = None) -> list[Problem]:
     """A data path that does not exist, reported at the line of its key (not later, at load)."""
+    from baseten_loops_cli.training.formats.spec import path_problem, source_paths
+
     problems = []
     for loc in DATA_PATH_KEYS:
         value = (raw.get(loc[0]) or {}).get(loc[1]) if isinstance(raw.get(loc[0]), dict) else None
-        if not isinstance(value, str) or not value:
-            continue
-        resolved = Path(value).expanduser()
-        resolved = resolved if resolved.is_absolute() else base_dir / resolved
-        key = ".".join(loc)
-        override = _override_of(overrides or {}, loc)
-        line = None if override is not None else lines.get(loc)
-        if not resolved.exists():
-            problems.append(Problem(line, key, f"{key}: {resolved}: data file not found",
-                                    "Check the path (relative to the config file).", override))
-        elif resolved.is_dir():
-            problems.append(Problem(line, key, f"{key}: {resolved} is a folder, not a data file",
-                                    "Point it at a JSONL file (one JSON object per line).", override))
+        for sub, text in source_paths(value):  # a path, or each path of a list of sources
+            resolved = Path(text).expanduser()
+            resolved = resolved if resolved.is_absolute() else base_dir / resolved
+            found = path_problem(resolved)
+            if found is None:
+                continue
+            key = ".".join(map(str, loc + sub))
+            override = _override_of(overrides or {}, loc)
+            line = None if override is not None else (lines.get(loc + sub) or lines.get(loc))
+            problems.append(Problem(line, key, f"{key}: {found[0]}", found[1], override))
     return problems
 
 

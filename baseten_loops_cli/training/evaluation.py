@@ -297,6 +297,10 @@ def check_gates(report: EvalReport, gates: Sequence[Gate]) -> list[str]:
 
 
 def file_sha256(path: Path) -> str:
+    if not isinstance(path, Path) or path.is_dir():  # a folder, mixture or hold-out (training/formats)
+        from baseten_loops_cli.training.formats.dataset import fingerprint
+
+        return fingerprint(path)
     digest = hashlib.sha256()
     try:
         with path.open("rb") as fh:

@@ -34,6 +34,7 @@ def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
     The run is still active here, so its paired sampler serves the checkpoint (pinned) and the
     session's base sampler serves the base model: nothing else is provisioned."""
     from baseten_loops_cli.training.config import RLConfig
+    from baseten_loops_cli.training.formats import eval_source
     from baseten_loops_cli.training.rundir import atomic_write
 
     loaded, config = session.loaded, session.config
@@ -49,11 +50,11 @@ def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
     if is_rl:
         samples = spec.samples or config.group_size
         task = RLTask(
-            loaded.resolve_path(data), config.reward, loaded.base_dir, config.sampling, samples, spec.k,
+            eval_source(loaded, data), config.reward, loaded.base_dir, config.sampling, samples, spec.k,
             config.pass_threshold, config.seed, config.max_seq_len, spec.limit,
         )  # fmt: skip
     else:
-        task = SFTTask(loaded.resolve_path(data), config.data.train_on, config.max_seq_len, spec.limit)
+        task = SFTTask(eval_source(loaded, data), config.data.train_on, config.max_seq_len, spec.limit)
     sampler_path = record.get("sampler_path")
     run_label = f"{session.run_id}:{record.get('name', 'final')}"
 

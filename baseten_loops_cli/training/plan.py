@@ -66,6 +66,7 @@ class LoadedData:
     train: list
     eval: list | None
     reward: tuple[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)  # what the data layer found: formats, rows, overlaps
 
 
 def load_data(loaded: LoadedConfig) -> LoadedData:
@@ -79,16 +80,15 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
         message = getattr(exc, "message", None) or str(exc)
         raise ConfigError(f"{loaded.path}: base_model {config.base_model!r}: {message}",
                           hint=getattr(exc, "hint", None)) from None
+    from baseten_loops_cli.training.formats import data_specs
+
+    train_spec, eval_spec = data_specs(loaded)
     if isinstance(config, RLConfig):
         from baseten_loops_cli.training.rewards import build_reward
 
         kwargs = {"max_seq_len": config.max_seq_len, "max_tokens": config.sampling.max_tokens}
-        train = data_mod.load_prompts(loaded.resolve_path(config.data.prompts), tokenizer, **kwargs)
-        evals = (
-            data_mod.load_prompts(loaded.resolve_path(config.data.eval_prompts), tokenizer, **kwargs)
-            if config.data.eval_prompts
-            else None
-        )
+        train = data_mod.load_prompts(train_spec, tokenizer, **kwargs)
+        evals = data_mod.load_prompts(eval_spec, tokenizer, **kwargs) if eval_spec else None
         reward = build_reward(config.reward, loaded.base_dir)
         if config.reward.fn in ANSWER_REWARDS:
             # Catch a missing answer now, not after capacity is provisioned.
@@ -97,23 +97,19 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
                     raise ConfigError(
                         f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row"
                     )
-        return LoadedData(tokenizer, train, evals, reward)
+        return LoadedData(tokenizer, train, evals, reward, _data_notes(train_spec, eval_spec))
     if isinstance(config, DPOConfig):
-        train = data_mod.load_preference_pairs(loaded.resolve_path(config.data.train), tokenizer, max_seq_len=config.max_seq_len)
-        evals = (
-            data_mod.load_preference_pairs(loaded.resolve_path(config.data.eval), tokenizer, max_seq_len=config.max_seq_len)
-            if config.data.eval
-            else None
-        )
-        return LoadedData(tokenizer, train, evals)
+        train = data_mod.load_preference_pairs(train_spec, tokenizer, max_seq_len=config.max_seq_len)
+        evals = data_mod.load_preference_pairs(eval_spec, tokenizer, max_seq_len=config.max_seq_len) if eval_spec else None
+        return LoadedData(tokenizer, train, evals, notes=_data_notes(train_spec, eval_spec))
     kwargs = {"train_on": config.data.train_on, "max_seq_len": config.max_seq_len}
-    train = data_mod.load_sft_examples(loaded.resolve_path(config.data.train), tokenizer, **kwargs)
-    evals = (
-        data_mod.load_sft_examples(loaded.resolve_path(config.data.eval), tokenizer, **kwargs)
-        if config.data.eval
-        else None
-    )
-    return LoadedData(tokenizer, train, evals)
+    train = data_mod.load_sft_examples(train_spec, tokenizer, **kwargs)
+    evals = data_mod.load_sft_examples(eval_spec, tokenizer, **kwargs) if eval_spec else None
+    return LoadedData(tokenizer, train, evals, notes=_data_notes(train_spec, eval_spec))
+
+
+def _data_notes(*specs) -> list[str]:
+    return [line for spec in specs if spec is not None for line in spec.reports]
 
 
 def check_base_model(client: Any, loaded: LoadedConfig) -> list[str]:
@@ -210,7 +206,7 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
             + sample_tokens / 1e6 * (pricing.usd_per_million_sample_tokens or 0.0)
             + est / 3600 * (pricing.usd_per_hour or 0.0)
         )
-    notes = []
+    notes = list(data.notes)
     if backend_kind == "local" and measured is None:
         notes.append("time estimate not calibrated yet: it is measured on this machine by the first run of this model")
     if isinstance(config, RLConfig):
