@@ -206,8 +206,9 @@ def read_path(path: Path, columns: dict[str, str] | None = None) -> Rows:
 
 def hub_name(text: str) -> tuple[str, str | None]:
     """``hf://datasets/ORG/NAME[@REVISION]`` -> (ORG/NAME, revision)."""
-    name = text[len("hf://datasets/"):] if text.startswith("hf://datasets/") else text
-    name, _, revision = name.partition("@")
+    if not text.startswith("hf://datasets/"):
+        return text, None  # a name as given (``dataset:``), revision in its own key
+    name, _, revision = text[len("hf://datasets/"):].partition("@")
     return name.strip("/"), revision or None
 
 
@@ -222,6 +223,26 @@ def _unreachable(exc: BaseException) -> bool:
     return False
 
 
+def _offline() -> bool:
+    import os
+
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub (HF_ENDPOINT) opens within ``timeout`` seconds."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
 def read_hub(name: str, *, split: str | None, subset: str | None, revision: str | None,
              columns: dict[str, str] | None = None) -> Rows:
     """A Hugging Face hub dataset (or one in the local ``datasets`` cache) through ``datasets``."""
@@ -230,13 +251,21 @@ def read_hub(name: str, *, split: str | None, subset: str | None, revision: str 
         import datasets
     except ImportError:
         raise ConfigError(f"{label}: reading hub datasets needs the 'datasets' package", hint=EXTRA_HINT) from None
+    datasets.disable_progress_bars()  # stderr carries the plan and errors, not datasets' bars
+    datasets.logging.set_verbosity_error()
     split = split or "train"
+    unreachable = ConfigError(
+        f"{label}: the Hugging Face hub is unreachable from here, so the dataset cannot be loaded",
+        hint="Download it where the hub is reachable and pass the file or folder as the path "
+             "(or set HF_HUB_OFFLINE=1 to use a copy in the datasets cache).",
+    )
+    if not _offline() and not _hub_reachable():
+        raise unreachable  # at once, not after datasets' retries (half a minute of warnings)
     try:
         loaded = datasets.load_dataset(name, subset, split=split, revision=revision)
     except Exception as exc:  # noqa: BLE001 - datasets raises many unrelated types
         if _unreachable(exc):
-            raise ConfigError(f"{label}: the Hugging Face hub is unreachable from here, so the dataset cannot be loaded",
-                              hint="Download it where the hub is reachable and pass the file (or folder) as the path.") from None
+            raise unreachable from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{label}: cannot load split {split!r}: {first}",
                           hint="Check the dataset name, subset, split and revision on huggingface.co, or pass a file.") from None

@@ -152,7 +152,9 @@ class _Row:
             value = [value]
         if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
             raise self.error(f"field {key!r} must be a list of messages ({{\"role\", \"content\"}} objects)")
-        return [dict(m) for m in value]
+        # Parquet/Arrow give every message every key of the column's struct: drop the empty ones
+        # (a template tests `tool_calls is defined`).
+        return [{k: v for k, v in m.items() if v is not None} for m in value]
 
     def reply(self, key: str) -> str | list[dict]:
         """A reply: a string, or one message / a list of messages."""
@@ -257,8 +259,8 @@ def _wrong_purpose(r: _Row, purpose: str) -> ConfigError:
         "preference": "Preference pairs train with kind: dpo.",
         "prompt_only": "Prompts without replies train with kind: rl.",
         "text": "Plain text rows train with kind: sft.",
-    }.get(r.fmt, f"Kind {kind} needs {needs}.")
-    return r.error(f"{r.fmt} rows have no {needs}, which kind {kind} needs", hint=hint)
+    }.get("preference" if r.has("chosen") and r.has("rejected") else r.fmt, f"Kind {kind} needs {needs}.")
+    return r.error(f"{r.fmt} rows do not have {needs}, which kind {kind} needs", hint=hint)
 
 
 def convert(where: str, row: dict, fmt: str, purpose: str, mapped: dict[str, str] | None = None) -> dict:
@@ -273,6 +275,8 @@ def convert(where: str, row: dict, fmt: str, purpose: str, mapped: dict[str, str
         else:
             messages = r.messages("messages")
         if purpose == "sft":
+            if r.has("chosen") and r.has("rejected"):
+                raise _wrong_purpose(r, purpose)
             return r.tools({"messages": messages})
         if purpose == "prompts":
             prompt, reply = _split_reply(messages)
@@ -288,24 +292,29 @@ def convert(where: str, row: dict, fmt: str, purpose: str, mapped: dict[str, str
             return r.tools({"prompt": prompt, "chosen": r.reply("chosen"), "rejected": r.reply("rejected")})
         if purpose == "prompts":
             return _prompt_row(r, prompt, r.text("output") if r.has("output") else None)
+        if r.has("chosen") and r.has("rejected") and not r.has("output"):
+            raise _wrong_purpose(r, purpose)
         return r.tools({"messages": prompt + [{"role": "assistant", "content": r.text("output")}]})
     if fmt == "preference":
-        if purpose == "prompts":
-            prompt = r.reply("prompt") if "prompt" in row else r.messages("messages")
-            return _prompt_row(r, prompt, r.reply("chosen"))
-        if purpose != "preference":
+        if purpose == "sft":
             raise _wrong_purpose(r, purpose)
         chosen, rejected = r.reply("chosen"), r.reply("rejected")
         if "prompt" in row:
-            return r.tools({"prompt": r.reply("prompt"), "chosen": chosen, "rejected": rejected})
-        if "messages" in row:
-            return r.tools({"messages": r.messages("messages"), "chosen": chosen, "rejected": rejected})
-        if type(chosen) is not type(rejected):
-            raise r.error("'chosen' and 'rejected' must both be strings or both be message lists")
-        n = _shared_prefix(chosen, rejected)
-        out = {"chosen": chosen[n:], "rejected": rejected[n:]}
-        if n:
-            out["prompt"] = chosen[:n]
+            out = {"prompt": r.reply("prompt"), "chosen": chosen, "rejected": rejected}
+        elif "messages" in row:
+            out = {"messages": r.messages("messages"), "chosen": chosen, "rejected": rejected}
+        else:  # implicit prompt: what both sides share
+            if type(chosen) is not type(rejected):
+                raise r.error("'chosen' and 'rejected' must both be strings or both be message lists")
+            n = _shared_prefix(chosen, rejected)
+            out = {"chosen": chosen[n:], "rejected": rejected[n:]}
+            if n:
+                out["prompt"] = chosen[:n]
+        if purpose == "prompts":
+            prompt = out.get("prompt", out.get("messages"))
+            if not prompt:
+                raise r.error("a preference pair without a prompt (and nothing shared by chosen and rejected) has no prompt for kind rl")
+            return _prompt_row(r, prompt, out["chosen"])
         return r.tools(out)
     if fmt == "prompt_completion":
         prompt, completion = r.reply("prompt"), r.reply("completion")
