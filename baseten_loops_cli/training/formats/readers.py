@@ -224,18 +224,20 @@ def _unreachable(exc: BaseException) -> bool:
 
 
 def _offline() -> bool:
-    import os
+    """datasets' own offline switch (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, read as it does)."""
+    from datasets import config
 
-    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return bool(getattr(config, "HF_HUB_OFFLINE", False) or getattr(config, "HF_DATASETS_OFFLINE", False))
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the hub (HF_ENDPOINT) opens within ``timeout`` seconds."""
-    import os
+    """Whether a TCP connection to the hub (its configured endpoint) opens within ``timeout`` seconds."""
     import socket
     from urllib.parse import urlparse
 
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT or "https://huggingface.co")
     try:
         socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout=timeout).close()
     except OSError:
