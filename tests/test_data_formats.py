@@ -365,3 +365,51 @@ data:
   prompts: {FORMATS / 'prompt_only.csv'}
 """)
     _train(local_server, config, tmp_path / "run")
+
+
+# ------------------------------------------------------------------ base models as folders
+def test_base_model_folder_problems_name_what_is_missing(tmp_path):
+    def problem(base_model: str) -> str:
+        path = _write(tmp_path, "m.yaml", SFT_CONFIG.replace("loops-local/tiny", base_model) + f"  train: {FORMATS / 'alpaca.json'}\n")
+        with pytest.raises(ConfigError) as info:
+            load_config(path, check_files=True)
+        assert info.value.message.startswith(f"{path}:3: base_model: "), info.value.message
+        assert "config.json" in info.value.hint
+        return info.value.message
+
+    assert problem("./nope").endswith(f"{tmp_path / 'nope'}: no such folder")
+    (tmp_path / "empty").mkdir()
+    assert problem("./empty").endswith("has no config.json (not a Hugging Face model folder)")
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 100}))
+    assert problem("./empty").endswith("has no weights (*.safetensors or *.bin)")
+    (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
+    assert problem(str(tmp_path / "empty")).endswith("has no tokenizer.json (the tokenizer)")
+
+
+@pytest_local
+def test_a_merged_export_of_a_tiny_run_trains_again_as_base_model(local_server, tmp_path):
+    """`loops checkpoints export --merge` writes a folder; `base_model: ./that-folder` (relative to
+    the config) trains on the local backend: the server loads it, the client tokenizes for it."""
+    pytest.importorskip("torch")
+    config = _write(tmp_path, "sft.yaml", f"""\
+kind: sft
+name: formats-base
+base_model: loops-local/tiny
+lora_rank: 4
+max_seq_len: 128
+batch_size: 4
+max_steps: 2
+data:
+  train: {FORMATS / 'alpaca.json'}
+""")
+    state = _train(local_server, config, tmp_path / "run1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "WANDB_"))}
+    env.update(local_server.env)
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "checkpoints", "export", f"{state['run_id']}:final",
+                          "-O", str(tmp_path / "merged"), "--merge"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    again = _write(tmp_path, "again.yaml", config.read_text().replace("base_model: loops-local/tiny", "base_model: ./merged"))
+    _train(local_server, again, tmp_path / "run2")
+    saved = (tmp_path / "run2" / "config.yaml").read_text()
+    assert f"base_model: {tmp_path / 'merged'}" in saved

@@ -30,6 +30,8 @@ def _absolute_raw(loaded) -> dict:
         value = raw[section].get(key) if isinstance(raw.get(section), dict) else None
         if value is not None:
             raw[section][key] = absolute_sources(value, loaded.resolve_path)
+    if loaded.config.base_model != raw.get("base_model") and Path(loaded.config.base_model).is_absolute():
+        raw["base_model"] = loaded.config.base_model  # a model folder, made absolute by load_config
     reward = raw.get("reward")
     fn = reward if isinstance(reward, str) else (reward or {}).get("fn") if isinstance(reward, dict) else None
     if isinstance(fn, str) and ":" in fn and fn.split(":", 1)[0].endswith(".py"):

@@ -512,11 +512,34 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
     # Collect every problem before failing: the schema's (pydantic reports them all) and the
     # data files that do not exist, so one `validate` shows everything to fix.
     problems = _missing_data_files(raw, lines, path.resolve().parent, applied) if check_files else []
+    # base_model written as a folder: validated as its absolute path (the server and the tokenizer
+    # get the folder, wherever they run from), and checked for what a model folder needs.
+    folder = _base_model_folder(raw, lines, path.resolve().parent, applied, problems if check_files else None)
     config = None
     try:
-        config = TypeAdapter(TrainConfig).validate_python(raw)
+        config = TypeAdapter(TrainConfig).validate_python(raw if folder is None else {**raw, "base_model": str(folder)})
     except ValidationError as exc:
         problems += [_problem(err, lines, raw, applied) for err in exc.errors()]
     if problems:
         raise ConfigProblems(path, problems)
     return LoadedConfig(config, path.resolve(), raw, lines, applied)
+
+
+def _base_model_folder(raw: dict, lines: dict[tuple, int], base_dir: Path, overrides: dict[tuple, str],
+                       problems: list[Problem] | None) -> Path | None:
+    """``base_model`` written as a folder (relative to the config): its absolute path, and (with
+    ``problems``) what it lacks, at the line of the key: no folder, no config.json, no weights,
+    no tokenizer."""
+    from baseten_loops_cli.settings.model_files import local_model_dir, local_model_problem
+
+    value = raw.get("base_model")
+    folder = local_model_dir(value, base_dir) if isinstance(value, str) and value else None
+    if folder is None:
+        return None
+    found = local_model_problem(folder) if problems is not None else None
+    if found is not None:
+        override = _override_of(overrides, ("base_model",))
+        problems.append(Problem(None if override else lines.get(("base_model",)), "base_model", f"base_model: {found}",
+                                "Name a Hugging Face model folder (config.json, weights and tokenizer files) or a model "
+                                "`loops server models` lists.", override))
+    return folder

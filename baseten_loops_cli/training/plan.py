@@ -7,6 +7,7 @@ backend is reachable) that the base model is offered.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,9 +124,12 @@ def check_base_model(client: Any, loaded: LoadedConfig) -> list[str]:
         return f"{loaded.where(key)}: "
 
     # The capabilities API knows sft and rl; DPO needs a sampler (to score the reference) as RL does.
-    models = client.capabilities(use_case="rl" if config.kind == "dpo" else config.kind)
+    use_case = "rl" if config.kind == "dpo" else config.kind
+    models = client.capabilities(use_case=use_case)
     names = [m.model_name for m in models]
     match = next((m for m in models if m.model_name == base_model), None)
+    if match is None and os.path.isabs(base_model):  # a model folder: offered when the backend can load it
+        match = next((m for m in client.capabilities(model=base_model, use_case=use_case) if m.model_name == base_model), None)
     if match is None:
         import difflib
 
