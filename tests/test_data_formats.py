@@ -110,11 +110,11 @@ def test_detection_reads_every_row_not_the_first(tmp_path):
     path = _write(tmp_path, "d.jsonl", "\n".join([sharegpt, alpaca, alpaca, alpaca]) + "\n")
     with pytest.raises(ConfigError) as info:
         list(read_rows(path, "sft"))
-    assert info.value.message.startswith(f"{path}:1: field 'instruction' missing: this row looks like sharegpt")
+    assert info.value.message.startswith(f"{path}:1: missing key 'instruction': this row looks like sharegpt")
     assert "3 of the 4 rows" in info.value.message and "data.format" in info.value.hint
     # A ShareGPT file with one stray Alpaca row on line 3.
     path = _write(tmp_path, "e.jsonl", "\n".join([sharegpt, sharegpt, alpaca, sharegpt]) + "\n")
-    with pytest.raises(ConfigError, match=r"e.jsonl:3: field 'conversations' missing: this row looks like alpaca"):
+    with pytest.raises(ConfigError, match=r"e.jsonl:3: missing key 'conversations': this row looks like alpaca"):
         list(read_rows(path, "sft"))
 
 
@@ -154,7 +154,7 @@ columns: {{prompt: query, completion: response}}
 train: {FORMATS / 'text.parquet'}
 format: prompt_completion
 """)
-    with pytest.raises(ConfigError, match=r"text.parquet: row 1: field 'prompt' missing \(prompt_completion rows have it\)"):
+    with pytest.raises(ConfigError, match=r"text.parquet: row 1: missing key 'prompt' \(prompt_completion rows have it\)"):
         load_data(load_config(path))
 
 

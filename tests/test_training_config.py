@@ -174,7 +174,7 @@ def test_data_row_errors_name_the_line(tmp_path):
     assert info.value.hint.startswith("Fix or delete line 2: ")
     (tmp_path / "train.jsonl").write_text(json.dumps(ROW) + "\n" + json.dumps({"text": "x"}) + "\n")
     # A row of another format in a file of messages rows (issue 27: detected from every row).
-    with pytest.raises(ConfigError, match=r"train.jsonl:2: field 'messages' missing: this row looks like text") as info:
+    with pytest.raises(ConfigError, match=r"train.jsonl:2: missing key 'messages': this row looks like text") as info:
         load_data(load_config(path))
     assert "data.format" in info.value.hint
     (tmp_path / "train.jsonl").write_text("")

@@ -327,6 +327,14 @@ def _model_for(raw: dict) -> type[BaseModel]:
     return {"rl": RLConfig, "dpo": DPOConfig}.get(raw.get("kind"), SFTConfig)
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds (through Optional, Union, Annotated and lists:
+    a data source inside ``data.train: [...]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in getattr(annotation, "__args__", None) or () for m in _models_in(arg)]
+
+
 def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     """The field names valid at ``loc`` (the parent of an unknown key)."""
     current: Any = model
@@ -336,9 +344,7 @@ def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
             return []
-        annotation = field.annotation
-        candidates = getattr(annotation, "__args__", None) or (annotation,)
-        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        current = next(iter(_models_in(field.annotation)), None)
         if current is None:
             return []
     return list(getattr(current, "model_fields", {}))

@@ -56,7 +56,7 @@ def classify(row: dict) -> str | None:
         return "sharegpt"
     if "instruction" in row:
         return "alpaca"
-    if "chosen" in row and "rejected" in row:
+    if "chosen" in row or "rejected" in row:  # one side missing is a preference row's mistake
         return "preference"
     if "messages" in row:
         return "messages"
@@ -99,7 +99,7 @@ def detect(rows: list[tuple[str, dict]], label: str, forced: str | None = None,
         field = KEY_FIELD[fmt]
         looks = f"this row looks like {kind}" if kind else "this row is in no known format"
         raise ConfigError(
-            f"{where}: field {field!r} missing{_mapped_note(field, mapped)}: {looks} (keys {', '.join(sorted(map(str, row)))}), "
+            f"{where}: missing key {field!r}{_mapped_note(field, mapped)}: {looks} (keys {', '.join(sorted(map(str, row)))}), "
             f"but {counts[fmt]:,} of the {len(rows):,} rows of {label} are {fmt}",
             hint="Fix or remove the row, or set data.format if every row is meant to be read as one format.",
         )
@@ -124,7 +124,7 @@ class _Row:
 
     def get(self, key: str) -> Any:
         if key not in self.row:
-            raise self.error(f"field {key!r} missing{_mapped_note(key, self.mapped)} ({self.fmt} rows have it)",
+            raise self.error(f"missing key {key!r}{_mapped_note(key, self.mapped)} ({self.fmt} rows have it)",
                              hint=f"Add it to the row, or map the column that holds it with data.columns.{key}.")
         return self.row[key]
 
