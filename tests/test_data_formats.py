@@ -189,6 +189,17 @@ train:
     assert "how often" in info.value.hint
 
 
+def test_hub_keys_on_a_file_are_refused(tmp_path):
+    path = _config(tmp_path, f"""
+train:
+  - path: {FORMATS / 'alpaca.json'}
+    split: test
+""")
+    with pytest.raises(ConfigError) as info:
+        load_data(load_config(path))
+    assert info.value.message == f"{path}:10: data.train.0.split is for hub datasets, not a file or folder"
+
+
 def test_from_train_hold_out_is_seeded_and_disjoint(tmp_path):
     path = _config(tmp_path, f"""
 train: {FORMATS / 'alpaca.json'}

@@ -202,6 +202,10 @@ def _sources_of(loaded: Any, key: tuple, value: Any, options: Any) -> list[Sourc
             label = f"hf://datasets/{name}" + (f"[{item.split}]" if item.split else "")
             sources.append(Source(label, dataset=name, **common))
         else:
+            for hub_key in ("split", "subset", "revision"):
+                if getattr(item, hub_key) is not None:
+                    raise ConfigError(f"{loaded.where(*at, hub_key)}: {'.'.join(map(str, at))}.{hub_key} is for hub datasets, not a file or folder",
+                                      hint="Remove it, or name a hub dataset with `dataset: ORG/NAME` (or path: hf://datasets/ORG/NAME).")
             sources.append(Source(item.path, path=loaded.resolve_path(item.path), **common))
     return sources
 
