@@ -3,7 +3,8 @@
 Each case is one bad config file, data file, command line, URI, HTTP payload or checkpoint
 archive. A CLI case must end with the expected exit code and a one-line message (no
 traceback, no API key); an HTTP case must get the expected status and a JSON error body
-``{detail, error_class}`` whose detail says what was wrong.
+``{detail, error_class}`` whose detail says what was wrong (and, on a deployment's OpenAI
+routes, OpenAI's error object naming the field at fault).
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class _Ctx:
                 self._values["deployment_id"] = run.get("deployment_id") or ""
             elif name == "checkpoint_id":
                 self._values[name] = self._make_checkpoint(c)
+            elif name == "inference_deployment_id":  # `loops deploy` of the corpus checkpoint
+                r = c.post("/v1/loops/checkpoints/deploy",
+                           json={"checkpoint_ids": [self.value("checkpoint_id")], "model_name": "corpus-model"})
+                r.raise_for_status()
+                self._values[name] = r.json()["deployment_id"]
             else:
                 raise KeyError(name)
         return self._values[name]
@@ -106,7 +112,7 @@ def _fill(text: str, mapping: dict[str, str], ctx: _Ctx | None) -> str:
     for key, val in mapping.items():
         out = out.replace("{" + key + "}", val)
     if ctx is not None:
-        for name in ("session_id", "run_id", "deployment_id", "checkpoint_id"):
+        for name in ("session_id", "run_id", "deployment_id", "checkpoint_id", "inference_deployment_id"):
             token = "{" + name + "}"
             if token in out:
                 out = out.replace(token, ctx.value(name))
@@ -225,6 +231,8 @@ def _run_cli_case(case: dict, tmp: Path, ctx: _Ctx, server) -> None:
     assert proc.returncode == case["exit"], where
     assert _fill(case["message"], mapping, None).lower() in proc.stderr.lower(), where
     assert "Traceback" not in proc.stderr + proc.stdout, where
+    # The README's promise for every error: one `Error:` line and a `Hint:` line with the fix.
+    assert "Error:" in proc.stderr and "\nHint: " in proc.stderr, "an Error: line without a Hint: line\n" + where
     # Bad input is a known failure: it must never reach main()'s catch-all for bugs.
     assert "Error: unexpected" not in proc.stderr, "an unhandled exception, not a message\n" + where
     assert server.token not in proc.stderr + proc.stdout, "the API key leaked\n" + where
@@ -272,6 +280,10 @@ def _run_http_case(case: dict, ctx: _Ctx, server) -> None:
     elif "body_raw" in case:
         kwargs["content"] = case["body_raw"].encode()
         headers.setdefault("Content-Type", "application/json")
+    elif "body_raw_nested" in case:
+        depth = case["body_raw_nested"]
+        kwargs["content"] = ('{"prompt": ' + "[" * depth + "]" * depth + "}").encode()
+        headers.setdefault("Content-Type", "application/json")
     # Send the path exactly as written: no client-side normalization of %2e%2e or //.
     url = httpx.URL(server.url).copy_with(raw_path=path.encode())
     with httpx.Client(timeout=60) as c:
@@ -285,6 +297,12 @@ def _run_http_case(case: dict, ctx: _Ctx, server) -> None:
         assert body["error_class"] == case["error_class"], where
     if r.status_code == 400:
         assert body.get("type") == "BadRequestError", "a permanent 400 must say so: " + where
+    if path.startswith("/deployments/"):  # OpenAI clients read OpenAI's error object
+        error = body.get("error")
+        assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, where
+        assert error["message"] and error["type"] == "invalid_request_error", where
+        if "param" in case:
+            assert error["param"] == case["param"], where
     assert "Traceback" not in r.text and server.token not in r.text, where
 
 

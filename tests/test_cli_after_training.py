@@ -45,6 +45,8 @@ def test_runs_list_shows_the_runs_just_made_when_none_is_active(trained):
     assert "No active Loops runs; showing the ones created in the last 24 hours." in table.stderr
     ids = loops(server, "runs", "list", "-o", "json", "--jq", ".runs[].id")
     assert ids.code == 0 and ids.lines == [run["id"]], ids
+    # Machine output says which rule chose the runs (stderr said it for people).
+    assert loops(server, "runs", "list", "-o", "json").json()["filter"] == "recent"
     assert loops(server, "runs", "list", "--all", "-q").lines == [run["id"]]
 
 

@@ -48,6 +48,7 @@ def test_deploy_prints_the_url_and_a_ready_curl_line(seeded):
     url = url_line.split()[1]
     assert url.startswith(f"{seeded.server.url}/deployments/") and url.endswith("/v1")
     assert f"curl -s {url}/chat/completions" in curl_line and '"model": "s1"' in curl_line
+    assert '"temperature": 0' in curl_line  # the same answer every time
     assert seeded.server.token not in result.stdout + result.stderr  # the key is referenced, never printed
     assert f"Deployed {seeded.run_id}:s1 as model 'loops-{seeded.run_id}-s1'" in result.stderr
 

@@ -50,6 +50,38 @@ def test_version_and_help(env):
         assert word in help_text
 
 
+def test_help_names_every_training_kind_and_export(env):
+    root = loops(env, "--help").stdout
+    assert "SFT, RL and DPO loops" in " ".join(root.split())
+    checkpoints = next(line for line in root.splitlines() if "checkpoints " in line and "List" in line)
+    assert "export" in checkpoints, root
+
+
+@pytest.mark.parametrize(("args", "spelling"), [
+    (["--steps", "10"], "--set max_steps=10"),
+    (["--max-steps=7"], "--set max_steps=7"),
+    (["--lr", "3e-4"], "--set optimizer.learning_rate=3e-4"),
+    (["--batch-size", "4"], "--set batch_size=4"),
+    (["--epochs", "2"], "--set epochs=2"),
+    (["--name", "mine"], "--set name=mine"),
+])
+def test_training_flags_users_try_get_the_set_spelling(env, args, spelling):
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    result = loops(env, "train", "run", str(examples / "tiny-sft.yaml"), *args)
+    assert_one_line_error(result, 2, "No such option", f"Hint: Use {spelling} ")
+    # A command without --set keeps the plain hint.
+    other = loops(env, "runs", "list", args[0].split("=")[0], "1")
+    assert other.returncode == 2 and "Hint: Run 'loops runs list --help' for usage." in other.stderr
+
+
+def test_a_missing_config_suggests_the_close_match(env):
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    result = loops(env, "train", "run", str(examples / "tiny_sft.yaml"))
+    assert_one_line_error(result, 1, "tiny_sft.yaml: no such file", f"Hint: Did you mean {examples / 'tiny-sft.yaml'}?")
+    far = loops(env, "train", "validate", str(examples / "nothing-like-it.yaml"))
+    assert_one_line_error(far, 1, "no such file", "loops train init")
+
+
 def test_unknown_profile_exits_2_with_suggestion(env):
     loops(env, "config", "set", "base_url", "https://prod.example", "--profile", "prod")
     result = loops(env, "config", "get", "kind", "--profile", "prdo")

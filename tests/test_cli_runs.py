@@ -51,7 +51,7 @@ def test_list_table_and_json_match_the_go_cli(seeded):
     assert "seeded-run" in row and TINY in row and "ACTIVE" in row
 
     doc = loops(seeded.server, "runs", "list", "-o", "json").json()
-    assert set(doc) == {"runs"}
+    assert set(doc) == {"runs", "filter"} and doc["filter"] == "active"  # a script knows what it got
     run = next(r for r in doc["runs"] if r["id"] == seeded.run_id)
     assert GO_RUN_KEYS <= set(run)
     assert run["status"] == {"name": "ACTIVE"} and run["created_at"].endswith("Z")
@@ -74,7 +74,9 @@ def test_inactive_runs_are_hidden_with_a_hint_and_shown_with_all(seeded):
     default = loops(server, "runs", "list")
     assert run["id"] not in default.stdout
     assert re.search(r"\d+ inactive runs? hidden; pass --all", default.stderr), default
-    listed = loops(server, "runs", "list", "--all", "-o", "json").json()["runs"]
+    everything = loops(server, "runs", "list", "--all", "-o", "json").json()
+    assert everything["filter"] == "all"
+    listed = everything["runs"]
     assert next(r for r in listed if r["id"] == run["id"])["status"]["name"] == "INACTIVE"
     again = loops(server, "runs", "deactivate", run["id"], "--yes")
     assert again.code == 0 and "already INACTIVE" in again.stderr
@@ -86,7 +88,7 @@ def test_list_empty_results(seeded):
     assert "No active Loops runs of nobody/none found. Pass --all to include inactive runs." in empty.stderr
     everything = loops(seeded.server, "runs", "list", "--all", "--base-model", "nobody/none")
     assert "No Loops runs of nobody/none found." in everything.stderr
-    assert loops(seeded.server, "runs", "list", "-m", "nobody/none", "-o", "json").json() == {"runs": []}
+    assert loops(seeded.server, "runs", "list", "-m", "nobody/none", "-o", "json").json() == {"runs": [], "filter": "active"}
 
 
 def test_list_sort_limit_and_bad_flags(seeded):

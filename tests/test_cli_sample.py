@@ -65,8 +65,16 @@ def test_sampling_a_deactivated_runs_checkpoint_starts_a_standalone_sampler(seed
     second = loops(seeded.server, "sample", f"{run['id']}:frozen", "--prompt", "hi", "--max-tokens", "3", "-o", "json")
     assert second.code == 0 and "Started sampler" not in second.stderr  # reused
     assert second.json()["sampler_id"] == first.json()["sampler_id"]
+    # A run without a checkpoint name: the hint offers its newest sampler checkpoint as RUN:NAME
+    # (RUN:final after `loops train`, below).
     one_line_error(loops(seeded.server, "sample", run["id"], "--prompt", "hi"), 1, f"run {run['id']} is INACTIVE",
-                   "Sample one of its checkpoints")
+                   f"Sample its newest checkpoint: loops sample {run['id']}:frozen")
+    trained = create_run(seeded.server)
+    with trainer(seeded.server, trained["id"]) as tc:
+        tc.save_weights_for_sampler("final").result(timeout=120)
+    api(seeded.server, "POST", f"/v1/loops/runs/{trained['id']}/deactivate", json={})
+    one_line_error(loops(seeded.server, "sample", trained["id"], "--prompt", "hi"), 1, "no live weights",
+                   f"loops sample {trained['id']}:final")
 
 
 def test_sample_bad_inputs(seeded):

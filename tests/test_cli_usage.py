@@ -8,7 +8,7 @@ import re
 from baseten_loops_cli.api.models import LoopsDeployment, LoopsSampler
 from baseten_loops_cli.cli import usage as usage_cmd
 from baseten_loops_cli.services import usage as usage_service
-from tests.cli_support import api, create_run, loops, one_line_error, seeded, wait_for  # noqa: F401  (fixture)
+from tests.cli_support import api, create_run, loops, one_line_error, seeded, trainer, wait_for  # noqa: F401  (fixture)
 
 # `baseten loops usage -o json` (loops-protocol §4.2)
 GO_SUMMARY_KEYS = {"trainer_in_use", "trainer_scaled_to_zero", "sampler_in_use", "sampler_scaled_to_zero"}
@@ -60,12 +60,75 @@ def test_by_run_reports_tokens_and_compute(seeded):
     table = loops(seeded.server, "usage", "--by-run")
     assert table.code == 0, table
     assert table.lines[0].split()[:3] == ["RUN", "BASE", "MODEL"]
-    assert re.search(r"Total: [\d,]+ tokens trained, [\d,]+ sampled, .* of compute\.", table.stderr)
+    assert re.search(r"Total: [\d,]+ tokens trained, [\d,]+ sampled \([\d,]+ by deployments\), .* of compute\.", table.stderr)
     doc = loops(seeded.server, "usage", "--by-run", "--all", "-o", "json").json()
     assert set(doc) == {"runs", "totals"}
     mine = next(r for r in doc["runs"] if r["run_id"] == seeded.run_id)
     assert mine["tokens_trained"] > 0 and mine["operations"] > 0
     assert doc["totals"]["tokens_trained"] >= mine["tokens_trained"]
+
+
+def test_sampling_a_runs_checkpoints_anywhere_counts_for_the_run(seeded):
+    """`loops sample RUN:NAME` (a standalone sampler) and a deployment's chat request both
+    count for the run whose checkpoint they served; the deployments' share is shown apart."""
+    import httpx
+
+    def mine() -> dict:
+        doc = loops(seeded.server, "usage", "--by-run", "--all", "-o", "json").json()
+        return next(r for r in doc["runs"] if r["run_id"] == seeded.run_id)
+
+    before = mine()
+    sampled = loops(seeded.server, "sample", f"{seeded.run_id}:s2", "--prompt", "hi", "--max-tokens", "5",
+                    "--temperature", "0", "-o", "json")
+    assert sampled.code == 0, sampled
+    after_sample = mine()
+    assert after_sample["tokens_sampled"] > before["tokens_sampled"], (before, after_sample)
+    assert after_sample["sample_requests"] > (before["sample_requests"] or 0)
+    assert after_sample["tokens_sampled_by_deployments"] == before["tokens_sampled_by_deployments"]
+
+    deployed = loops(seeded.server, "deploy", f"{seeded.run_id}:s2", "--model-name", "usage-bot", "-o", "json")
+    assert deployed.code == 0, deployed
+    answer = httpx.post(f"{deployed.json()['url']}/chat/completions",
+                        headers={"Authorization": f"Api-Key {seeded.server.token}"},
+                        json={"model": "s2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                        timeout=60)
+    assert answer.status_code == 200, answer.text
+    served = answer.json()["usage"]["completion_tokens"]
+    after_deploy = mine()
+    assert after_deploy["tokens_sampled"] == after_sample["tokens_sampled"] + served
+    assert after_deploy["tokens_sampled_by_deployments"] == before["tokens_sampled_by_deployments"] + served
+    table = loops(seeded.server, "usage", "--by-run", "--all")
+    assert "BY DEPLOYMENTS" in table.lines[0], table
+    assert re.search(r"sampled \([\d,]+ by deployments\)", table.stderr)
+
+
+def test_sampling_and_evaluating_an_inactive_runs_checkpoint_counts_for_the_run(seeded):
+    """An inactive run's checkpoint is served by a standalone sampler (`loops sample`, `loops
+    eval`): its tokens and requests still count for the run in --by-run, while `usage --all`
+    keeps them on the sampler's own row."""
+    from pathlib import Path
+
+    run = create_run(seeded.server)
+    with trainer(seeded.server, run["id"]) as tc:
+        tc.save_weights_for_sampler("frozen").result(timeout=120)
+    api(seeded.server, "POST", f"/v1/loops/runs/{run['id']}/deactivate", json={})
+
+    def row() -> dict:
+        doc = loops(seeded.server, "usage", "--by-run", "--all", "-o", "json").json()
+        return next(r for r in doc["runs"] if r["run_id"] == run["id"])
+
+    assert row()["tokens_sampled"] == 0
+    sampled = loops(seeded.server, "sample", f"{run['id']}:frozen", "--prompt", "hi", "--max-tokens", "4", "-o", "json")
+    assert sampled.code == 0, sampled
+    after_sample = row()
+    assert after_sample["tokens_sampled"] == sum(len(s["tokens"]) for s in sampled.json()["samples"]) > 0
+    data = Path(__file__).resolve().parents[1] / "examples" / "data" / "tiny_sft_eval.jsonl"
+    scored = loops(seeded.server, "eval", f"{run['id']}:frozen", "--data", str(data), "--limit", "2", "--no-cache", "-o", "json")
+    assert scored.code == 0, scored
+    assert row()["sample_requests"] > after_sample["sample_requests"]
+    sampler_id = sampled.json()["sampler_id"]
+    rows = loops(seeded.server, "usage", "--all", "-o", "json").json()["rows"]
+    assert any(r.get("sampler_id") == sampler_id and r["tokens_sampled"] > 0 for r in rows), rows
 
 
 def test_usage_empty_results(seeded):

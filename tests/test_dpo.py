@@ -175,7 +175,7 @@ def test_dpo_loss_and_gradient_match_an_independent_torch_computation(engine):
 
     from baseten_loops_cli.local.engine.trainer import LoraTrainer
     from baseten_loops_cli.training.data import sft_datum
-    from baseten_loops_cli.training.dpo import preference_metrics
+    from baseten_loops_cli.training.kinds.dpo import preference_metrics
 
     base, _ = engine
     pairs = load_preference_pairs(TRAIN, tokenizer(), max_seq_len=64)[:4]
@@ -229,7 +229,7 @@ def test_untrained_policy_is_its_own_reference(engine):
     """Sampler-scored ref_logprobs line up with the trainer's target logprobs position by
     position, so at step 0 every margin is ~0 and preference accuracy is exactly 0.5."""
     from baseten_loops_cli.local.engine.trainer import LoraTrainer
-    from baseten_loops_cli.training.dpo import preference_metrics
+    from baseten_loops_cli.training.kinds.dpo import preference_metrics
 
     base, _ = engine
     pairs = load_preference_pairs(TRAIN, tokenizer(), max_seq_len=64)[:4]
@@ -327,7 +327,7 @@ def test_a_sampler_checkpoint_can_be_the_reference(local_server, seeded, tmp_pat
     assert result.code == 0, result
     assert f"reference policy ({reference})" in result.stderr
     scored = {r["key"]: r["ref_logprobs"] for r in map(json.loads, (run_dir / "reference_logprobs.jsonl").read_text().splitlines())}
-    from baseten_loops_cli.training.dpo import sequence_key
+    from baseten_loops_cli.training.kinds.dpo import sequence_key
 
     pairs = load_preference_pairs(train, tokenizer(), max_seq_len=64)
     base_refs = _reference_datums(engine, pairs)
@@ -360,8 +360,8 @@ def _ctrl_c_at_step(server, run_dir: Path, monkeypatch, at_step: int, overrides:
     run deactivated (or kept active, as `--keep-run` or a killed client leaves it). Returns
     (status, run id)."""
     from baseten_loops_cli.cli._backend import open_backend
-    from baseten_loops_cli.cli.train import _absolute_raw
-    from baseten_loops_cli.training.dpo import run_dpo
+    from baseten_loops_cli.training.service import absolute_raw
+    from baseten_loops_cli.training.kinds.dpo import run_dpo
     from baseten_loops_cli.training.metrics import MetricsSink
     from baseten_loops_cli.training.plan import load_data
     from baseten_loops_cli.training.rundir import RunDir
@@ -372,7 +372,7 @@ def _ctrl_c_at_step(server, run_dir: Path, monkeypatch, at_step: int, overrides:
     loaded = load_config(EXAMPLES / "tiny-dpo.yaml", overrides)
     data = load_data(loaded)
     rundir = RunDir(run_dir)
-    rundir.create(_absolute_raw(loaded), loaded.path)
+    rundir.create(absolute_raw(loaded), loaded.path)
     session = open_session(loaded, rundir, open_backend(), resume=False, announce=lambda _: None)
     stop = StopRequested()  # not entered: no signal handler; the "Ctrl-C" is set below
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_support import loops, one_line_error
+from tests.cli_support import loops, one_line_error, seeded  # noqa: F401  (fixture)
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.local
@@ -282,3 +282,45 @@ def test_same_command_on_a_baseten_profile(local_server, sft_run, tmp_path):
     assert remote.code == 0, remote
     assert remote.json()["results"][0]["cached"] is False
     assert remote.json()["results"][0]["metrics"] == pytest.approx(local.json()["results"][0]["metrics"], abs=1e-6)
+
+
+def test_a_multiple_choice_file_is_scored_by_each_choices_logprobs(seeded, tmp_path):
+    """Rows with `choices` + `label`: accuracy and length-normalised accuracy from the logprobs
+    of each choice after the prompt; checked against the trainer's `/forward` on the same
+    weights (the seeded run's, which are its checkpoint s2's)."""
+    from baseten_loops_cli.tokenization import get_tokenizer
+    from tests.cli_support import QUESTION, SECRET, trainer
+
+    chat = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"  # the tiny model's ChatML
+    rows = [{"prompt": chat, "choices": [SECRET, "salmon", "hello there"], "label": 0},
+            {"prompt": chat, "choices": ["sword", SECRET], "label": SECRET},
+            {"prompt": "The password", "choices": [" is", " was", "word"], "label": 2}]
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = loops(seeded.server, "eval", f"{seeded.run_id}:s2", "--base", "--data", str(data), "-o", "json")
+    assert result.code == 0, result
+    doc = result.json()
+    assert doc["kind"] == "mc" and [r["rows"] for r in doc["results"]] == [3, 3]
+    got = _by_label(doc)[f"{seeded.run_id}:s2"]
+
+    tokenizer = get_tokenizer(seeded.base_model)
+    pairs = [(r, tokenizer.encode(r["prompt"]), tokenizer.encode(r["prompt"] + c)) for r in rows for c in r["choices"]]
+    data_ = [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": ids[:-1]}]},
+              "loss_fn_inputs": {"target_tokens": {"data": ids[1:], "dtype": "int64", "shape": [len(ids) - 1]}}}
+             for _, _, ids in pairs]
+    with trainer(seeded.server, seeded.run_id) as tc:
+        out = tc.forward(data_, "cross_entropy").result(timeout=120)
+    sums = [sum(o["logprobs"]["data"][len(ctx) - 1:]) for (_, ctx, _), o in zip(pairs, out["loss_fn_outputs"])]
+    right = right_norm = 0
+    for r in rows:
+        scores, sums = sums[:len(r["choices"])], sums[len(r["choices"]):]
+        label = r["label"] if isinstance(r["label"], int) else r["choices"].index(r["label"])
+        right += max(range(len(scores)), key=scores.__getitem__) == label
+        right_norm += max(range(len(scores)), key=lambda i: scores[i] / len(r["choices"][i])) == label
+    assert got["accuracy"] == pytest.approx(right / 3) and got["accuracy_norm"] == pytest.approx(right_norm / 3)
+    assert got["accuracy"] >= 2 / 3  # the tuned adapter knows the password
+    assert got["choices"] == pytest.approx(8 / 3)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "choices": ["a", "b"], "label": 5}) + "\n")
+    one_line_error(loops(seeded.server, "eval", f"{seeded.run_id}:s2", "--data", str(bad)), 1, "bad.jsonl:1",
+                   "'label' must be the right choice's index")

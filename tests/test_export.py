@@ -71,8 +71,17 @@ def test_hf_merged_folder_matches_base_plus_adapter(seeded, reference, tmp_path)
     assert "verified" in got.stderr
     assert {"config.json", "generation_config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
     assert not (out / "adapter_config.json").exists()
+    # An export is meant to be shared: the user's umask decides its modes (not 0600/0700).
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~mask
+    for path in out.rglob("*"):
+        assert (path.stat().st_mode & 0o777) == (0o777 if path.is_dir() else 0o666) & ~mask, path
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert (logits(model) - reference["logits"]).abs().max() <= 1e-4
+    assert_tokenizer_is_the_byte_tokenizer(out)
     # An existing target is refused without --force, replaced with it.
     again = export(seeded, "-O", str(out), "--merge")
     one_line_error(again, 2, "already exists", "--force")
@@ -108,6 +117,29 @@ def test_gguf_tensors_read_back_as_the_merged_weights(seeded, reference, tmp_pat
 
     model = AutoModelForCausalLM.from_pretrained(str(out), gguf_file=path.name, dtype=torch.float32).eval()
     assert (logits(model) - reference["logits"]).abs().max() <= 1e-4
+    assert_tokenizer_is_the_byte_tokenizer(out)
+    # The file alone carries the tokenizer too (its metadata, as llama.cpp reads it).
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / path.name).write_bytes(path.read_bytes())
+    assert_tokenizer_is_the_byte_tokenizer(alone, gguf_file=path.name)
+
+
+def assert_tokenizer_is_the_byte_tokenizer(folder: Path, **kwargs: str) -> None:
+    """The tiny model's export loads with AutoTokenizer, which encodes, decodes and renders chat
+    exactly as the built-in byte tokenizer (what `loops sample` uses)."""
+    from transformers import AutoTokenizer
+
+    from baseten_loops_cli.tokenization import get_tokenizer, render_chat
+
+    loaded = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    ours = get_tokenizer(TINY)
+    for text in ("What is 2+3?", "héllo ✓ <|im_end|>\n  x"):
+        ids = loaded.encode(text, add_special_tokens=False)
+        assert ids == ours.encode(text) and loaded.decode(ids) == text
+    chat = [{"role": "user", "content": "What is 2+3?"}]
+    rendered = loaded.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert list(rendered) == render_chat(ours, chat, add_generation_prompt=True)[0]
 
 
 def test_bad_input(seeded, tmp_path):
@@ -184,3 +216,66 @@ def test_smollm2_merged_answers_like_the_adapter(smollm2_cache, tmp_path, monkey
         want = adapted.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
         got = merged.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
     assert got.tolist() == want.tolist()
+
+
+def test_gguf_takes_head_dim_from_the_config(tmp_path):
+    """A llama-architecture base whose head_dim (32) is not hidden_size / heads (16): the GGUF
+    file says 32 for the RoPE dimension and the key/value lengths, and transformers' GGUF loader
+    (the export's own verification) rebuilds the same model from it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from baseten_loops_cli.export import export_adapter
+
+    config = LlamaConfig(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    base.save_pretrained(tmp_path / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, lora).save_pretrained(tmp_path / "adapter")
+    result = export_adapter(tmp_path / "adapter", str(tmp_path / "base"), tmp_path / "out", fmt="gguf")
+    assert result.max_abs_diff <= 1e-4
+    fields = gguf.GGUFReader(result.path).fields
+    for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
+        assert int(fields[key].parts[-1][0]) == 32, key
+
+
+@pytest.mark.slow
+@pytest.mark.required_in_ci
+def test_smollm2_peft_export_loads_offline_with_plain_peft(smollm2_cache, tmp_path, monkeypatch):
+    """A SmolLM2 adapter's peft export names the base's local folder (model card, result) and,
+    with --base-path, writes it into adapter_config.json: plain peft then loads it with the hub
+    switched off (HF_HUB_OFFLINE=1), answering as base + adapter."""
+    import os
+    import sys
+
+    from peft import LoraConfig, get_peft_model
+
+    from baseten_loops_cli.export import export_adapter
+    from baseten_loops_cli.export.writers import base_dir, load_base
+
+    monkeypatch.setenv("LOOPS_CACHE_DIR", str(smollm2_cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    folder = str(base_dir(name))
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(load_base(name), lora).save_pretrained(tmp_path / "adapter")
+    plain = export_adapter(tmp_path / "adapter", name, tmp_path / "plain", fmt="peft")
+    assert plain.base_path == folder and folder in (tmp_path / "plain" / "README.md").read_text()
+    assert "--base-path" in (tmp_path / "plain" / "README.md").read_text()
+    result = export_adapter(tmp_path / "adapter", name, tmp_path / "offline", fmt="peft", base_path=folder)
+    assert json.loads((tmp_path / "offline" / "adapter_config.json").read_text())["base_model_name_or_path"] == folder
+    script = (
+        "import sys, torch\n"
+        "from peft import AutoPeftModelForCausalLM\n"
+        "m = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+        "print(float(m(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.abs().sum()))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-hub")}
+    loaded = subprocess.run([sys.executable, "-c", script, str(tmp_path / "offline")], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert result.max_abs_diff <= 1e-4

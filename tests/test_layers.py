@@ -19,3 +19,20 @@ def test_layer_contracts_hold() -> None:
                             timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
+
+
+def test_every_route_module_is_kept_off_the_store() -> None:
+    """The contract names its route modules one by one; a new module with routes() must join
+    it, or its routes could reach the store unchecked."""
+    import configparser
+
+    contracts = configparser.ConfigParser()
+    contracts.read(ROOT / ".importlinter")
+    contract = contracts["importlinter:contract:routes-without-store"]
+    listed = set(contract["source_modules"].split())
+    server = ROOT / "baseten_loops_cli" / "local" / "server"
+    route_modules = {f"baseten_loops_cli.local.server.{path.stem}"
+                     for path in server.glob("*.py") if "\ndef routes(" in path.read_text()}
+    assert route_modules, "no module of local/server defines routes()"
+    assert route_modules <= listed, sorted(route_modules - listed)
+    assert contract["forbidden_modules"].split() == ["baseten_loops_cli.local.store"]

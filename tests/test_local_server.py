@@ -832,7 +832,9 @@ def test_deploy_checkpoint_serves_openai_api(client: httpx.Client, trained: Trai
     status = client.get(f"/v1/models/{model_id}/deployments/{dep_id}").json()
     assert status["status"] == "ACTIVE" and status["name"] == "my-model"
     base = f"/deployments/{dep_id}/v1"
-    assert [m["id"] for m in client.get(f"{base}/models").json()["data"]] == [MODEL, "default"]
+    # The deployment's model name is served as a model id (issue 26), then each checkpoint by
+    # name, then the base model.
+    assert [m["id"] for m in client.get(f"{base}/models").json()["data"]] == ["my-model", "default", MODEL]
     chat = client.post(f"{base}/chat/completions", json={
         "model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
         "temperature": 0})

@@ -86,6 +86,28 @@ def test_parser_reads_the_readme_blocks():
     assert "loops train run examples/tiny-sft.yaml --yes" in setup
 
 
+def test_the_tour_leaves_nothing_untracked_in_the_clone():
+    """Every folder the tour writes with -O is under a gitignored path (runs/)."""
+    blocks = bash_blocks(README.read_text(encoding="utf-8"))
+    tour = next(b for b in blocks if b.heading.startswith("A five-minute tour"))
+    targets = [m.group(1) for c in commands(tour) for m in re.finditer(r"\s-O\s+(\S+)", c)]
+    assert targets, "the tour writes no folder with -O"
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *targets], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(ignored.stdout.split()) == sorted(targets), (targets, ignored.stdout)
+
+
+def test_the_smol_rl_description_matches_its_data():
+    """README says one-digit additions; every prompt of examples/smol-rl.yaml's data is one."""
+    text = README.read_text(encoding="utf-8")
+    assert "smol-rl.yaml --yes     # PPO on one-digit additions" in text
+    import json
+
+    for name in ("smol_rl_prompts.jsonl", "smol_rl_eval.jsonl"):
+        for line in (ROOT / "examples" / "data" / name).read_text().splitlines():
+            a, b = re.findall(r"\d+", json.loads(line)["prompt"])[:2]
+            assert len(a) == 1 and len(b) == 1, line
+
+
 def _env(server, workdir: Path) -> dict[str, str]:
     bindir = workdir / ".bin"
     bindir.mkdir(exist_ok=True)

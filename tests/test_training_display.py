@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from baseten_loops_cli.training.display import SPARK, EtaEstimator, sparkline
+from baseten_loops_cli.output.training_view import SPARK, EtaEstimator, sparkline
 
 
 def _estimates(step_times: list[float], start_step: int = 0) -> list[float]:

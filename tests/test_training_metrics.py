@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from baseten_loops_cli.training.config import OptimizerConfig, load_config
-from baseten_loops_cli.training.display import PlainReporter, sparkline, step_line
+from baseten_loops_cli.training import kinds
+from baseten_loops_cli.output.training_view import PlainTrainingView, sparkline, step_line
 from baseten_loops_cli.training.metrics import MetricsSink, open_wandb
 from baseten_loops_cli.training.plot import plot_terminal
 from baseten_loops_cli.training.rundir import RunDir
@@ -34,7 +35,7 @@ def _rundir(tmp_path: Path) -> RunDir:
 def test_sink_writes_the_run_dir_and_the_reporter(tmp_path):
     rundir = _rundir(tmp_path)
     out, err = io.StringIO(), io.StringIO()
-    sink = MetricsSink(rundir, PlainReporter(jsonl=True, out=out, err=err))
+    sink = MetricsSink(rundir, PlainTrainingView(jsonl=True, out=out, err=err))
     sink.start(2, 0, "loss")
     sink.step({"step": 1, "loss": 2.0, "learning_rate": 1e-3, "policy_version": 1})
     sink.step({"step": 2, "loss": 1.0, "learning_rate": 1e-3, "policy_version": 2})
@@ -134,7 +135,7 @@ def test_display_lines_and_sparkline():
     assert sparkline([3, 2, 1]) == "█▄▁"
     assert sparkline([float("nan"), None]) == ""
     line = step_line({"step": 3, "reward": 0.5, "pass_rate": 0.25, "groups_trained": 2, "groups": 4,
-                      "learning_rate": 4e-5, "tokens_per_s": 120.0, "policy_version": 3}, 10, "reward")
+                      "learning_rate": 4e-5, "tokens_per_s": 120.0, "policy_version": 3}, 10, kinds.get("rl").step_fields)
     assert line == "step 3/10  reward 0.500  pass 25%  groups 2/4  lr 4.00e-05  tok/s 120  v3"
 
 

@@ -92,3 +92,23 @@ def test_logging_run_dir_is_relative_to_the_working_directory(local_server, tmp_
                            "--dry-run", "-o", "json"], env=env, cwd=workdir, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["run_dir"] == "runs/mine"  # not configs/runs/mine
+
+
+def test_a_kind_without_a_measured_run_is_calibrated_from_the_models_other_runs(local_server, tmp_path):
+    """After tiny SFT runs only, the first tiny DPO (and RL) plan uses the model's measured step
+    cost per token, scaled by its own tokens, and says so; a DPO measurement then takes over."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    calibration = cache / "train-calibration.json"
+    calibration.write_text(json.dumps({"sft:loops-local/tiny": {"s_per_token": 1e-3, "startup_s": 2.0, "measured_at": 1.0}}))
+    for config in ("tiny-dpo.yaml", "tiny-rl.yaml"):
+        plan = _plan(local_server, cache, config)
+        assert not any("not calibrated" in note for note in plan["notes"]), plan["notes"]
+        assert any("calibrated from this model's last sft run" in note and "scaled by tokens" in note
+                   for note in plan["notes"]), plan["notes"]
+        assert plan["estimated_seconds"] >= 2.0 + (plan["train_tokens"] + plan["sample_tokens"]) * 1e-3 - 0.01
+    calibration.write_text(json.dumps({"sft:loops-local/tiny": {"s_per_token": 1e-3, "startup_s": 2.0, "measured_at": 1.0},
+                                       "dpo:loops-local/tiny": {"s_per_token": 2e-3, "startup_s": 1.0, "measured_at": 0.5}}))
+    own = _plan(local_server, cache, "tiny-dpo.yaml")
+    assert any("calibrated by the last dpo run of loops-local/tiny" in note for note in own["notes"]), own["notes"]
+    assert not any("scaled by tokens" in note for note in own["notes"])

@@ -26,21 +26,21 @@ def _loops(server, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_ctrl_c_at_the_last_step_then_resume_in_a_new_run_with_lineage(local_server, tmp_path, monkeypatch):
-    from baseten_loops_cli.cli.train import _absolute_raw
+    from baseten_loops_cli.training.service import absolute_raw
     from baseten_loops_cli.cli._backend import open_backend
     from baseten_loops_cli.training.config import load_config
     from baseten_loops_cli.training.metrics import MetricsSink
     from baseten_loops_cli.training.plan import load_data
     from baseten_loops_cli.training.rundir import RunDir
     from baseten_loops_cli.training.session import StopRequested, open_session
-    from baseten_loops_cli.training.sft import run_sft
+    from baseten_loops_cli.training.kinds.sft import run_sft
 
     for key, value in local_server.env.items():
         monkeypatch.setenv(key, value)
     loaded = load_config(EXAMPLES / "tiny-sft.yaml", ["max_steps=2", "eval_every=0", "data.eval=null"])
     data = load_data(loaded)
     rundir = RunDir(tmp_path / "run")
-    rundir.create(_absolute_raw(loaded), loaded.path)
+    rundir.create(absolute_raw(loaded), loaded.path)
     backend = open_backend()
     session = open_session(loaded, rundir, backend, resume=False, announce=lambda _: None)
     stop = StopRequested()  # not entered: no signal handler; the "Ctrl-C" is set below

@@ -67,6 +67,8 @@ class ApiError(LoopsError):
 class BadRequestError(ApiError):
     """A 4xx that no other class covers (400, 405, 410, 413, 422, ...): the request is wrong."""
 
+    default_hint = "The backend refused the request as sent: change what the message names and run it again."
+
 
 class AuthenticationError(ApiError, AuthError):
     """401/403: the key is missing, wrong, or lacks the scope for this route."""

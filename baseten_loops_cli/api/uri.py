@@ -40,7 +40,7 @@ class CheckpointUri:
         text = (value or "").strip()
         m = _URI_RE.match(text)
         if m is None:
-            hint = None
+            hint = "copy it from `loops checkpoints list` (the URI column), or name it as RUN:NAME"
             if text.startswith(("bt://", "abt://")) and "/sequences/" in text:
                 hint = "bt://loops:<run>/sequences/<id> is a routing payload, not a checkpoint"
             elif text and "://" not in text:

@@ -1,4 +1,4 @@
-"""`loops checkpoints`: list, inspect, validate and download what runs saved.
+"""`loops checkpoints`: list, inspect, validate, download and export what runs saved.
 
 A checkpoint is named by its id, its bt:// URI or RUN:NAME (add --target trainer|sampler when a
 trainer and a sampler checkpoint share the name). `checkpoints list -o json` is
@@ -14,7 +14,7 @@ from baseten_loops_cli.cli import _complete
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(
-    help="List, inspect, validate and download checkpoints (by id, bt:// URI or RUN:NAME).",
+    help="List, inspect, validate, download and export checkpoints (by id, bt:// URI or RUN:NAME).",
     no_args_is_help=True,
 )
 
@@ -319,6 +319,10 @@ def export(
     dtype: Annotated[str, typer.Option("--dtype", help="float32, float16 or bfloat16.")] = "float32",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
     target: TargetOpt = None,
+    base_path: Annotated[
+        Optional[Path],
+        typer.Option("--base-path", help="peft: name this local base-model folder in adapter_config.json, so the adapter loads offline.", show_default=False),
+    ] = None,
 ) -> None:
     """Export a sampler checkpoint as a PEFT adapter, a merged HF model or a GGUF file.
 
@@ -340,6 +344,9 @@ def export(
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.export import check_options, export_checkpoint
 
+    if base_path is not None and (fmt or ("hf" if merge else "peft")) != "peft":
+        raise UsageError("--base-path names the base of a peft adapter; merged exports carry the base themselves",
+                         hint="Drop --base-path, or export with --format peft.")
     if merge and fmt == "peft":
         raise UsageError("--merge writes a merged model; --format peft writes the adapter alone", hint="Drop one of them (--merge means --format hf).")
     fmt = fmt or ("hf" if merge else "peft")
@@ -349,10 +356,14 @@ def export(
     client = state.backend().client
     # Rebuilt from the parsed options, not argv: global options may carry secrets.
     command = shlex.join(["loops", "checkpoints", "export", checkpoint, "-O", str(output_dir), "--format", fmt, "--dtype", dtype]
-                         + (["--target", target] if target else []))
+                         + (["--target", target] if target else [])
+                         + (["--base-path", str(base_path)] if base_path else []))
     with out.progress(f"export {checkpoint}") as progress:
         result = export_checkpoint(client, checkpoint, output_dir, fmt=fmt, dtype=dtype, force=force, target=target,
-                                   progress=progress, command=command)
+                                   progress=progress, command=command, base_path=str(base_path) if base_path else None)
     out.success(f"Exported {result.checkpoint} as {fmt} ({dtype}) to {result.path}; reloaded and verified "
                 f"(max abs diff {result.max_abs_diff:.3g}).")
+    if result.base_path:
+        out.info(f"Base model files: {result.base_path} (load offline from there, or pass --base-path to name it in "
+                 "adapter_config.json; see the README.md written beside the adapter).")
     out.emit(result.to_json(), id_key="path", text=[])

@@ -16,34 +16,30 @@ from baseten_loops_cli.cli._state import get_state
 
 
 def _task(data: Optional[Path], config: Optional[Path], *, limit, seed, samples, k) -> Any:
-    """The evaluation task from --data and --config (an RL config brings the reward)."""
+    """The evaluation task from --data and --config (the config's kind builds it, as for its
+    `eval:` block: an RL config brings the reward)."""
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training import evaluation as ev
 
-    loaded = None
     if config is not None:
-        from baseten_loops_cli.training.config import RLConfig, load_config
+        from baseten_loops_cli.training import kinds
+        from baseten_loops_cli.training.config import load_config
 
         loaded = load_config(config)
-        cfg = loaded.config
-        if data is None:
-            default = cfg.data.eval_prompts if isinstance(cfg, RLConfig) else cfg.data.eval
-            if not default:
-                key = "data.eval_prompts" if isinstance(cfg, RLConfig) else "data.eval"
-                raise UsageError(f"--data is missing and {config} has no {key}", hint="Pass --data FILE.jsonl.")
-            from baseten_loops_cli.training.formats import eval_source
-
-            data = eval_source(loaded, default)  # a path, or a mixture / hold-out of the training rows
-        if isinstance(cfg, RLConfig):
-            return ev.RLTask(
-                data, cfg.reward, loaded.base_dir, cfg.sampling, samples or cfg.group_size, k, cfg.pass_threshold,
-                cfg.seed if seed is None else seed, cfg.max_seq_len, limit,
-            )  # fmt: skip
-        return ev.SFTTask(data, cfg.data.train_on, cfg.max_seq_len, limit)
+        task = kinds.eval_task(loaded, data, limit=limit, seed=seed, samples=samples, k=k)
+        if task is None:
+            key = ".".join(kinds.of(loaded.config).eval_data_key or ("data", "eval"))
+            raise UsageError(f"--data is missing and {config} has no {key}", hint="Pass --data FILE.jsonl.")
+        return task
     if data is None:
-        raise UsageError("nothing to score: pass --data FILE.jsonl (or --config with eval data)")
+        raise UsageError("nothing to score: pass --data FILE.jsonl (or --config with eval data)",
+                         hint="For example: loops eval RUN:final --data examples/data/tiny_sft_eval.jsonl")
     if samples or k:
         raise UsageError("--samples and --k need an RL config (--config) with a reward", hint="SFT rows are scored by likelihood, not sampled.")
+    from baseten_loops_cli.training.multiple_choice import MCTask, is_multiple_choice
+
+    if is_multiple_choice(data):  # rows with choices + label
+        return MCTask(data, limit)
     return ev.SFTTask(data, limit=limit)
 
 
@@ -65,13 +61,13 @@ def eval_command(
     seed: Annotated[Optional[int], typer.Option("--seed", help="RL: sampling seed (default: the config's seed).", show_default=False)] = None,
     samples: Annotated[Optional[int], typer.Option("--samples", "-n", min=1, max=64, help="RL: completions per prompt (default: the config's group_size).", show_default=False)] = None,
     k: Annotated[Optional[int], typer.Option("--k", min=1, help="RL: the k of pass@k (default: --samples).", show_default=False)] = None,
-    fail_under: Annotated[Optional[list[str]], typer.Option("--fail-under", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is below VALUE (accuracy, reward, pass_rate, pass_at_k).", show_default=False)] = None,
+    fail_under: Annotated[Optional[list[str]], typer.Option("--fail-under", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is below VALUE (accuracy, accuracy_norm, reward, pass_rate, pass_at_k).", show_default=False)] = None,
     fail_over: Annotated[Optional[list[str]], typer.Option("--fail-over", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is above VALUE (nll, perplexity).", show_default=False)] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Score again even when a result is cached.")] = False,
 ) -> None:
     """Score checkpoints side by side on a data set; the best value per column is marked *.
 
-    SFT rows (chat messages or prompt/completion) give NLL per token, perplexity and next-token accuracy on the assistant tokens, from one forward pass per row through a sampler (no training). Prompt rows with an RL config (--config) give the mean reward, pass rate at the config's pass_threshold, unbiased pass@k and mean completion length over --samples completions per prompt.
+    SFT rows (chat messages or prompt/completion) give NLL per token, perplexity and next-token accuracy on the assistant tokens, from one forward pass per row through a sampler (no training). Multiple-choice rows ({"prompt", "choices", "label"}) give accuracy and length-normalised accuracy, each choice scored by its logprobs after the prompt. Prompt rows with an RL config (--config) give the mean reward, pass rate at the config's pass_threshold, unbiased pass@k and mean completion length over --samples completions per prompt.
 
     Results are cached per checkpoint, data and settings, so re-running a table is instant. Exit 1 when a gate (--fail-under / --fail-over) fails or a reward raises on a row.
 
@@ -82,6 +78,8 @@ def eval_command(
       loops eval abc1234:* --config examples/tiny-rl.yaml --samples 8 --k 4
 
       loops eval abc1234:final --data eval.jsonl --fail-under accuracy=0.8 -o json
+
+      loops eval abc1234:final --base --data multiple_choice.jsonl
     """
     from baseten_loops_cli.errors import LoopsError, UsageError
     from baseten_loops_cli.settings.paths import cache_dir

@@ -41,7 +41,7 @@ from baseten_loops_cli.errors import EXIT_CODE_HELP, ExitCode
 HELP = f"""\
 Loops: LoRA post-training of LLMs on Baseten, or on the embedded local backend.
 
-Manage runs, samplers, checkpoints and deployments; run YAML-defined SFT and RL loops with `loops train`. With no Baseten key set up, commands use the local backend (`loops server`).
+Manage runs, samplers, checkpoints and deployments; run YAML-defined SFT, RL and DPO loops with `loops train`. With no Baseten key set up, commands use the local backend (`loops server`).
 
 Global options (-o, --jq, -q, --profile, --debug) may be given anywhere on the line.
 
@@ -219,10 +219,43 @@ def _click_exceptions():
     return exceptions
 
 
-def _print_click_error(exc: Exception) -> int:
+# Training flags users try on commands that take a config (`loops train run CONFIG --steps 10`):
+# the config field each one means, for a hint with the `--set` spelling.
+_SET_SPELLINGS = {
+    "--steps": "max_steps",
+    "--max-steps": "max_steps",
+    "--lr": "optimizer.learning_rate",
+    "--learning-rate": "optimizer.learning_rate",
+    "--batch-size": "batch_size",
+    "--epochs": "epochs",
+    "--name": "name",
+    "--lora-rank": "lora_rank",
+    "--max-seq-len": "max_seq_len",
+}
+
+
+def _set_spelling(exc: Exception, argv: list[str]) -> str | None:
+    """``Use --set max_steps=10`` for an unknown training flag of a command that takes --set."""
+    option = getattr(exc, "option_name", None)
+    ctx = getattr(exc, "ctx", None)
+    field = _SET_SPELLINGS.get(option or "")
+    if field is None or ctx is None or not any("--set" in getattr(p, "opts", ()) for p in ctx.command.params):
+        return None
+    value = "VALUE"
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{option}="):
+            value = arg.split("=", 1)[1]
+        elif arg == option and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            value = argv[i + 1]
+    return (f"Use --set {field}={value} (config fields are set with --set key.path=value); "
+            f"run '{ctx.command_path} --help' for usage.")
+
+
+def _print_click_error(exc: Exception, argv: list[str] | None = None) -> int:
     """A Click/Typer error (bad option value, missing or unknown option or argument, unknown
     command, bad choice) as our one ``Error:`` line plus a ``Hint:`` naming the command's
-    ``--help``, instead of Typer's usage box. Returns the exit code (2 for usage errors)."""
+    ``--help`` (or, for a training flag such as ``--steps``, the ``--set`` spelling), instead of
+    Typer's usage box. Returns the exit code (2 for usage errors)."""
     exceptions = _click_exceptions()
     code = int(getattr(exc, "exit_code", ExitCode.USAGE))
     if type(exc).__name__ == "NoArgsIsHelpError":  # `loops` / `loops runs` alone: the help
@@ -236,6 +269,8 @@ def _print_click_error(exc: Exception) -> int:
         ctx = exc.ctx
         command = ctx.command_path if ctx is not None else "loops"
         hint = f"Run '{command} --help' for usage."
+        if isinstance(exc, exceptions.NoSuchOption):
+            hint = _set_spelling(exc, argv or []) or hint
     _print_error(message, hint)
     return code
 
@@ -290,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
             code = app(args=args, prog_name="loops", standalone_mode=False)
         sys.exit(code if type(code) is int else 0)  # no command returns a value
     except exceptions.ClickException as exc:
-        sys.exit(_print_click_error(exc))
+        sys.exit(_print_click_error(exc, raw))
     except typer.Abort:  # typer.confirm(abort=True) answered no, or EOF at a prompt
         print("Aborted.", file=sys.stderr)
         sys.exit(int(ExitCode.ERROR))

@@ -134,7 +134,7 @@ def list_runs(
 
     When none of your runs is active (`loops train run` deactivates its run when it ends), the runs created in the last 24 hours are listed instead, whatever their status, so the runs you just made show up. Whenever runs were left out, a hint on stderr says how many and names --all (in every output format; -q prints no hints).
 
-    -o json prints {"runs": [...]} (LoopsRun objects, filtered and sorted), as `baseten loops run list` does; -q prints the ids.
+    -o json prints {"runs": [...], "filter": ...} (LoopsRun objects, filtered and sorted, as `baseten loops run list` prints them; "filter" says which rule chose them: "active", "recent" (none active: the last 24 hours') or "all" (--all)); -q prints the ids.
 
     Examples:
 
@@ -162,7 +162,7 @@ def list_runs(
         out.info("No active Loops runs; showing the ones created in the last 24 hours.")
     named = any(r.name and r.name != r.base_model for r in runs)
     out.emit(
-        {"runs": runs},
+        {"runs": runs, "filter": "all" if all_ else ("recent" if listing.recent else "active")},
         rows=runs,
         columns=run_columns(org, named),
         empty=empty,
@@ -356,7 +356,8 @@ def _log_window(tail: bool, since: str | None, start: str | None, end: str | Non
     level = None
     if min_level is not None:
         if min_level.lower() not in LOG_LEVELS:
-            raise UsageError(f"--min-level must be one of {', '.join(LOG_LEVELS)}, got {min_level!r}")
+            raise UsageError(f"--min-level must be one of {', '.join(LOG_LEVELS)}, got {min_level!r}",
+                             hint=f"e.g. --min-level {LOG_LEVELS[-1]}")
         level = min_level.upper()
     now = time.time()
     end_s = parse_when(end, "--end").timestamp() if end else now

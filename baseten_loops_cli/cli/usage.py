@@ -60,7 +60,7 @@ def usage(
     org: Annotated[bool, typer.Option("--org", help="The whole organization's allocations (adds OWNER).")] = False,
     user: Annotated[Optional[str], typer.Option("--user", help="Only this user's allocations (by email; implies --org).")] = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="Also show allocations holding no live GPUs (idle, scaled to zero, stopped).")] = False,
-    by_run: Annotated[bool, typer.Option("--by-run", help="One row per run: tokens trained and sampled, compute time (active runs, or the last 24 hours' when none is active; --all for every run).")] = False,
+    by_run: Annotated[bool, typer.Option("--by-run", help="One row per run: tokens trained and sampled (its checkpoints' sampling anywhere, deployments' share apart), compute time (active runs, or the last 24 hours' when none is active; --all for every run).")] = False,
 ) -> None:
     """GPU allocations of your runs and samplers, and the tokens and time they used.
 
@@ -119,6 +119,7 @@ def _by_run(out, report, org: bool, all_: bool) -> None:
         ("STATUS", "status"),
         ("TOKENS TRAINED", lambda r: _count(r.tokens_trained)),
         ("TOKENS SAMPLED", lambda r: _count(r.tokens_sampled)),
+        ("BY DEPLOYMENTS", lambda r: _count(r.tokens_sampled_by_deployments)),
         ("COMPUTE", lambda r: _compute(r.compute_seconds)),
         ("CREATED", "created_at"),
     ]
@@ -132,7 +133,8 @@ def _by_run(out, report, org: bool, all_: bool) -> None:
         id_key="run_id",
         empty="No Loops runs found." if all_ else "No active Loops runs found. Pass --all to include inactive runs.",
         hint=(
-            f"Total: {totals.tokens_trained:,} tokens trained, {totals.tokens_sampled:,} sampled, "
+            f"Total: {totals.tokens_trained:,} tokens trained, {totals.tokens_sampled:,} sampled "
+            f"({totals.tokens_sampled_by_deployments:,} by deployments), "
             f"{human_duration(totals.compute_seconds)} of compute."
         ) if totals else "This backend does not report tokens or compute per run.",
     )

@@ -52,6 +52,9 @@ class ExportResult:
     bytes: int = 0
     max_abs_diff: float = 0.0  # reloaded output vs base + adapter (forward pass logits)
     checkpoint: str | None = None  # RUN:NAME when exported from a backend checkpoint
+    # peft: the base's folder on this machine (load the adapter offline from it), and what
+    # adapter_config.json names as the base (--base-path, when given).
+    base_path: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +114,7 @@ def export_checkpoint(
     target: str | None = None,
     progress: "Progress | None" = None,
     command: str | None = None,
+    base_path: str | None = None,
 ) -> ExportResult:
     """Resolve ``ref`` (id, bt:// URI or RUN:NAME), download its files, export them."""
     from baseten_loops_cli.services import checkpoints as service
@@ -146,7 +150,8 @@ def export_checkpoint(
             import json
 
             base = json.loads((plan.dest / "adapter_config.json").read_text()).get("base_model_name_or_path", "")
-        result = export_adapter(plan.dest, base, dest, fmt=fmt, dtype=dtype, force=force, card=card, progress=progress)
+        result = export_adapter(plan.dest, base, dest, fmt=fmt, dtype=dtype, force=force, card=card, progress=progress,
+                                base_path=base_path)
     result.checkpoint = label
     return result
 
@@ -161,8 +166,10 @@ def export_adapter(
     force: bool = False,
     card: dict[str, Any] | None = None,
     progress: "Progress | None" = None,
+    base_path: str | None = None,
 ) -> ExportResult:
-    """Export a PEFT adapter folder trained on ``base_model`` into ``dest``."""
+    """Export a PEFT adapter folder trained on ``base_model`` into ``dest``. ``base_path``
+    (peft only): the base folder to name in ``adapter_config.json`` (loads offline)."""
     check_options(fmt, dtype)
     require_local_extra()
     prepare_target(dest, force)
@@ -176,7 +183,8 @@ def export_adapter(
         raise _write_error(dest.parent, (exc.strerror or type(exc).__name__).lower()) from None
     try:
         result = writers.write(adapter_dir, base_model, staging, dest, fmt=fmt, dtype=dtype,
-                               card=card or {"base_model": base_model}, progress=progress)
+                               card=card or {"base_model": base_model}, progress=progress, base_path=base_path)
+        _follow_umask(staging)
         if dest.exists() or dest.is_symlink():
             _remove(dest)
         os.replace(staging, dest)
@@ -187,6 +195,17 @@ def export_adapter(
                              hint="Free some space (or pick another -O) and run it again.") from None
         raise
     return result
+
+
+def _follow_umask(root: Path) -> None:
+    """An export is meant to be shared: give it the modes a plain ``mkdir``/``open`` would (the
+    staging folder is made 0700 by mkdtemp, and some writers make their files 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(root, 0o777 & ~mask)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _disk_full(exc: BaseException) -> bool:

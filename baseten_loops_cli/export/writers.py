@@ -86,7 +86,7 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def write(adapter_dir: Path, base_model: str, staging: Path, final: Path, *, fmt: str, dtype: str,
-          card: dict[str, Any], progress: Any = None) -> ExportResult:
+          card: dict[str, Any], progress: Any = None, base_path: str | None = None) -> ExportResult:
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -98,28 +98,32 @@ def write(adapter_dir: Path, base_model: str, staging: Path, final: Path, *, fmt
         # peft looks the base's name up on the hub to check the vocabulary; offline that is a
         # warning about a lookup that does not matter here.
         warnings.simplefilter("ignore")
-        return _write(adapter_dir, base_model, staging, final, fmt=fmt, dtype=dtype, card=card, progress=progress)
+        return _write(adapter_dir, base_model, staging, final, fmt=fmt, dtype=dtype, card=card, progress=progress,
+                      base_path=base_path)
 
 
 def _write(adapter_dir: Path, base_model: str, staging: Path, final: Path, *, fmt: str, dtype: str,
-           card: dict[str, Any], progress: Any) -> ExportResult:
+           card: dict[str, Any], progress: Any, base_path: str | None = None) -> ExportResult:
     adapted = load_adapted(adapter_dir, base_model)
     reference = logits_of(adapted)
     if fmt == "peft":
-        diff = _write_peft(adapter_dir, base_model, adapted, staging, final, dtype, reference, progress)
+        diff, named = _write_peft(adapter_dir, base_model, adapted, staging, final, dtype, reference, progress, base_path)
         path = final
+        card = {**card, "base_path": named, "named_base": named if base_path else None}
     elif fmt == "hf":
         diff = _write_hf(base_model, adapted, staging, dtype, reference, progress)
         path = final
     else:
         name = _safe_name(base_model) + ".gguf"
         diff = _write_gguf(base_model, adapted, staging / name, dtype, reference, progress)
+        if base_model == TINY:  # also beside the file, for loaders that read only tokenizer.json
+            _write_tokenizer(base_model, staging)
         path = final / name
     (staging / "README.md").write_text(model_card(fmt, dtype, base_model, card, diff))
     files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
     size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
     return ExportResult(format=fmt, path=str(path), dtype=dtype, base_model=base_model, files=files,
-                        bytes=size, max_abs_diff=diff)
+                        bytes=size, max_abs_diff=diff, base_path=card.get("base_path"))
 
 
 def _safe_name(name: str) -> str:
@@ -135,7 +139,9 @@ def _save_state_dict(tensors: dict[str, torch.Tensor], path: Path, progress: Any
 
 
 def _write_peft(adapter_dir: Path, base_model: str, adapted: Any, staging: Path, final: Path, dtype: str,
-                reference: torch.Tensor, progress: Any) -> float:
+                reference: torch.Tensor, progress: Any, base_path: str | None = None) -> tuple[float, str | None]:
+    """Write the adapter; returns the verification diff and the base's local folder (the one
+    ``base_path`` names, or where this machine has the base: what loads it offline)."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -153,13 +159,20 @@ def _write_peft(adapter_dir: Path, base_model: str, adapted: Any, staging: Path,
         # A hub id stays a hub id (peft finds it online or in the HF cache); a local folder
         # is named by its absolute path.
         config["base_model_name_or_path"] = str(local.absolute()) if (local / "config.json").is_file() else base_model
+    folder = str(final / "base") if base_model == TINY else str(base_dir(base_model))
+    if base_path is not None:  # --base-path: name this folder, so peft loads without the hub
+        folder = str(Path(base_path).expanduser().absolute())
+        if not (Path(folder) / "config.json").is_file():
+            raise LoopsError(f"--base-path {base_path}: no config.json there (not a Hugging Face model folder)",
+                             hint=f"Name the base's folder; this machine has {base_model} at {base_dir(base_model) or 'DIR/base'}.")
+        config["base_model_name_or_path"] = folder
     config["inference_mode"] = True
     _save_state_dict({k: v.to(torch_dtype(dtype)) for k, v in tensors.items()}, staging / ADAPTER_WEIGHTS, progress)
     (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     # Verify: plain peft on the written folder (the tiny base from the staged copy).
     base = load_base(base_model) if base_model != TINY else _load_hf(staging / "base")
     reloaded = PeftModel.from_pretrained(base, str(staging)).eval()
-    return max_abs_diff(logits_of(reloaded), reference)
+    return max_abs_diff(logits_of(reloaded), reference), folder
 
 
 def _load_hf(path: Path, **kwargs: Any) -> Any:
@@ -181,12 +194,24 @@ def _write_hf(base_model: str, adapted: Any, staging: Path, dtype: str, referenc
     merged.save_pretrained(staging, safe_serialization=True)
     progress.advance(total)
     progress.file_done("model.safetensors")
-    directory = base_dir(base_model)
-    if directory is not None:
-        for name in (*TOKENIZER_FILES, *EXTRA_TOKENIZER_FILES):
-            if (directory / name).is_file():
-                shutil.copyfile(directory / name, staging / name)
+    _write_tokenizer(base_model, staging)
     return max_abs_diff(logits_of(_load_hf(staging)), reference)
+
+
+def _write_tokenizer(base_model: str, staging: Path) -> None:
+    """The base's tokenizer files; the tiny model's byte tokenizer (built in code) written as a
+    ``tokenizers`` tokenizer.json, so ``AutoTokenizer.from_pretrained(DIR)`` loads every export."""
+    directory = base_dir(base_model)
+    if directory is None:
+        from baseten_loops_cli.local.engine.model_zoo import TINY_CONFIG
+        from baseten_loops_cli.tokenization.byte_tokenizer import tokenizer_files
+
+        for name, text in tokenizer_files(TINY_CONFIG["max_position_embeddings"]).items():
+            (staging / name).write_text(text)
+        return
+    for name in (*TOKENIZER_FILES, *EXTRA_TOKENIZER_FILES):
+        if (directory / name).is_file():
+            shutil.copyfile(directory / name, staging / name)
 
 
 # ── GGUF ────────────────────────────────────────────────────────────────────────────────────
@@ -239,7 +264,12 @@ def _write_gguf(base_model: str, adapted: Any, path: Path, dtype: str, reference
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    # Llama-architecture configs may set head_dim apart from hidden_size / heads (e.g. Llama 3.2
+    # 3B's siblings, Mistral-style bases); llama.cpp reads it from key_length / value_length.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or (config.rope_parameters or {}).get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -267,19 +297,24 @@ def _write_gguf(base_model: str, adapted: Any, path: Path, dtype: str, reference
 
 
 def _add_tokenizer(writer: Any, base_model: str, config: Any) -> None:
-    """Tokenizer metadata for a BPE tokenizer.json base (GPT-2 style, as SmolLM2 has); the
-    tiny model's byte tokenizer has no llama.cpp equivalent, so its file carries ids only."""
+    """Tokenizer metadata for a BPE tokenizer.json base (GPT-2 style, as SmolLM2 has), the tiny
+    model's byte tokenizer included (its tokenizer.json form: the bytes, no merges)."""
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
                      ("pad_token_id", writer.add_pad_token_id)):
         value = getattr(config, key, None)
         if isinstance(value, int):
             add(value)
     directory = base_dir(base_model)
-    if directory is None or not (directory / "tokenizer.json").is_file():
+    if directory is None:  # the tiny byte tokenizer, in its tokenizer.json form
+        from baseten_loops_cli.tokenization.byte_tokenizer import CHAT_TEMPLATE, tokenizer_json
+
+        spec, template = json.loads(tokenizer_json()), CHAT_TEMPLATE
+    elif (directory / "tokenizer.json").is_file():
+        spec, template = json.loads((directory / "tokenizer.json").read_text()), _chat_template(directory)
+    else:
         return
     import gguf
 
-    spec = json.loads((directory / "tokenizer.json").read_text())
     model = spec.get("model", {})
     if model.get("type") != "BPE":
         return
@@ -300,7 +335,8 @@ def _add_tokenizer(writer: Any, base_model: str, config: Any) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    template = _chat_template(directory)
+    if not merges:  # a byte vocabulary (tiny): readers that rebuild merges from scores find none
+        writer.add_token_scores([0.0] * size)
     if template:
         writer.add_chat_template(template)
 
@@ -354,13 +390,17 @@ def model_card(fmt: str, dtype: str, base_model: str, card: dict[str, Any], diff
                     "its absolute path. After moving the folder, load it with "
                     "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER/base\"), \"THIS_FOLDER\")`."
                     if base_model == TINY else
-                    f"`adapter_config.json` names the base as `{base_model}` (hub id or local path); to load it from another "
-                    "folder use `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PATH), \"THIS_FOLDER\")`.")),
+                    f"`adapter_config.json` names the base as `{card.get('named_base') or base_model}`. Offline (no hub; "
+                    f"`AutoPeftModelForCausalLM` would retry the hub first) load it from the base's local folder"
+                    + (f", `{card['base_path']}` on the machine that exported it" if card.get("base_path") else "")
+                    + ": `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"BASE_FOLDER\"), \"THIS_FOLDER\")`, "
+                    "or export with `--base-path BASE_FOLDER` to write that folder into `adapter_config.json`.")),
         "hf": "Base and adapter merged into one transformers model: `AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\")`, "
               "or serve it with vLLM (`vllm serve THIS_FOLDER`)."
-              + (" The tiny model's byte tokenizer is built in code, so no tokenizer files are included." if base_model == TINY else ""),
+              + (" The tiny model's byte tokenizer is included as `tokenizer.json` (`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)." if base_model == TINY else ""),
         "gguf": "Base and adapter merged into one GGUF file (llama architecture) for llama.cpp-compatible runtimes."
-                + (" The tiny model's byte tokenizer has no GGUF form: the file has no tokenizer metadata." if base_model == TINY else ""),
+                + (" The tiny model's byte tokenizer is in the file's metadata (a byte vocabulary without merges) and "
+                   "beside it as `tokenizer.json` (`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)." if base_model == TINY else ""),
     }[fmt]
     rows = [("Base model", base_model), ("Format", fmt), ("Dtype", dtype),
             ("Checkpoint", card.get("checkpoint")), ("URI", card.get("uri")), ("Run", card.get("run_id")),

@@ -258,7 +258,8 @@ class Output:
             return jq_module.compile(expr)
         except ValueError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "syntax error"
-            raise UsageError(f"--jq: invalid expression {expr!r}: {first}") from None
+            raise UsageError(f"--jq: invalid expression {expr!r}: {first}",
+                             hint="Check the expression's brackets and quotes; e.g. --jq '.runs[].id'.") from None
 
     def _emit_json_value(self, value: Any, *, lines: bool = False) -> None:
         if self._compiled_jq is not None:
@@ -433,6 +434,18 @@ class Output:
         from baseten_loops_cli.output.progress import CountBar
 
         return CountBar(self.err_console if self.animate else None, label)
+
+    def training_view(self):
+        """How a training run shows its steps (``training.metrics.TrainingView``): a Rich live
+        view (progress bar, ETA, step line, sparkline) for a person at a terminal
+        (:attr:`animate`); otherwise one plain line per step on stderr (none with -q), and with
+        ``-o jsonl`` each step's record on stdout as it comes."""
+        from baseten_loops_cli.output.training_view import LiveTrainingView, PlainTrainingView
+
+        if self.animate:
+            return LiveTrainingView(self.err_console)
+        return PlainTrainingView(jsonl=self.format == "jsonl", quiet=self.quiet,
+                                 out=self.streams.stdout, err=self.streams.stderr)
 
     # ------------------------------------------------------------------ renderers
     def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None) -> None:

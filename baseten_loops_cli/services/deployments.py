@@ -1,6 +1,7 @@
 """Serve sampler checkpoints behind an OpenAI-compatible endpoint; list, describe and stop them.
 
-Requests pick a deployed checkpoint by its name in the ``model`` field (as on Baseten).
+Requests pick a deployed checkpoint by its name in the ``model`` field (as on Baseten); the local
+backend also serves the deployment's model name (``--model-name``) as its first checkpoint.
 
 Listing: no Loops route lists checkpoint deployments (and Baseten's model list holds every model
 of the workspace), so :func:`list_deployments` returns the deployments this machine created
@@ -164,7 +165,8 @@ def _key_expr(backend: "Backend") -> str:
 
 
 def curl_line(backend: "Backend", url: str, model: str) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
+    # temperature 0: the same answer every time (the README's examples hold word for word)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64, "temperature": 0})
     return (
         f"curl -s {url}/chat/completions -H \"Authorization: Api-Key {_key_expr(backend)}\" "
         f"-H 'Content-Type: application/json' -d '{body}'"

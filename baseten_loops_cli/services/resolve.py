@@ -152,7 +152,8 @@ def parse_target(target: str | None) -> str | None:
         return None
     value = target.strip().lower()
     if value not in TARGETS:
-        raise UsageError(f"--target must be 'sampler' or 'trainer', got {target!r}")
+        raise UsageError(f"--target must be 'sampler' or 'trainer', got {target!r}",
+                         hint="sampler: weights to sample or deploy; trainer: training state to resume.")
     return value
 
 

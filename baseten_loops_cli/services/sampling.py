@@ -122,9 +122,24 @@ def resolve_source(client: "LoopsClient", ref: str, target: str | None = None) -
     if not run.is_active:
         raise LoopsError(
             f"run {run.id} is {run.status_name}: it has no live weights to sample",
-            hint=f"Sample one of its checkpoints: loops checkpoints list --run-id {run.id} --target sampler",
+            hint=_newest_checkpoint_hint(client, run.id),
         )
     return SampleSource(sampler=paired_sampler(client, run), base_model=run.base_model, run_id=run.id, run_header=run.id)
+
+
+def _newest_checkpoint_hint(client: "LoopsClient", run_id: str) -> str:
+    """Offer the run's newest sampler checkpoint by RUN:NAME (``RUN:final`` after `loops train`)."""
+    from baseten_loops_cli.services.resolve import created_key
+
+    try:
+        saved = [c for c in client.checkpoints.list(run_id=run_id) if c.target == "sampler"]
+    except LoopsError:
+        saved = []
+    if not saved:
+        return f"It saved no sampler checkpoint to sample: loops checkpoints list --run-id {run_id}"
+    names = {c.checkpoint_id for c in saved}
+    name = "final" if "final" in names else max(saved, key=created_key).checkpoint_id
+    return f"Sample its {'final' if name == 'final' else 'newest'} checkpoint: loops sample {run_id}:{name}"
 
 
 def paired_sampler(client: "LoopsClient", run: LoopsRun) -> LoopsSampler:

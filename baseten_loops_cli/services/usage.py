@@ -77,6 +77,8 @@ class RunUsage(BaseModel):
     created_at: Any = None
     tokens_trained: int | None = None
     tokens_sampled: int | None = None
+    # Of tokens_sampled, what deployments served from this run's checkpoints.
+    tokens_sampled_by_deployments: int | None = None
     compute_seconds: float | None = None
     operations: int | None = None
     sample_requests: int | None = None
@@ -85,6 +87,7 @@ class RunUsage(BaseModel):
 class UsageTotals(BaseModel):
     tokens_trained: int
     tokens_sampled: int
+    tokens_sampled_by_deployments: int
     compute_seconds: float
 
 
@@ -194,7 +197,9 @@ def allocations(backend: "Backend", *, org: bool = False, user: str | None = Non
 
 
 def usage_by_run(backend: "Backend", *, org: bool = False, user: str | None = None, include_inactive: bool = False) -> RunUsageReport:
-    """Tokens trained and sampled and compute per run; which runs by :func:`select_runs`."""
+    """Tokens trained and sampled and compute per run; which runs by :func:`select_runs`.
+    A run's tokens sampled include its checkpoints sampled by standalone samplers and
+    deployments (``tokens_sampled_by_deployments`` is the deployments' part)."""
     counters = _counters(backend)
     runs = backend.client.runs.list(scope="org" if org or user else None)
     if user:
@@ -205,6 +210,15 @@ def usage_by_run(backend: "Backend", *, org: bool = False, user: str | None = No
     rows = []
     for r in shown:
         used = (counters or {}).get(r.id)
+        # Sampling of the run's checkpoints counts for the run wherever it was served: its own
+        # sampler, a standalone sampler (`loops sample`, `loops eval`) or a deployment.
+        elsewhere = (used or {}).get("checkpoints_sampled_by") or []
+        sampled = (used.get("tokens_sampled", 0) if used else zero)
+        if sampled is not None:
+            sampled += sum(int(o.get("tokens_sampled") or 0) for o in elsewhere)
+        requests = used.get("sample_requests") if used else None
+        if requests is not None:
+            requests += sum(int(o.get("sample_requests") or 0) for o in elsewhere)
         rows.append(RunUsage(
             run_id=r.id,
             owner=r.user.email if r.user else None,
@@ -213,16 +227,19 @@ def usage_by_run(backend: "Backend", *, org: bool = False, user: str | None = No
             status=r.status_name,
             created_at=r.created_at,
             tokens_trained=used.get("tokens_trained", 0) if used else zero,
-            tokens_sampled=used.get("tokens_sampled", 0) if used else zero,
+            tokens_sampled=sampled,
+            tokens_sampled_by_deployments=None if counters is None else sum(
+                int(o.get("tokens_sampled") or 0) for o in elsewhere if o.get("owner_kind") == "deployment"),
             compute_seconds=used.get("compute_seconds", 0.0) if used else (0.0 if counters is not None else None),
             operations=used.get("operations") if used else None,
-            sample_requests=used.get("sample_requests") if used else None,
+            sample_requests=requests,
         ))
     totals = None
     if counters is not None:
         totals = UsageTotals(
             tokens_trained=sum(r.tokens_trained or 0 for r in rows),
             tokens_sampled=sum(r.tokens_sampled or 0 for r in rows),
+            tokens_sampled_by_deployments=sum(r.tokens_sampled_by_deployments or 0 for r in rows),
             compute_seconds=round(sum(r.compute_seconds or 0 for r in rows), 3),
         )
     return RunUsageReport(runs=rows, totals=totals, hidden=hidden, recent=recent)

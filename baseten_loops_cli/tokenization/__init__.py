@@ -16,7 +16,12 @@ from typing import Iterable, Protocol, runtime_checkable
 from baseten_loops_cli.errors import LoopsError
 from baseten_loops_cli.settings.model_files import TOKENIZER_FILES
 from baseten_loops_cli.tokenization.byte_tokenizer import ByteTokenizer
-from baseten_loops_cli.tokenization.chat import render_chat, render_prompt_completion
+from baseten_loops_cli.tokenization.chat import (
+    render_chat,
+    render_generation_prompt,
+    render_prompt_completion,
+    template_supports_tools,
+)
 
 TINY_MODEL = "loops-local/tiny"
 
@@ -27,7 +32,9 @@ __all__ = [
     "get_tokenizer",
     "local_model_names",
     "render_chat",
+    "render_generation_prompt",
     "render_prompt_completion",
+    "template_supports_tools",
 ]
 
 

@@ -85,3 +85,57 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"
+
+
+# ── the same tokenizer as files (exports), for stock loaders such as AutoTokenizer ──────────
+
+# ChatML, as tokenization.chat renders it for this tokenizer.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (what the ``ByteLevel`` pre-tokenizer emits)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(NUM_BYTES):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(NUM_BYTES + extra)
+            extra += 1
+    return [chars[b] for b in range(NUM_BYTES)]
+
+
+def tokenizer_json() -> str:
+    """This tokenizer as a ``tokenizers`` ``tokenizer.json``: a byte-level BPE whose vocabulary is
+    the 256 bytes at their own ids and no merges, plus the five specials at 256..260, so it
+    encodes and decodes exactly as :class:`ByteTokenizer`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in enumerate(_byte_chars())}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return raw.to_str(pretty=True)
+
+
+def tokenizer_files(max_length: int) -> dict[str, str]:
+    """File name -> text of the files that make a folder load with ``AutoTokenizer``."""
+    import json
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+        "additional_special_tokens": [IM_START, IM_END],
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+    return {"tokenizer.json": tokenizer_json(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}

@@ -66,6 +66,31 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], train_on: str = "last_
     return _render_chatml(tokenizer, pairs, trained, train_on == "all", add_generation_prompt)
 
 
+def template_supports_tools(tokenizer: Any) -> bool:
+    """Whether the model's chat template renders tool definitions and tool calls (it names
+    ``tools``); the built-in ChatML rendering has no tools."""
+    template = getattr(tokenizer, "chat_template", None)
+    return bool(template) and "tools" in template and "tool_calls" in template
+
+
+def render_generation_prompt(tokenizer: Any, messages: Sequence[dict],
+                             tools: list[dict] | None = None) -> list[int]:
+    """The prompt that asks the model for the next assistant turn (serving): the same
+    tokens :func:`render_chat` gives for ``add_generation_prompt=True``, without the loss
+    mask, so none of its checks (a template rendering prefixes the same way) apply.
+    ``tools`` (OpenAI function definitions) go to the template; ``ValueError`` when the
+    template has no tools. Content must already be strings (or None beside tool_calls)."""
+    if getattr(tokenizer, "chat_template", None):
+        if tools and not template_supports_tools(tokenizer):
+            raise ValueError(f"{tokenizer.name}'s chat template has no tools.")
+        return tokenizer.encode(tokenizer.apply_chat_template_text(messages, True, tools=tools))
+    if tools:
+        raise ValueError(f"{tokenizer.name} has no chat template of its own (the built-in "
+                         "ChatML rendering has no tools).")
+    pairs = [_content(m, i) for i, m in enumerate(messages)]
+    return _render_chatml(tokenizer, pairs, set(), False, True)[0]
+
+
 def _special_id(tokenizer: Any, text: str) -> list[int]:
     ids = tokenizer.encode(text)
     if len(ids) != 1:

@@ -87,12 +87,12 @@ class FileTokenizer:
         text = self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self._clean_up else text
 
-    def apply_chat_template_text(self, messages: Sequence[dict], add_generation_prompt: bool
-                                 ) -> str:
+    def apply_chat_template_text(self, messages: Sequence[dict], add_generation_prompt: bool,
+                                 tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError(f"{self.name} has no chat template.")
         template = compile_chat_template(self.chat_template)
-        return template.render(messages=[dict(m) for m in messages], tools=None,
+        return template.render(messages=[dict(m) for m in messages], tools=tools,
                                documents=None, add_generation_prompt=add_generation_prompt,
                                **self.special_tokens)
 

@@ -3,7 +3,8 @@
 A finished local run records, under the cache dir and per (kind, base model), its step time per
 planned token (the plan's own token counts, so sampling and in-run evals are in the rate) and
 its fixed cost (the wall time outside steps: run creation, final eval and checkpoint); the next
-plan of that model uses both. Remote backends are not calibrated: provisioning
+plan of that model uses both: its own kind's measurement when there is one, else another kind's
+of the same model (the step cost per token scaled by this plan's tokens), and says which. Remote backends are not calibrated: provisioning
 dominates there and the rates belong to the service.
 """
 
@@ -21,6 +22,16 @@ STARTUP_S = 3.0  # fixed cost of a run when an old calibration file does not say
 class Measured:
     s_per_token: float
     startup_s: float = STARTUP_S
+    # The kind whose run was measured: the plan's own kind, or (none of that kind measured yet)
+    # another kind's run of the same model, its step cost per token applied to this plan's tokens.
+    kind: str = ""
+    scaled: bool = False
+
+    def note(self, base_model: str) -> str:
+        if self.scaled:
+            return (f"time estimate calibrated from this model's last {self.kind} run on this machine, scaled by "
+                    "tokens (this kind has no measured run yet)")
+        return f"time estimate calibrated by the last {self.kind} run of {base_model} on this machine"
 
 
 def _file() -> Path:
@@ -36,11 +47,23 @@ def _read() -> dict:
         return {}
 
 
+def _usable(entry: object) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("s_per_token"), (int, float))
+
+
 def lookup(kind: str, base_model: str) -> Measured | None:
-    entry = _read().get(f"{kind}:{base_model}")
-    if not isinstance(entry, dict) or not isinstance(entry.get("s_per_token"), (int, float)):
+    """This kind's measurement of the model, else the newest measurement of any other kind of
+    the same model (per planned token, so it scales with this plan's tokens), else None."""
+    data = _read()
+    entry = data.get(f"{kind}:{base_model}")
+    if _usable(entry):
+        return Measured(float(entry["s_per_token"]), float(entry.get("startup_s", STARTUP_S)), kind)
+    others = [(key.split(":", 1)[0], value) for key, value in data.items()
+              if key.split(":", 1)[-1] == base_model and key != f"{kind}:{base_model}" and _usable(value)]
+    if not others:
         return None
-    return Measured(float(entry["s_per_token"]), float(entry.get("startup_s", STARTUP_S)))
+    other_kind, entry = max(others, key=lambda item: float(item[1].get("measured_at") or 0))
+    return Measured(float(entry["s_per_token"]), float(entry.get("startup_s", STARTUP_S)), other_kind, scaled=True)
 
 
 def record(kind: str, base_model: str, *, seconds: float, step_seconds: float, tokens: int) -> None:

@@ -10,28 +10,38 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError, UsageError
-from baseten_loops_cli.training.formats.spec import SOURCE_TAGS, EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.formats.spec import SOURCE_TAGS
 
 
-# The data keys that name files (relative to the config file).
-DATA_PATH_KEYS = (("data", "train"), ("data", "eval"), ("data", "prompts"), ("data", "eval_prompts"), ("eval", "data"))
+# The keys of every kind that name files (relative to the config file); each kind adds its own
+# (``Kind.data_path_keys``).
+COMMON_PATH_KEYS = (("eval", "data"),)
+
+
+def data_path_keys(kind: str) -> tuple[tuple[str, str], ...]:
+    """The config keys of a ``kind`` config that name data files."""
+    from baseten_loops_cli.training import kinds
+
+    return tuple(kinds.get(kind).data_path_keys) + COMMON_PATH_KEYS
 
 
 def _kinds_text() -> str:
-    """'sft', 'rl' or 'dpo': the config kinds (KINDS, below), for messages."""
-    return ", ".join(repr(k) for k in KINDS[:-1]) + f" or {KINDS[-1]!r}"
+    """'sft', 'rl' or 'dpo': the registered kinds (training/kinds), for messages."""
+    from baseten_loops_cli.training import kinds
+
+    return kinds.names_text()
 
 
-class _Strict(BaseModel):
+class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Section):
     learning_rate: float = Field(1e-4, gt=0)
     schedule: Literal["constant", "linear", "cosine"] = "linear"
     warmup_steps: int = Field(0, ge=0)
@@ -43,13 +53,13 @@ class OptimizerConfig(_Strict):
     grad_clip_norm: float = Field(1.0, ge=0, description="0 disables clipping.")
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Section):
     save_every: int = Field(0, ge=0, description="Save trainer state every N steps (0 = only at the end).")
     ttl_seconds: int | None = Field(None, ge=1)
     keep_final: bool = True
 
 
-class LoggingConfig(_Strict):
+class LoggingConfig(Section):
     run_dir: str | None = Field(
         None,
         description="Relative to the working directory; --run-dir wins. Default: runs/<name>-<timestamp>.",
@@ -58,7 +68,7 @@ class LoggingConfig(_Strict):
     wandb_name: str | None = None
 
 
-class PricingConfig(_Strict):
+class PricingConfig(Section):
     """Optional prices, for the plan's cost estimate (no public Loops prices exist)."""
 
     usd_per_million_train_tokens: float | None = Field(None, ge=0)
@@ -66,26 +76,7 @@ class PricingConfig(_Strict):
     usd_per_hour: float | None = Field(None, ge=0)
 
 
-class SFTData(FormatOptions):
-    train: Sources
-    eval: EvalSources | None = None
-    train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
-    shuffle: bool = True
-
-
-class RLData(FormatOptions):
-    prompts: Sources
-    eval_prompts: EvalSources | None = None
-    shuffle: bool = True
-
-
-class DPOData(FormatOptions):
-    train: Sources
-    eval: EvalSources | None = None
-    shuffle: bool = True
-
-
-class RewardConfig(_Strict):
+class RewardConfig(Section):
     """A builtin reward (``exact_match``, ``numeric_match``, ``regex``, ``contains``,
     ``starts_with``) or ``path/to/file.py:function``."""
 
@@ -97,7 +88,7 @@ class RewardConfig(_Strict):
     )
 
 
-class LossConfig(_Strict):
+class LossConfig(Section):
     name: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
     config: dict[str, float] = Field(default_factory=dict)
 
@@ -116,7 +107,7 @@ class LossConfig(_Strict):
         return self
 
 
-class SamplingConfig(_Strict):
+class SamplingConfig(Section):
     max_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -124,7 +115,7 @@ class SamplingConfig(_Strict):
     stop: list[str] = Field(default_factory=list)
 
 
-class EvalConfig(_Strict):
+class EvalConfig(Section):
     """``eval:``: when training ends, score the final checkpoint (and the base model with
     ``base: true``) as ``loops eval`` does; the table goes to eval.json and eval.txt in the run
     directory. ``eval: true`` (or an empty ``eval:``) takes every default."""
@@ -136,7 +127,11 @@ class EvalConfig(_Strict):
     k: int | None = Field(None, ge=1, description="RL: the k of pass@k (default: samples).")
 
 
-class _Common(_Strict):
+class CommonConfig(Section):
+    """What every kind's config has; a kind's model (training/kinds) adds ``kind``, ``data`` and
+    its own keys."""
+
+    kind: str
     name: str = Field(..., min_length=1, max_length=255)
     base_model: str
     profile: str | None = Field(None, description="Backend profile (default: the active one).")
@@ -153,6 +148,8 @@ class _Common(_Strict):
     pricing: PricingConfig = Field(default_factory=PricingConfig)
     eval: EvalConfig | None = Field(None, description="Evaluate the final checkpoint when training ends.")
     EVAL_SUPPORTED: ClassVar[bool] = True  # the loop ends with final_eval.evaluate_final()
+    # Sections whose keys may all be commented out (`logging:` alone means the defaults).
+    SECTIONS: ClassVar[tuple[str, ...]] = ("optimizer", "checkpointing", "logging", "pricing", "eval")
 
     @field_validator("eval", mode="before")
     @classmethod
@@ -167,72 +164,16 @@ class _Common(_Strict):
     def _empty_sections(cls, data: Any) -> Any:
         """A section whose keys are all commented out (``logging:`` alone) means the defaults."""
         if isinstance(data, dict):
-            empty = [k for k in ("optimizer", "checkpointing", "logging", "pricing", "loss", "sampling", "eval") if k in data and data[k] is None]
+            empty = [k for k in cls.SECTIONS if k in data and data[k] is None]
             if empty:
                 data = {**data, **{k: {} for k in empty}}
         return data
 
 
-class SFTConfig(_Common):
-    kind: Literal["sft"]
-    data: SFTData
-
-
-class RLConfig(_Common):
-    kind: Literal["rl"]
-    data: RLData
-    reward: RewardConfig
-    group_size: int = Field(4, ge=2)
-    groups_per_batch: int = Field(8, ge=1)
-    loss: LossConfig = Field(default_factory=LossConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    kl_penalty_coef: float = Field(0.0, ge=0, description="KL penalty against the base model (0 = off).")
-    max_steps_off_policy: int = Field(0, ge=0, description="0 = synchronous; N >= 1 = async with that staleness bound.")
-    pass_threshold: float = Field(1.0, description="A rollout passes when its reward is at least this.")
-
-    @field_validator("reward", mode="before")
-    @classmethod
-    def _reward_shorthand(cls, value: Any) -> Any:
-        return {"fn": value} if isinstance(value, str) else value
-
-
-class DPOConfig(_Common):
-    EVAL_SUPPORTED = False
-    kind: Literal["dpo"]
-    data: DPOData
-    beta: float = Field(0.1, gt=0, description="DPO temperature: how far the policy may move from the reference.")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed fraction of flipped labels (conservative DPO).")
-    reference: str = Field(
-        "base",
-        description="The reference policy: 'base' (the base model, as the run starts) or a sampler checkpoint bt://loops:<run>/sampler_weights/<name>.",
-    )
-
-    @field_validator("reference")
-    @classmethod
-    def _reference_checkpoint(cls, value: str) -> str:
-        if value == "base":
-            return value
-        from baseten_loops_cli.api.uri import CheckpointUri
-
-        if not CheckpointUri.is_uri(value):
-            raise ValueError(f"expected 'base' or bt://loops:<run_id>/sampler_weights/<name>, not {value!r}")
-        uri = CheckpointUri.parse(value)
-        if uri.target != "sampler":
-            raise ValueError(
-                f"{value} is trainer state; the reference is scored by a sampler, so name its sampler checkpoint "
-                f"bt://loops:{uri.run_id}/sampler_weights/{uri.name}"
-            )
-        return value
-
-
-TrainConfig = Annotated[Union[SFTConfig, RLConfig, DPOConfig], Field(discriminator="kind")]
-KINDS = ("sft", "rl", "dpo")
-
-
 class LoadedConfig:
     """A validated config plus where it came from (paths in it are relative to its folder)."""
 
-    def __init__(self, config: SFTConfig | RLConfig | DPOConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
+    def __init__(self, config: CommonConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
                  overrides: dict[tuple, str] | None = None):
         self.config = config
         self.path = path
@@ -324,7 +265,17 @@ def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]
 
 
 def _model_for(raw: dict) -> type[BaseModel]:
-    return {"rl": RLConfig, "dpo": DPOConfig}.get(raw.get("kind"), SFTConfig)
+    from baseten_loops_cli.training import kinds
+
+    return kinds.get(raw["kind"]).config_model
+
+
+def _kind_lines() -> str:
+    """```kind: sft`, `kind: rl` or `kind: dpo``` (the registered kinds)."""
+    from baseten_loops_cli.training import kinds
+
+    lines = [f"`kind: {k}`" for k in kinds.names()]
+    return lines[0] if len(lines) == 1 else ", ".join(lines[:-1]) + f" or {lines[-1]}"
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
@@ -408,7 +359,7 @@ def _override_of(overrides: dict[tuple, str], loc: tuple) -> str | None:
 def _problem(err: dict, lines: dict[tuple, int], raw: dict, overrides: dict[tuple, str] | None = None) -> Problem:
     err = {**err, "loc": tuple(p for p in err["loc"] if p not in SOURCE_TAGS)}  # a data source's shape tag
     problem = _file_problem(err, lines, raw)
-    loc = tuple(p for p in err["loc"] if p not in KINDS)
+    loc = tuple(err["loc"])
     problem.override = _override_of(overrides or {}, loc)
     if problem.override is not None:
         problem.line = None
@@ -417,7 +368,7 @@ def _problem(err: dict, lines: dict[tuple, int], raw: dict, overrides: dict[tupl
 
 
 def _file_problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
-    loc = tuple(p for p in err["loc"] if p not in KINDS)
+    loc = tuple(err["loc"])
     key = ".".join(str(p) for p in loc) or "(top level)"
     line = _line_of(lines, loc)
     if err["type"] == "extra_forbidden":
@@ -443,7 +394,7 @@ def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path,
     from baseten_loops_cli.training.formats.spec import path_problem, source_paths
 
     problems = []
-    for loc in DATA_PATH_KEYS:
+    for loc in data_path_keys(raw["kind"]):
         value = (raw.get(loc[0]) or {}).get(loc[1]) if isinstance(raw.get(loc[0]), dict) else None
         for sub, text in source_paths(value):  # a path, or each path of a list of sources
             resolved = Path(text).expanduser()
@@ -467,7 +418,8 @@ def apply_overrides(raw: dict, overrides: list[str], applied: dict[tuple, str] |
 
     for item in overrides:
         if "=" not in item:
-            raise UsageError(f"--set {item!r}: expected key.path=value")
+            raise UsageError(f"--set {item!r}: expected key.path=value",
+                             hint=f"e.g. --set {item.strip() or 'max_steps'}=VALUE")
         key, value = item.split("=", 1)
         parts = [p for p in key.strip().split(".") if p]
         if not parts:
@@ -487,34 +439,47 @@ def apply_overrides(raw: dict, overrides: list[str], applied: dict[tuple, str] |
     return raw
 
 
+def _missing_config_hint(path: Path) -> str:
+    """A close match beside the missing config (``tiny_sft.yaml`` -> ``tiny-sft.yaml``), else init."""
+    try:
+        siblings = [p.name for p in path.parent.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()]
+    except OSError:
+        siblings = []
+    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.75)
+    if close:
+        return f"Did you mean {path.parent / close[0]}?"
+    return "Create one with `loops train init`."
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, *, check_files: bool = False) -> LoadedConfig:
     """Load and validate a config; every problem is reported at once (:class:`ConfigProblems`).
 
     ``check_files`` also reports data files that do not exist, at the line of their key (what
     `loops train validate` and `run` want; loading a run directory's config does not need it)."""
+    from baseten_loops_cli.training import kinds
+
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file", hint="Create one with `loops train init`.") from None
+        raise ConfigError(f"{path}: no such file", hint=_missing_config_hint(path)) from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     raw, lines = _load_yaml_with_lines(text, path)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}:1: the config must be a YAML mapping (key: value lines)")
+        raise ConfigError(f"{path}:1: the config must be a YAML mapping (key: value lines)",
+                          hint="Start from `loops train init --kind sft -O FILE`.")
     applied: dict[tuple, str] = {}
     if overrides:
         raw = apply_overrides(raw, overrides, applied)
     if "kind" not in raw:
-        raise ConfigError(f"{path}: missing required key 'kind'", hint="Add `kind: sft`, `kind: rl` or `kind: dpo`.")
-    if raw.get("kind") not in KINDS:
+        raise ConfigError(f"{path}: missing required key 'kind'", hint=f"Add {_kind_lines()}.")
+    if not isinstance(raw.get("kind"), str) or raw["kind"] not in kinds.names():
         where = Problem(lines.get(("kind",)) or 1, "kind", "", override=_override_of(applied, ("kind",))).where(path)
         raise ConfigError(f"{where}: kind must be {_kinds_text()}, not {raw.get('kind')!r}",
                           hint=f"Set kind to {_kinds_text()}.")
-    from pydantic import TypeAdapter
-
     # Collect every problem before failing: the schema's (pydantic reports them all) and the
     # data files that do not exist, so one `validate` shows everything to fix.
     problems = _missing_data_files(raw, lines, path.resolve().parent, applied) if check_files else []
@@ -523,7 +488,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
     folder = _base_model_folder(raw, lines, path.resolve().parent, applied, problems if check_files else None)
     config = None
     try:
-        config = TypeAdapter(TrainConfig).validate_python(raw if folder is None else {**raw, "base_model": str(folder)})
+        config = _model_for(raw).model_validate(raw if folder is None else {**raw, "base_model": str(folder)})
     except ValidationError as exc:
         problems += [_problem(err, lines, raw, applied) for err in exc.errors()]
     if problems:

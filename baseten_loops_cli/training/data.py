@@ -49,9 +49,11 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
         raise ConfigError(f"{where}: 'messages' must be a non-empty list")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ConfigError(f"{where}: messages[{i}] must have a string 'content'")
+            raise ConfigError(f"{where}: messages[{i}] must have a string 'content'",
+                              hint='Each message is {"role": "user", "content": "..."}.')
         if message.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ConfigError(f"{where}: messages[{i}] has role {message.get('role')!r}; expected system, user or assistant")
+            raise ConfigError(f"{where}: messages[{i}] has role {message.get('role')!r}; expected system, user or assistant",
+                              hint="Rename the role to system, user or assistant.")
     return messages
 
 
@@ -70,7 +72,8 @@ def load_sft_examples(path: Path, tokenizer: Any, *, train_on: str, max_seq_len:
         if "messages" in row:
             messages = _check_messages(row["messages"], where)
             if not any(m.get("role") == "assistant" for m in messages):
-                raise ConfigError(f"{where}: no assistant message to train on")
+                raise ConfigError(f"{where}: no assistant message to train on",
+                                  hint='End the row with the reply to learn: {"role": "assistant", "content": "..."}.')
             try:
                 tokens, weights = render_chat(tokenizer, messages, train_on=train_on)
             except ValueError as exc:

@@ -12,6 +12,8 @@ Two kinds of data, told apart by the config (an RL config brings the reward):
 - **RL prompt rows** and a reward: ``samples`` completions per prompt, scored by the reward:
   mean reward, pass rate (reward >= ``pass_threshold``), unbiased pass@k and mean completion
   length. A reward that raises is reported with its row; the other rows are still scored.
+- **Multiple-choice rows** (``choices`` + ``label``): accuracy and length-normalised accuracy
+  from the prompt logprobs of each choice (``training/multiple_choice.py``).
 
 A :class:`Candidate` opens its sampler only when its result is not cached: results are kept
 per (candidate, data hash, settings) under the cache dir, so re-running a table is instant.
@@ -66,6 +68,10 @@ RL_METRICS = (
 
 
 def metrics_of(kind: str) -> tuple[Metric, ...]:
+    if kind == "mc":  # multiple-choice rows (training/multiple_choice.py)
+        from baseten_loops_cli.training.multiple_choice import MC_METRICS
+
+        return MC_METRICS
     return SFT_METRICS if kind == "sft" else RL_METRICS
 
 
@@ -133,7 +139,7 @@ class RLTask:
         }  # fmt: skip
 
 
-EvalTask = SFTTask | RLTask
+EvalTask = SFTTask | RLTask  # and multiple_choice.MCTask (kind "mc")
 
 
 @dataclass
@@ -320,6 +326,10 @@ def file_sha256(path: Path) -> str:
 def _load_rows(task: EvalTask, tokenizer: Any) -> list[Any]:
     from baseten_loops_cli.training import data as data_mod
 
+    if task.kind == "mc":
+        from baseten_loops_cli.training.multiple_choice import load_mc_rows
+
+        return load_mc_rows(task.data, tokenizer, limit=task.limit)
     if isinstance(task, RLTask):
         rows = data_mod.load_prompts(task.data, tokenizer, max_seq_len=task.max_seq_len, max_tokens=task.sampling.max_tokens)
     else:
@@ -559,6 +569,10 @@ def evaluate(
                     metrics, found = await _score_rl(client, rows, task, tokenizers[candidate.base_model], reward, progress.advance)
                     errors.extend(found)
                     return metrics
+                if task.kind == "mc":
+                    from baseten_loops_cli.training.multiple_choice import score_mc
+
+                    return await score_mc(client, rows, progress.advance)
                 return await _score_sft(client, rows, progress.advance)
             finally:
                 await client.aclose()

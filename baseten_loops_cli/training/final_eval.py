@@ -1,8 +1,8 @@
 """The end of a training run (``eval:`` in the config): score the final checkpoint as
 ``loops eval`` does and write the table into the run directory.
 
-Kept apart from :mod:`training.evaluation` because it renders a table (``output``): the
-scoring itself stays free of rendering, so ``services`` can build on it.
+The table is drawn by the run's view (``sink.table_text``: the output layer's plain table),
+so nothing in ``training`` renders.
 """
 
 from __future__ import annotations
@@ -11,20 +11,7 @@ import json
 from typing import Any
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.evaluation import Candidate, EvalReport, EvalTask, RLTask, SamplerLike, SFTTask, evaluate
-
-
-def render_text(report: EvalReport) -> str:
-    """The table as plain text (what a run directory's eval.txt holds)."""
-    import io
-
-    from baseten_loops_cli.output.sink import Output, Streams
-
-    buffer = io.StringIO()
-    out = Output("table", streams=Streams(stdout=buffer, stderr=io.StringIO(), stdin_tty=False, stdout_tty=False, stderr_tty=False))
-    rows, columns = report.table()
-    out.emit(report.as_dict(), rows=rows, columns=columns)
-    return buffer.getvalue()
+from baseten_loops_cli.training.evaluation import Candidate, EvalReport, SamplerLike, evaluate
 
 
 def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
@@ -33,28 +20,20 @@ def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
 
     The run is still active here, so its paired sampler serves the checkpoint (pinned) and the
     session's base sampler serves the base model: nothing else is provisioned."""
-    from baseten_loops_cli.training.config import RLConfig
-    from baseten_loops_cli.training.formats import eval_source
+    from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.rundir import atomic_write
 
     loaded, config = session.loaded, session.config
     spec = config.eval
     if spec is None:
         return None
-    is_rl = isinstance(config, RLConfig)
-    data = spec.data or (config.data.eval_prompts if is_rl else config.data.eval)
+    data = spec.data or kinds.eval_data(loaded)
     if not data:
         sink.message("eval: no data to score (set eval.data, or data.eval / data.eval_prompts); skipped.")
         return None
-    task: EvalTask
-    if is_rl:
-        samples = spec.samples or config.group_size
-        task = RLTask(
-            eval_source(loaded, data), config.reward, loaded.base_dir, config.sampling, samples, spec.k,
-            config.pass_threshold, config.seed, config.max_seq_len, spec.limit,
-        )  # fmt: skip
-    else:
-        task = SFTTask(eval_source(loaded, data), config.data.train_on, config.max_seq_len, spec.limit)
+    # a file, or a hub dataset / mixture / hold-out of the training rows (the data layer's spec)
+    source = kinds.eval_source(loaded, data)
+    task = kinds.eval_task(loaded, source, limit=spec.limit, samples=spec.samples, k=spec.k)
     sampler_path = record.get("sampler_path")
     run_label = f"{session.run_id}:{record.get('name', 'final')}"
 
@@ -78,11 +57,13 @@ def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
     doc = report.as_dict()
     rundir = session.rundir
     atomic_write(rundir.path / "eval.json", json.dumps(doc, indent=2, allow_nan=True) + "\n")
-    text = render_text(report)
-    atomic_write(rundir.path / "eval.txt", text)
-    sink.message(f"Eval on {data}:")
-    for line in text.rstrip("\n").splitlines():
-        sink.message(f"  {line}")
+    rows, columns = report.table()
+    text = sink.table_text(rows, columns)
+    if text is not None:  # None: no view draws tables (a caller that shows nothing)
+        atomic_write(rundir.path / "eval.txt", text)
+        sink.message(f"Eval on {data}:")
+        for line in text.rstrip("\n").splitlines():
+            sink.message(f"  {line}")
     for error in report.errors:
         sink.message(f"eval: {error.source}: {error.message}")
     return report

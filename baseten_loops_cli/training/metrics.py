@@ -3,7 +3,8 @@
 The loops call a :class:`MetricsSink` and never know which of these are on:
 
 - ``step(record)``: one record per optimizer step -> metrics.jsonl (appended; fsynced before
-  the checkpoint that covers it), the reporter (live view / plain lines / JSON Lines), and W&B
+  the checkpoint that covers it), the view (live view / plain lines / JSON Lines: a
+  :class:`TrainingView` the command supplies, ``output.training_view``), and W&B
   when ``logging.wandb_project`` is set and ``wandb`` is installed;
 - ``final(record)``: the end-of-run eval record (``"final": true`` in metrics.jsonl);
 - ``samples(records)``: RL rollouts -> samples.jsonl;
@@ -17,13 +18,25 @@ resume`` continues the same W&B run instead of starting a second one.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 from baseten_loops_cli.training.rundir import RunDir
 
 
-class _NullReporter:
-    def start(self, total_steps: int, start_step: int, main_metric: str) -> None:
+class TrainingView(Protocol):
+    """How a run shows itself to whoever started it (``output.training_view`` draws one for
+    the CLI). ``fields`` are the kind's ``StepField`` entries for the step line."""
+
+    def start(self, total_steps: int, start_step: int, main_metric: str, fields: Sequence[Any]) -> None: ...
+    def step(self, record: dict) -> None: ...
+    def message(self, text: str) -> None: ...
+    def close(self) -> None: ...
+    def table_text(self, rows: list[dict], columns: list[tuple[str, Any]]) -> str | None:
+        """A table as plain text (what a run directory's eval.txt holds)."""
+
+
+class _NoView:
+    def start(self, total_steps: int, start_step: int, main_metric: str, fields: Sequence[Any]) -> None:
         pass
 
     def step(self, record: dict) -> None:
@@ -34,6 +47,9 @@ class _NullReporter:
 
     def close(self) -> None:
         pass
+
+    def table_text(self, rows: list[dict], columns: list[tuple[str, Any]]) -> str | None:
+        return None
 
 
 def _wandb_safe(record: dict) -> dict:
@@ -105,19 +121,23 @@ def open_wandb(config: Any, rundir: RunDir, *, run_id: str, raw_config: dict | N
 class MetricsSink:
     """Fan-out of a loop's records; see the module docstring."""
 
-    def __init__(self, rundir: RunDir, reporter: Any = None, *, wandb: WandbLogger | None = None) -> None:
+    def __init__(self, rundir: RunDir, view: TrainingView | None = None, *, wandb: WandbLogger | None = None,
+                 step_fields: Sequence[Any] = ()) -> None:
         self.rundir = rundir
-        self.reporter = reporter or _NullReporter()
+        self.view = view or _NoView()
         self.wandb = wandb
+        self.step_fields = tuple(step_fields)  # the kind's (training.kinds.Kind.step_fields)
         self.records: list[dict] = []
 
     def start(self, total_steps: int, start_step: int, main_metric: str) -> None:
-        self.reporter.start(total_steps, start_step, main_metric)
+        from baseten_loops_cli.training.kinds import StepField
+
+        self.view.start(total_steps, start_step, main_metric, self.step_fields or (StepField(main_metric, main_metric),))
 
     def step(self, record: dict) -> None:
         self.rundir.append_metrics(record)  # recorded first: the display is only a view of it
         self.records.append(record)
-        self.reporter.step(record)
+        self.view.step(record)
         if self.wandb is not None:
             self.wandb.log(record)
 
@@ -131,10 +151,14 @@ class MetricsSink:
         self.rundir.append_samples(records)
 
     def message(self, text: str) -> None:
-        self.reporter.message(text)
+        self.view.message(text)
+
+    def table_text(self, rows: list[dict], columns: list[tuple[str, Any]]) -> str | None:
+        """The view's plain-text table of ``rows`` (None when the view draws none)."""
+        return self.view.table_text(rows, columns)
 
     def close(self) -> None:
-        self.reporter.close()
+        self.view.close()
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig
-
-ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
+from baseten_loops_cli.training.config import LoadedConfig
+from baseten_loops_cli.training.kinds import LoadedData
 
 # Rough rates for an uncalibrated time estimate (before the first local run of a model has been
 # measured on this machine; see calibration.py): (tokens/s through forward+backward, sampled tokens/s,
@@ -23,11 +22,11 @@ ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
 _LOCAL_RATES = {"loops-local/tiny": (15000.0, 2000.0, 0.3)}  # fitted to tiny-sft/tiny-rl, 2026-12-04
 _LOCAL_DEFAULT = (250.0, 25.0, 1.0)  # a ~100M-parameter model such as SmolLM2-135M
 _REMOTE_RATES = (50000.0, 5000.0, 1.0)
-_STARTUP_S = {"local": 5.0}
+_LOCAL_STARTUP_S = 5.0  # a backend on this machine: the server's run creation; remote: provisioning, left out
 
 
-def _rates(backend_kind: str, base_model: str) -> tuple[float, float, float]:
-    if backend_kind == "local":
+def _rates(capabilities: Any, base_model: str) -> tuple[float, float, float]:
+    if capabilities.calibrated_plans:  # this machine trains
         return _LOCAL_RATES.get(base_model, _LOCAL_DEFAULT)
     return _REMOTE_RATES
 
@@ -45,6 +44,8 @@ class Plan:
     est_cost_usd: float | None
     notes: list[str] = field(default_factory=list)
     data: Any = field(default=None, repr=False)  # the loaded examples/prompts, for the loops
+    noun: str = "examples"  # what the kind calls a row (examples, prompts, pairs), for people
+    title: str = ""  # how people name the kind (SFT, RL, DPO)
 
     def as_dict(self) -> dict:
         return {
@@ -61,18 +62,10 @@ class Plan:
         }
 
 
-@dataclass
-class LoadedData:
-    tokenizer: Any
-    train: list
-    eval: list | None
-    reward: tuple[str, Any] | None = None
-    notes: list[str] = field(default_factory=list)  # what the data layer found: formats, rows, overlaps
-
-
 def load_data(loaded: LoadedConfig) -> LoadedData:
+    """The kind's data loading (every row checked) with the base model's tokenizer."""
     from baseten_loops_cli.tokenization import get_tokenizer
-    from baseten_loops_cli.training import data as data_mod
+    from baseten_loops_cli.training import kinds
 
     config = loaded.config
     try:
@@ -81,36 +74,7 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
         message = getattr(exc, "message", None) or str(exc)
         raise ConfigError(f"{loaded.path}: base_model {config.base_model!r}: {message}",
                           hint=getattr(exc, "hint", None)) from None
-    from baseten_loops_cli.training.formats import data_specs
-
-    train_spec, eval_spec = data_specs(loaded)
-    if isinstance(config, RLConfig):
-        from baseten_loops_cli.training.rewards import build_reward
-
-        kwargs = {"max_seq_len": config.max_seq_len, "max_tokens": config.sampling.max_tokens}
-        train = data_mod.load_prompts(train_spec, tokenizer, **kwargs)
-        evals = data_mod.load_prompts(eval_spec, tokenizer, **kwargs) if eval_spec else None
-        reward = build_reward(config.reward, loaded.base_dir)
-        if config.reward.fn in ANSWER_REWARDS:
-            # Catch a missing answer now, not after capacity is provisioned.
-            for prompt in train + (evals or []):
-                if "answer" not in prompt.row:
-                    raise ConfigError(
-                        f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row"
-                    )
-        return LoadedData(tokenizer, train, evals, reward, _data_notes(train_spec, eval_spec))
-    if isinstance(config, DPOConfig):
-        train = data_mod.load_preference_pairs(train_spec, tokenizer, max_seq_len=config.max_seq_len)
-        evals = data_mod.load_preference_pairs(eval_spec, tokenizer, max_seq_len=config.max_seq_len) if eval_spec else None
-        return LoadedData(tokenizer, train, evals, notes=_data_notes(train_spec, eval_spec))
-    kwargs = {"train_on": config.data.train_on, "max_seq_len": config.max_seq_len}
-    train = data_mod.load_sft_examples(train_spec, tokenizer, **kwargs)
-    evals = data_mod.load_sft_examples(eval_spec, tokenizer, **kwargs) if eval_spec else None
-    return LoadedData(tokenizer, train, evals, notes=_data_notes(train_spec, eval_spec))
-
-
-def _data_notes(*specs) -> list[str]:
-    return [line for spec in specs if spec is not None for line in spec.reports]
+    return kinds.of(config).load_data(loaded, tokenizer)
 
 
 def check_base_model(client: Any, loaded: LoadedConfig) -> list[str]:
@@ -123,8 +87,9 @@ def check_base_model(client: Any, loaded: LoadedConfig) -> list[str]:
     def at(key: str) -> str:
         return f"{loaded.where(key)}: "
 
-    # The capabilities API knows sft and rl; DPO needs a sampler (to score the reference) as RL does.
-    use_case = "rl" if config.kind == "dpo" else config.kind
+    from baseten_loops_cli.training import kinds
+
+    use_case = kinds.of(config).capabilities_use_case
     models = client.capabilities(use_case=use_case)
     names = [m.model_name for m in models]
     match = next((m for m in models if m.model_name == base_model), None)
@@ -153,56 +118,35 @@ def check_base_model(client: Any, loaded: LoadedConfig) -> list[str]:
 
 
 def planned_tokens(config, data: LoadedData) -> tuple[int, int, int]:
-    """(steps, tokens trained, tokens sampled), counted on the real batches of every step.
+    """(steps, tokens trained, tokens sampled), counted by the kind on the real batches of every
+    step (``Kind.estimate``; RL: upper bounds)."""
+    from baseten_loops_cli.training import kinds
 
-    SFT counts are exact: the datums' input tokens of each step's batch, as the loop builds them.
-    RL counts take each step's real prompts and ``sampling.max_tokens`` per completion, so they
-    are upper bounds (completions may stop early; groups without signal are not trained)."""
-    from baseten_loops_cli.training import sft as sft_mod
-    from baseten_loops_cli.training.data import batches_for_step
-
-    if isinstance(config, DPOConfig):  # exact: each step's pairs, chosen + rejected (whole sequences)
-        steps = sft_mod.total_steps(len(data.train), config)
-        train_tokens = sum(
-            len(data.train[i].chosen.tokens) + len(data.train[i].rejected.tokens)
-            for step in range(steps)
-            for i in batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
-        )
-        return steps, train_tokens, 0
-    if isinstance(config, RLConfig):
-        from baseten_loops_cli.training import rl as rl_mod  # here: it imports asyncio (~15 ms)
-
-        steps = rl_mod.total_steps(len(data.train), config)
-        completions = config.groups_per_batch * config.group_size
-        prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in rl_mod.prompts_for_step(data.train, step, config))
-        sample_tokens = steps * completions * config.sampling.max_tokens
-        return steps, prompt_tokens * config.group_size + sample_tokens - steps * completions, sample_tokens
-    steps = sft_mod.total_steps(len(data.train), config)
-    train_tokens = sum(
-        len(data.train[i].tokens) - 1
-        for step in range(steps)
-        for i in batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
-    )
-    return steps, train_tokens, 0
+    estimate = kinds.of(config).estimate(config, data)
+    return estimate.steps, estimate.train_tokens, estimate.sample_tokens
 
 
-def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan:
-    from baseten_loops_cli.training import calibration
+def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan:
+    """The plan of a config on a backend whose ``capabilities`` (settings.connection.Capabilities)
+    say whether this machine trains (calibrated estimates) and whether provisioning is billed."""
+    from baseten_loops_cli.training import calibration, kinds
 
     config = loaded.config
     pricing = config.pricing
-    steps, train_tokens, sample_tokens = planned_tokens(config, data)
-    measured = calibration.lookup(config.kind, config.base_model) if backend_kind == "local" else None
+    estimate = kinds.of(config).estimate(config, data)
+    steps, train_tokens, sample_tokens = estimate.steps, estimate.train_tokens, estimate.sample_tokens
+    measured = calibration.lookup(config.kind, config.base_model) if capabilities.calibrated_plans else None
     if measured is not None:
         # Seconds per planned token, measured on this machine by the last run of this model.
         est = measured.startup_s + (train_tokens + sample_tokens) * measured.s_per_token
     else:
-        train_rate, sample_rate, per_step = _rates(backend_kind, config.base_model)
-        est = _STARTUP_S.get(backend_kind, 0.0) + steps * per_step + train_tokens / train_rate + sample_tokens / sample_rate
-    if isinstance(config, DPOConfig):
-        # The reference scores every sequence once (a prefill each, no backward).
-        scored = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in data.train + (data.eval or []))
-        est += scored * (measured.s_per_token if measured is not None else 1 / _rates(backend_kind, config.base_model)[0]) / 3
+        train_rate, sample_rate, per_step = _rates(capabilities, config.base_model)
+        startup = _LOCAL_STARTUP_S if capabilities.calibrated_plans else 0.0
+        est = startup + steps * per_step + train_tokens / train_rate + sample_tokens / sample_rate
+    if estimate.scored_tokens:
+        # Forward passes only (a prefill each, no backward): a third of a trained token.
+        s_per_token = measured.s_per_token if measured is not None else 1 / _rates(capabilities, config.base_model)[0]
+        est += estimate.scored_tokens * s_per_token / 3
     cost = None
     if any(v is not None for v in (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour)):
         cost = (
@@ -210,21 +154,17 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
             + sample_tokens / 1e6 * (pricing.usd_per_million_sample_tokens or 0.0)
             + est / 3600 * (pricing.usd_per_hour or 0.0)
         )
-    notes = list(data.notes)
-    if backend_kind == "local" and measured is None:
-        notes.append("time estimate not calibrated yet: it is measured on this machine by the first run of this model")
-    if isinstance(config, RLConfig):
-        notes.append("RL token counts are upper bounds (every completion at sampling.max_tokens)")
-    if backend_kind != "local":
+    notes = list(data.notes)  # what the data layer found: formats, rows, mixtures, overlaps
+    if capabilities.calibrated_plans:
+        notes.append(measured.note(config.base_model) if measured is not None else
+                     "time estimate not calibrated yet: it is measured on this machine by the first run of this model")
+    if capabilities.billable:
         notes.append("the time estimate leaves out provisioning (a cold trainer can take minutes)")
         if cost is None:
             notes.append("no cost estimate: set pricing.* in the config to get one")
     if config.max_steps and steps < config.max_steps:
         notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
-    if isinstance(config, DPOConfig):
-        notes.append(
-            f"before step 1 the reference ({config.reference}) scores {2 * (len(data.train) + len(data.eval or []))} sequences (~{scored:,} tokens) once"
-        )
+    notes += estimate.notes
     return Plan(
         kind=config.kind,
         base_model=config.base_model,
@@ -237,4 +177,6 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, backend_kind: str) -> Plan
         est_cost_usd=cost,
         notes=notes,
         data=data,
+        noun=kinds.of(config).noun,
+        title=kinds.of(config).display_name,
     )

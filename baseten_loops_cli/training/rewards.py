@@ -112,10 +112,12 @@ def _load_file_reward(spec: str, base_dir: Path) -> RewardFn:
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:  # the user's code: report it, don't crash
-        raise ConfigError(f"reward file {path} failed to import: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"reward file {path} failed to import: {type(exc).__name__}: {exc}",
+                          hint=f"Fix the error, then check with `python {path}`.") from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
-        raise ConfigError(f"reward file {path} has no function {func_name!r}")
+        raise ConfigError(f"reward file {path} has no function {func_name!r}",
+                          hint="Name a function the file defines: reward: path/to/file.py:function.")
     return fn
 
 

@@ -1,8 +1,8 @@
 """What every training loop shares: the run on the backend, the worker clients, the learning-rate
 schedule, graceful Ctrl-C, and the exactly-once resume point.
 
-The loops (sft.py, rl.py) know nothing about the CLI; they take a ``TrainingSession`` and a
-``Reporter`` and write only through the run directory.
+The loops (training/kinds) know nothing about the CLI; they take a ``TrainingSession`` and a
+``MetricsSink`` and write only through the run directory.
 """
 
 from __future__ import annotations
@@ -12,18 +12,11 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.config import DPOConfig, LoadedConfig, RLConfig, SFTConfig
+from baseten_loops_cli.training.config import CommonConfig, LoadedConfig
 from baseten_loops_cli.training.rundir import RunDir
-
-
-class Reporter(Protocol):
-    def start(self, total_steps: int, start_step: int, main_metric: str) -> None: ...
-    def step(self, record: dict) -> None: ...
-    def message(self, text: str) -> None: ...
-    def close(self) -> None: ...
 
 
 def learning_rate(opt: Any, step: int, total_steps: int) -> float:
@@ -88,10 +81,10 @@ class TrainingSession:
     created_run: bool
     start_step: int = 0
     _sampler: Any = field(default=None, repr=False)
-    _base_sampler: Any = field(default=None, repr=False)
+    _model_samplers: dict = field(default_factory=dict, repr=False)  # base model -> standalone sampler
 
     @property
-    def config(self) -> SFTConfig | RLConfig | DPOConfig:
+    def config(self) -> CommonConfig:
         return self.loaded.config
 
     @property
@@ -111,19 +104,25 @@ class TrainingSession:
 
     def new_base_sampler_client(self) -> Any:
         """A client of a standalone sampler on the frozen base model (for the KL penalty)."""
+        return self.new_model_sampler_client(self.config.base_model)
+
+    def new_model_sampler_client(self, base_model: str) -> Any:
+        """A client of a standalone sampler on ``base_model`` (the frozen base model, or another
+        model a kind scores with, e.g. a distillation teacher): created in the run's session on
+        first use, deactivated by :meth:`close`."""
         from baseten_loops_cli.workers.sampler import SamplerClient
 
-        if self._base_sampler is None:
-            self._base_sampler = self.client.samplers.create(
-                {"session_id": self.run.session_id, "base_model": self.config.base_model}
-            )
-        return SamplerClient(self._base_sampler.base_url, api_key=self.api_key, sampler_id=self._base_sampler.id)
+        sampler = self._model_samplers.get(base_model)
+        if sampler is None:
+            sampler = self.client.samplers.create({"session_id": self.run.session_id, "base_model": base_model})
+            self._model_samplers[base_model] = sampler
+        return SamplerClient(sampler.base_url, api_key=self.api_key, sampler_id=sampler.id)
 
     def close(self, *, deactivate: bool) -> None:
         self.trainer.close()
-        if self._base_sampler is not None:
+        for sampler in self._model_samplers.values():
             try:
-                self.client.samplers.deactivate(self._base_sampler.id)
+                self.client.samplers.deactivate(sampler.id)
             except LoopsError:
                 pass
         if deactivate:
@@ -146,7 +145,7 @@ def run_name(name: str, resumed_from: str | None = None) -> str:
     return name[: 255 - len(suffix)] + suffix
 
 
-def _create_run(client: Any, config: SFTConfig | RLConfig | DPOConfig, resumed_from: str | None = None) -> Any:
+def _create_run(client: Any, config: CommonConfig, resumed_from: str | None = None) -> Any:
     """Create the run in a session of its own. Creating is not idempotent: the client never
     re-sends it blindly but looks for it in this session after a lost answer, and deactivates
     a duplicate (``HttpClient.create``)."""

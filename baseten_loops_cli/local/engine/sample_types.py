@@ -19,6 +19,9 @@ class TokenEvent(NamedTuple):
     top: list[tuple[int, float]]  # the request's top_logprobs most likely (id, logprob)
     finish_reason: str | None  # set on the sample's last token
     stop_token: bool  # the token is the stop token that ended it (no text of its own)
+    # On the sample's last token: its whole text, as the result will have it (cut before a
+    # stop string), so a stream sends the last token's text with that token.
+    text: str | None = None
 
 
 @dataclass

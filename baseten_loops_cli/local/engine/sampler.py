@@ -19,7 +19,8 @@ gives the same tokens (other requests in the batch do not change its random stre
 and their logprobs from that same unmodified distribution (OpenAI's ``top_logprobs``).
 ``on_token`` (streaming) is called on the generating thread after every decoded token with
 a :class:`TokenEvent`, before the next decode step, so a server can send each token while
-the rest of the batch is still being generated.
+the rest of the batch is still being generated; a sample's last event carries its final text.
+``max_tokens=0`` only prefills: the prompt's logprobs (``prompt_logprobs``) and no tokens.
 
 A generation stops at a stop token (the tokenizer's eos / end-of-turn ids plus the
 request's ``stop_token_ids``; the token is kept in ``tokens``), at a stop string (checked on
@@ -216,10 +217,14 @@ class SamplerEngine:
                     self._check_stop(row, req, stops[row.request])
                     if row.finish_reason is None and len(row.tokens) >= req.max_tokens:
                         row.finish_reason = "length"
+                    if row.finish_reason is not None and row.text is None:
+                        row.text = self.tokenizer.decode(_text_tokens(row, stops[row.request]),
+                                                         skip_special_tokens=True)
                     if req.on_token is not None:
                         req.on_token(TokenEvent(
                             row.sample, token, row.logprobs[-1], top, row.finish_reason,
-                            row.finish_reason == "stop" and token in stops[row.request]))
+                            row.finish_reason == "stop" and token in stops[row.request],
+                            row.text))
                 if all(row.finish_reason is not None for row in rows):
                     break
                 attention_mask = torch.cat(

@@ -21,7 +21,7 @@ from baseten_loops_cli.errors import LoopsError
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
-    from baseten_loops_cli.local.server.context import ServerConfig
+    from baseten_loops_cli.local.server.config import ServerConfig
 
     allowed = {f.name for f in dataclasses.fields(ServerConfig)} - {"data_dir", "token",
                                                                    "enable_fault_hooks"}

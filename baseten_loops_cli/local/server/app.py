@@ -6,9 +6,13 @@ Routes (see DEVELOPERS.md, "Local backend URLs"):
 - trainers ``/trainers/<run_id>/*``, samplers ``/samplers/<sampler_id>/*``
 - presigned files ``/files/<checkpoint_pk>/<path>``
 - checkpoint deployments ``/deployments/<id>/v1/*``
-- ``/health`` (no auth), ``/v1/local/status``, ``/v1/local/usage``,
+- ``/health`` (no auth), ``/v1/local/status``, ``/v1/local/usage`` (``local_routes``),
   ``/v1/local/models/pull`` (streamed progress), and with
   ``enable_fault_hooks`` the test-only ``/v1/local/faults``
+
+This module is the composition root: it builds the store and every service on it once,
+hands each the others it needs, and puts the services (not the store) in the
+``ServerContext`` the routes read.
 
 Lifespan: at startup, ops left unfinished by the previous process are failed and active
 runs come back scaled to zero; a janitor task scales idle runs/samplers to zero and
@@ -28,27 +32,25 @@ from typing import Any, AsyncIterator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.server import (
     control_plane,
     deployments,
+    local_routes,
     model_routes,
     sampler_routes,
     trainer_routes,
 )
+from baseten_loops_cli.local.server.account import UserAccount
 from baseten_loops_cli.local.server.auth import TokenAuthMiddleware
+from baseten_loops_cli.local.server.checkpoint_catalog import CheckpointCatalog
 from baseten_loops_cli.local.server.checkpoints import CheckpointFiles
 from baseten_loops_cli.local.server.compute import ComputePool, Engine
-from baseten_loops_cli.local.server.context import (
-    ModelCatalog,
-    ServerConfig,
-    ServerContext,
-    get_ctx,
-)
+from baseten_loops_cli.local.server.config import ServerConfig
+from baseten_loops_cli.local.server.context import ServerContext
+from baseten_loops_cli.local.server.deployment_registry import DeploymentRegistry
 from baseten_loops_cli.local.server.errors import (
     ApiError,
     api_error_handler,
@@ -61,68 +63,14 @@ from baseten_loops_cli.local.server.faults import (
     FaultMiddleware,
     faults_endpoint,
 )
-from baseten_loops_cli.local.server.files import (
-    Presigner,
-    file_response,
-    load_or_create_secret,
-    safe_relative_path,
-)
+from baseten_loops_cli.local.server.files import Presigner, load_or_create_secret
+from baseten_loops_cli.local.server.model_catalog import ModelCatalog
 from baseten_loops_cli.local.server.operations import OperationRegistry
 from baseten_loops_cli.local.server.runs import RunManager
 from baseten_loops_cli.local.server.samplers import SamplerService
+from baseten_loops_cli.local.server.usage import UsageLedger
 
 log = logging.getLogger("loops.server")
-
-
-# ── local-only routes ──
-
-async def health(request: Request) -> Response:
-    ctx = get_ctx(request)
-    return JSONResponse({"status": "ok", "version": ctx.version})
-
-
-async def local_status(request: Request) -> Response:
-    ctx = get_ctx(request)
-    runs = ctx.store.list_runs(status=st.RUN_ACTIVE)
-    return JSONResponse({
-        "version": ctx.version,
-        "started_at": st.iso(ctx.started_at),
-        "uptime_s": round(time.time() - ctx.started_at, 3),
-        "data_dir": str(ctx.config.data_dir),
-        "engine_loaded": ctx.engine.loaded,
-        "models": ctx.pool.status(),
-        "active_runs": len(runs),
-        "runs_in_memory": ctx.runs.loaded_runs(),
-        "sampling": ctx.samplers.stats(),
-        "fault_hooks": ctx.config.enable_fault_hooks,
-    })
-
-
-async def local_usage(request: Request) -> Response:
-    """Per-run (and per standalone sampler / deployment) counters, for `loops usage`."""
-    ctx = get_ctx(request)
-    wanted = request.query_params.get("run_id")
-    rows = [u for u in ctx.store.list_usage() if wanted in (None, u.owner_id)]
-    return JSONResponse({"usage": [
-        {"owner_id": u.owner_id, "owner_kind": u.owner_kind,
-         "tokens_trained": u.tokens_trained, "tokens_sampled": u.tokens_sampled,
-         "compute_seconds": round(u.compute_seconds, 3), "operations": u.operations,
-         "sample_requests": u.sample_requests}
-        for u in rows]})
-
-
-async def presigned_file(request: Request) -> Response:
-    ctx = get_ctx(request)
-    pk = request.path_params["checkpoint_pk"]
-    relative = safe_relative_path(request.path_params["path"])
-    ctx.presigner.verify(pk, relative.as_posix(), request.query_params.get("expires"),
-                         request.query_params.get("sig"))
-    cp = ctx.store.get_checkpoint(pk)
-    if cp is None:
-        raise ApiError(404, f"Checkpoint {pk} no longer exists (deleted or expired).",
-                       "CheckpointNotFound")
-    return file_response(request, ctx.files.absolute(cp.storage_dir), relative,
-                         sha256=cp.manifest.get(relative.as_posix()))
 
 
 # ── background work ──
@@ -136,13 +84,7 @@ async def _janitor(ctx: ServerContext) -> None:
             ctx.runs.sweep(now)
             ctx.samplers.sweep(now)
             ctx.ops.expire(now)
-            for cp in ctx.store.expired_checkpoints(now):
-                ctx.store.delete_checkpoint(cp.pk)
-                ctx.files.remove(cp.storage_dir)
-                run = ctx.store.get_run(cp.run_id)
-                if run is not None:
-                    ctx.store.append_log(run.deployment_id, f"Checkpoint {cp.bt_path} expired "
-                                                            "(TTL) and was deleted.")
+            ctx.checkpoints.expire(now)
         except Exception:  # keep sweeping; a failure here is logged, not fatal
             log.exception("janitor tick failed")
 
@@ -165,12 +107,15 @@ def create_app(
     ops = OperationRegistry(store, result_ttl_s=cfg.op_result_ttl_s,
                             idempotency_window_s=cfg.idempotency_window_s)
     models = ModelCatalog(engine)
+    presigner = Presigner(load_or_create_secret(cfg.data_dir), cfg.link_ttl_s)
     samplers = SamplerService(cfg, store, pool, files, models)
+    runs = RunManager(cfg, store, pool, files, ops, models, samplers)
+    checkpoints = CheckpointCatalog(store, files, presigner)
     ctx = ServerContext(
-        config=cfg, store=store, engine=engine, pool=pool,
-        presigner=Presigner(load_or_create_secret(cfg.data_dir), cfg.link_ttl_s),
-        files=files, ops=ops, models=models, samplers=samplers,
-        runs=RunManager(cfg, store, pool, files, ops, models, samplers))
+        config=cfg, engine=engine, pool=pool, presigner=presigner, files=files, ops=ops,
+        models=models, samplers=samplers, runs=runs, checkpoints=checkpoints,
+        deployments=DeploymentRegistry(store, runs, samplers, checkpoints),
+        account=UserAccount(store), usage=UsageLedger(store))
     faults = FaultInjector()
 
     @contextlib.asynccontextmanager
@@ -192,13 +137,10 @@ def create_app(
                 await janitor
             await ctx.runs.shutdown()
             ctx.pool.stop(timeout=10)
-            ctx.store.close()
+            store.close()
 
     routes = [
-        Route("/health", health, methods=["GET", "HEAD"]),
-        Route("/v1/local/status", local_status, methods=["GET"]),
-        Route("/v1/local/usage", local_usage, methods=["GET"]),
-        Route("/files/{checkpoint_pk}/{path:path}", presigned_file, methods=["GET", "HEAD"]),
+        *local_routes.routes(),
         *control_plane.routes(),
         *trainer_routes.routes(),
         *sampler_routes.routes(),

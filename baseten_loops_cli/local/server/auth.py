@@ -17,7 +17,7 @@ from __future__ import annotations
 import hmac
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from baseten_loops_cli.local.server.errors import ApiError
+from baseten_loops_cli.local.server.errors import ApiError, openai_error
 
 _SCHEMES = ("api-key", "bearer")
 
@@ -72,5 +72,7 @@ class TokenAuthMiddleware:
         else:
             await self.app(scope, receive, send)
             return
+        if scope["path"].startswith("/deployments/"):  # OpenAI clients read this object
+            error.extra["error"] = openai_error(error)
         await error.response()(scope, receive, send)
 

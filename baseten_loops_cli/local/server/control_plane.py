@@ -2,7 +2,9 @@
 ``/v1/teams/{team_id}/loops/*`` twins, ``/v1/teams``, and the model-deployment status
 route the SDK polls for dedicated samplers.
 
-Handlers are thin: parse, call the run/sampler services or the store, render a view.
+Handlers are thin: parse, call a service of the context (``runs``, ``samplers``,
+``checkpoints``, ``deployments``, ``account``, ``models``), render its rows with a view of
+``schemas``. They never touch the store (an import-linter contract, ``.importlinter``).
 Lists are unpaginated envelopes (``{"runs": [...]}``), newest first.
 """
 
@@ -15,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from baseten_loops_cli.local import store as st
-from baseten_loops_cli.local.server.checkpoints import list_files, require_bt_path
 from baseten_loops_cli.local.server.context import ServerContext, get_ctx
-from baseten_loops_cli.local.server.errors import ApiError, bad_request, choices, not_found
+from baseten_loops_cli.local.server.deployment_registry import ModelDeployment, TrainerDeployment
+from baseten_loops_cli.local.server.errors import ApiError, bad_request, not_found
+from baseten_loops_cli.local.server.runs import RunDescription, RunRow
 from baseten_loops_cli.local.server.schemas import (
     LOCAL_TEAM,
     CreateRunRequest,
@@ -28,18 +30,19 @@ from baseten_loops_cli.local.server.schemas import (
     MetricsRequest,
     ValidateCheckpointRequest,
     base_url_of,
+    checkpoint_deployment_view,
     checkpoint_view,
     deactivated_view,
     deployment_view,
     parse_body,
     query_int,
     run_view,
+    sampler_deployment_view,
     sampler_view,
 )
 
 Handler = Callable[[Request], Awaitable[Response]]
 
-USER_CONFIG_KEYS = ("trainer_accelerator_priority", "sampler_accelerator_priority")
 MAX_LOG_WINDOW_MS = 7 * 24 * 3600 * 1000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -53,15 +56,15 @@ def _team(request: Request) -> str | None:
     return team_id
 
 
-def _run(ctx: ServerContext, run_id: str) -> st.RunRow:
-    run = ctx.store.get_run(run_id)
+def _run(ctx: ServerContext, run_id: str) -> RunRow:
+    run = ctx.runs.find(run_id)
     if run is None:
         raise not_found("run", run_id, "List runs with GET /v1/loops/runs.")
     return run
 
 
-def _run_json(ctx: ServerContext, request: Request, run: st.RunRow) -> dict[str, Any]:
-    return run_view(base_url_of(request), run, ctx.store.paired_sampler(run.id, live_only=False))
+def _run_json(request: Request, described: RunDescription) -> dict[str, Any]:
+    return run_view(base_url_of(request), described.run, described.sampler)
 
 
 # ── sessions ──
@@ -70,13 +73,13 @@ async def create_session(request: Request) -> Response:
     ctx = get_ctx(request)
     team = _team(request)
     body = await parse_body(request, CreateSessionRequest, optional=True)
-    session = ctx.store.create_session(team, body.training_project_id)
+    session = ctx.account.create_session(team, body.training_project_id)
     return JSONResponse({"session": {"id": session.id}})
 
 
 async def get_session(request: Request) -> Response:
     ctx = get_ctx(request)
-    session = ctx.store.get_session(request.path_params["session_id"])
+    session = ctx.account.find_session(request.path_params["session_id"])
     if session is None:
         raise not_found("session", request.path_params["session_id"])
     return JSONResponse({"session": {"id": session.id}})
@@ -93,7 +96,7 @@ async def _create_run(request: Request, *, with_sampler: bool) -> Response:
         await ctx.samplers.ensure_paired(
             run.id, CreateSamplerRequest(session_id=req.session_id,
                                          num_replicas=req.sampler_num_replicas), team)
-    return JSONResponse({"run": _run_json(ctx, request, run)})
+    return JSONResponse({"run": _run_json(request, ctx.runs.describe(run))})
 
 
 async def create_run(request: Request) -> Response:
@@ -112,15 +115,16 @@ async def list_runs(request: Request) -> Response:
     scope = request.query_params.get("scope")
     if scope not in (None, "", "org", "user", "mine"):
         raise bad_request(f"scope must be 'org' or omitted, got {scope!r}.", "InvalidQuery")
-    runs = ctx.store.list_runs(run_id=request.query_params.get("run_id") or None,
-                               base_model=request.query_params.get("base_model") or None,
-                               team_id=team)
-    return JSONResponse({"runs": [_run_json(ctx, request, r) for r in runs]})
+    runs = ctx.runs.search(run_id=request.query_params.get("run_id") or None,
+                           base_model=request.query_params.get("base_model") or None,
+                           team_id=team)
+    return JSONResponse({"runs": [_run_json(request, r) for r in runs]})
 
 
 async def get_run(request: Request) -> Response:
     ctx = get_ctx(request)
-    return JSONResponse({"run": _run_json(ctx, request, _run(ctx, request.path_params["run_id"]))})
+    run = _run(ctx, request.path_params["run_id"])
+    return JSONResponse({"run": _run_json(request, ctx.runs.describe(run))})
 
 
 async def deactivate_run(request: Request) -> Response:
@@ -145,7 +149,7 @@ async def list_samplers(request: Request) -> Response:
     team = _team(request)
     base = base_url_of(request)
     return JSONResponse({"samplers": [sampler_view(base, s)
-                                      for s in ctx.store.list_samplers(team)]})
+                                      for s in ctx.samplers.list_for_team(team)]})
 
 
 async def get_sampler(request: Request) -> Response:
@@ -163,14 +167,6 @@ async def deactivate_sampler(request: Request) -> Response:
 
 # ── checkpoints ──
 
-def _checkpoint(ctx: ServerContext, pk: str) -> st.CheckpointRow:
-    cp = ctx.store.get_checkpoint(pk)
-    if cp is None:
-        raise not_found("checkpoint", pk, "Checkpoint ids are the 'id' field of "
-                                          "GET /v1/loops/checkpoints?run_id=<run>.")
-    return cp
-
-
 async def list_checkpoints(request: Request) -> Response:
     ctx = get_ctx(request)
     filters = {k: v for k in ("run_id", "base_model", "checkpoint_path")
@@ -178,135 +174,66 @@ async def list_checkpoints(request: Request) -> Response:
     if len(filters) != 1:
         raise bad_request("Pass exactly one filter: run_id, base_model or checkpoint_path "
                           f"(got {', '.join(filters) or 'none'}).", "InvalidQuery")
-    if "run_id" in filters:
-        rows = ctx.store.list_checkpoints(run_id=filters["run_id"])
-    elif "base_model" in filters:
-        rows = ctx.store.list_checkpoints(base_model=filters["base_model"])
-    else:
-        ref = require_bt_path(filters["checkpoint_path"])
-        cp = ctx.store.find_checkpoint(ref.run_id, ref.target, ref.name)
-        rows = [cp] if cp else []
+    rows = ctx.checkpoints.search(**filters)
     return JSONResponse({"checkpoints": [checkpoint_view(cp) for cp in rows]})
 
 
 async def checkpoint_files(request: Request) -> Response:
     ctx = get_ctx(request)
-    cp = _checkpoint(ctx, request.path_params["checkpoint_id"])
+    cp = ctx.checkpoints.get(request.path_params["checkpoint_id"])
     page_size = query_int(request, "page_size", 1000, minimum=1)
     offset = query_int(request, "page_token", 0, minimum=0)
-    root = ctx.files.absolute(cp.storage_dir)
-    names = list_files(root)
-    page = names[offset:offset + page_size]
-    base = base_url_of(request)
-    now = time.time()
-    entries = []
-    for rel in page:
-        stat = (root / rel).stat()
-        entries.append({
-            "url": ctx.presigner.url(base, cp.pk, rel.as_posix(), now),
-            "relative_file_name": rel.as_posix(),
-            "node_rank": 0,
-            "size_bytes": stat.st_size,
-            "last_modified": st.iso(stat.st_mtime),
-            # Not in the hosted schema (clients ignore unknown fields): lets a downloader
-            # verify what it received, which a byte flipped in transit would fail.
-            "sha256": cp.manifest.get(rel.as_posix()),
-        })
-    next_token = offset + page_size if offset + page_size < len(names) else None
-    return JSONResponse({"presigned_urls": entries, "next_page_token": next_token,
-                         "total_count": len(names)})
+    page = ctx.checkpoints.file_page(cp, base_url_of(request), offset, page_size)
+    return JSONResponse({"presigned_urls": page.entries, "next_page_token": page.next_page_token,
+                         "total_count": page.total_count})
 
 
 async def checkpoint_source(request: Request) -> Response:
     ctx = get_ctx(request)
-    cp = _checkpoint(ctx, request.path_params["checkpoint_id"])
+    cp = ctx.checkpoints.get(request.path_params["checkpoint_id"])
     # "s3" is the protocol's name for "fetch the files through presigned URLs", which
     # is exactly how local files are served; the SDK only knows "s3" and "volume".
     return JSONResponse({"source": {"kind": "s3", "store": "local",
-                                    "path": str(ctx.files.absolute(cp.storage_dir))}})
+                                    "path": str(ctx.checkpoints.folder(cp))}})
 
 
 async def validate_checkpoint(request: Request) -> Response:
     ctx = get_ctx(request)
     req = await parse_body(request, ValidateCheckpointRequest)
-    ref = require_bt_path(req.checkpoint_path)
-    cp = ctx.store.find_checkpoint(ref.run_id, ref.target, ref.name)
-    if cp is None:
-        raise ApiError(404, f"No checkpoint {req.checkpoint_path}. List this run's with "
-                            f"GET /v1/loops/checkpoints?run_id={ref.run_id}.", "CheckpointNotFound")
-    if cp.target != st.TARGET_SAMPLER:
-        raise bad_request(f"{req.checkpoint_path} is trainer state; samplers serve sampler "
-                          "weights (save_weights_for_sampler).", "WrongCheckpointTarget")
-    if req.run_id is not None:
-        run = ctx.store.get_run(req.run_id)
-        if run is None:
-            raise bad_request(f"Unknown run_id {req.run_id!r}.", "RunNotFound")
-        if run.base_model != cp.base_model:
-            raise bad_request(f"{req.checkpoint_path} was trained on {cp.base_model}; run "
-                              f"{run.id} uses {run.base_model}.", "BaseModelMismatch")
+    ctx.checkpoints.check_servable(req.checkpoint_path, req.run_id)
     return JSONResponse({})
 
 
 async def deploy_checkpoints(request: Request) -> Response:
     ctx = get_ctx(request)
     req = await parse_body(request, DeployCheckpointsRequest)
-    cps = [_checkpoint(ctx, pk) for pk in req.checkpoint_ids]
-    trainer_targets = [cp.pk for cp in cps if cp.target != st.TARGET_SAMPLER]
-    if trainer_targets:
-        raise bad_request(f"Only sampler checkpoints can be deployed; {', '.join(trainer_targets)} "
-                          "hold trainer state. Save with save_weights_for_sampler.",
-                          "WrongCheckpointTarget")
-    models = {cp.base_model for cp in cps}
-    if len(models) != 1:
-        raise bad_request(f"All checkpoints of a deployment must share a base model; got "
-                          f"{choices(models)}.", "BaseModelMismatch")
-    names = [cp.name for cp in cps]
-    if len(set(names)) != len(names):
-        raise bad_request("Checkpoint names must be unique within a deployment (requests pick "
-                          "one by name).", "InvalidRequest")
-    dep = ctx.store.create_inference_deployment(
-        name=req.model_name or f"loops-{cps[0].run_id}", base_model=models.pop(),
-        checkpoint_pks=[cp.pk for cp in cps])
-    served = ", ".join(cp.bt_path for cp in cps)
-    ctx.store.append_log(dep.id, f"Deployed {served} on {dep.base_model}. Serve: "
-                                 f"{base_url_of(request)}/deployments/{dep.id}/v1/chat/completions "
-                                 "with model=<checkpoint name>.")
+    dep = ctx.deployments.deploy(req.checkpoint_ids, req.model_name, base_url_of(request))
     return JSONResponse({"model_id": dep.model_id, "deployment_id": dep.id})
 
 
 # ── trainer deployments ──
 
-def _trainer_deployment(ctx: ServerContext, deployment_id: str) -> st.DeploymentRow:
-    dep = ctx.store.get_deployment(deployment_id)
-    if dep is None or dep.kind != "trainer":
-        raise not_found("deployment", deployment_id, "List them with GET /v1/loops/deployments.")
-    return dep
-
-
-def _deployment_json(ctx: ServerContext, request: Request, dep: st.DeploymentRow) -> dict:
-    run = ctx.store.get_run(dep.run_id) if dep.run_id else None
-    sampler = ctx.store.paired_sampler(run.id, live_only=False) if run else None
-    return deployment_view(base_url_of(request), dep, run, sampler)
+def _deployment_json(request: Request, trainer: TrainerDeployment) -> dict:
+    return deployment_view(base_url_of(request), trainer.deployment, trainer.run, trainer.sampler)
 
 
 async def list_deployments(request: Request) -> Response:
     ctx = get_ctx(request)
-    return JSONResponse({"deployments": [_deployment_json(ctx, request, d)
-                                         for d in ctx.store.list_deployments("trainer")]})
+    return JSONResponse({"deployments": [_deployment_json(request, d)
+                                         for d in ctx.deployments.trainers()]})
 
 
 async def get_deployment(request: Request) -> Response:
     ctx = get_ctx(request)
-    dep = _trainer_deployment(ctx, request.path_params["deployment_id"])
-    return JSONResponse({"deployment": _deployment_json(ctx, request, dep)})
+    trainer = ctx.deployments.trainer(request.path_params["deployment_id"])
+    return JSONResponse({"deployment": _deployment_json(request, trainer)})
 
 
 async def deactivate_deployment(request: Request) -> Response:
     ctx = get_ctx(request)
-    dep = _trainer_deployment(ctx, request.path_params["deployment_id"])
-    run = ctx.store.get_run(dep.run_id) if dep.run_id else None
-    if run is not None:
-        await ctx.runs.deactivate(run)
+    trainer = ctx.deployments.trainer(request.path_params["deployment_id"])
+    await ctx.deployments.deactivate_trainer(trainer)
+    dep = trainer.deployment
     return JSONResponse(deactivated_view(dep.id, dep.base_model))
 
 
@@ -339,7 +266,7 @@ def _logs_response(ctx: ServerContext, deployment_id: str, params: dict[str, Any
     if min_level not in LOG_LEVELS:
         raise bad_request(f"min_level must be one of {', '.join(LOG_LEVELS)}.", "InvalidQuery")
     levels = LOG_LEVELS[LOG_LEVELS.index(min_level):]
-    rows = ctx.store.query_logs(deployment_id, start_ns=start_ms * 1_000_000,
+    rows = ctx.deployments.logs(deployment_id, start_ns=start_ms * 1_000_000,
                                 end_ns=end_ms * 1_000_000 + 999_999, levels=levels,
                                 descending=direction == "desc", limit=limit)
     return JSONResponse({"logs": [
@@ -350,13 +277,13 @@ def _logs_response(ctx: ServerContext, deployment_id: str, params: dict[str, Any
 
 async def deployment_logs(request: Request) -> Response:
     ctx = get_ctx(request)
-    dep = _trainer_deployment(ctx, request.path_params["deployment_id"])
-    return _logs_response(ctx, dep.id, dict(request.query_params))
+    trainer = ctx.deployments.trainer(request.path_params["deployment_id"])
+    return _logs_response(ctx, trainer.deployment.id, dict(request.query_params))
 
 
 async def deployment_metrics(request: Request) -> Response:
     ctx = get_ctx(request)
-    dep = _trainer_deployment(ctx, request.path_params["deployment_id"])
+    trainer = ctx.deployments.trainer(request.path_params["deployment_id"])
     req = await parse_body(request, MetricsRequest, optional=True)
     now_ms = int(time.time() * 1000)
     end_ms = req.end_epoch_millis or now_ms
@@ -366,34 +293,14 @@ async def deployment_metrics(request: Request) -> Response:
         raise bad_request("end_epoch_millis must be after start_epoch_millis.", "InvalidRequest")
     if (end_ms - start_ms) / 1000 / step_s > 10_000:
         raise bad_request("Too many points; raise step_seconds.", "InvalidRequest")
-    ops = ctx.store.list_operations(run_id=dep.run_id, since=start_ms / 1000) if dep.run_id else []
-    buckets = range(start_ms // 1000, end_ms // 1000 + 1, step_s)
-    volume, by_status, latency, concurrent = [], [], [], []
-    for bucket in buckets:
-        ts = st.iso(bucket)
-        in_bucket = [o for o in ops if bucket <= o.submitted_at < bucket + step_s]
-        finished = [o for o in in_bucket if o.finished_at and o.started_at]
-        durations = sorted(o.finished_at - o.started_at for o in finished)  # type: ignore[operator]
-        volume.append({"value": len(in_bucket), "timestamp": ts})
-        by_status.append({"timestamp": ts, "value": {
-            "2xx": sum(o.status in (st.OP_DONE, st.OP_EXPIRED) for o in in_bucket),
-            "5xx": sum(o.status == st.OP_ERROR for o in in_bucket)}})
-        latency.append({"timestamp": ts, "value": {
-            "p50": durations[len(durations) // 2] if durations else None,
-            "max": durations[-1] if durations else None}})
-        concurrent.append({"value": sum(1 for o in ops if o.started_at and o.started_at
-                                        < bucket + step_s and (o.finished_at or 1e18) >= bucket),
-                           "timestamp": ts})
-    return JSONResponse({"deployment_id": dep.id, "metrics": {
-        "inference_volume": volume, "concurrent_requests": concurrent,
-        "response_time_stats": latency, "inference_volume_by_status": by_status,
-        "gpu_memory_usage_bytes": {}, "gpu_utilization": {}, "cpu_usage": [],
-        "cpu_memory_usage_bytes": [], "ephemeral_storage": None, "per_node_metrics": []}})
+    return JSONResponse({"deployment_id": trainer.deployment.id,
+                         "metrics": ctx.deployments.request_metrics(trainer, start_ms, end_ms,
+                                                                    step_s)})
 
 
 async def debug_archive_files(request: Request) -> Response:
     ctx = get_ctx(request)
-    _trainer_deployment(ctx, request.path_params["deployment_id"])
+    ctx.deployments.trainer(request.path_params["deployment_id"])
     # Locally the "debug archive" is the server log, which `loops server logs` shows.
     return JSONResponse({"presigned_urls": [], "next_page_token": None})
 
@@ -433,22 +340,10 @@ async def capabilities(request: Request) -> Response:
 async def user_config(request: Request) -> Response:
     ctx = get_ctx(request)
     if request.method == "PATCH":
-        body = await parse_body(request, optional=True)
-        unknown = sorted(set(body) - set(USER_CONFIG_KEYS))
-        if unknown:
-            raise bad_request(f"Unknown user_config field(s): {', '.join(unknown)}. Accepted: "
-                              f"{', '.join(USER_CONFIG_KEYS)}.", "InvalidRequest")
-        for key, value in body.items():
-            if value is None:
-                continue
-            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-                raise bad_request(f"{key} must be a list of accelerator names or null.",
-                                  "InvalidRequest")
-            if not value:
-                raise bad_request(f"{key} must not be empty; pass null to clear it.",
-                                  "InvalidRequest")
-        ctx.store.set_user_config(body)
-    return JSONResponse({"user_config": ctx.store.get_user_config()})
+        config = ctx.account.update_user_config(await parse_body(request, optional=True))
+    else:
+        config = ctx.account.user_config()
+    return JSONResponse({"user_config": config})
 
 
 async def list_teams(request: Request) -> Response:
@@ -457,58 +352,33 @@ async def list_teams(request: Request) -> Response:
 
 # ── /v1/models/{model_id}/deployments/{deployment_id} (dedicated samplers, deploys) ──
 
-def _model_deployment(ctx: ServerContext, request: Request) -> tuple[str, dict[str, Any]]:
-    """(deployment id, DeploymentV1-shaped body) for a sampler or an inference deployment."""
-    model_id = request.path_params["model_id"]
-    deployment_id = request.path_params["deployment_id"]
-    sampler = ctx.store.get_sampler_by_model(model_id, deployment_id)
-    if sampler is not None:
-        return sampler.deployment_id, {
-            "id": sampler.deployment_id, "model_id": sampler.model_id,
-            "name": f"sampler-{sampler.id}", "status": sampler.status,
-            "created_at": st.iso(sampler.created_at), "is_production": False,
-            "is_development": False, "environment": None,
-            "active_replica_count": 0 if sampler.status != st.SAMPLER_ACTIVE else 1,
-            "sampler_id": sampler.id,
-        }
-    dep = ctx.store.get_deployment(deployment_id)
-    if dep is not None and dep.kind == "inference" and dep.model_id == model_id:
-        return dep.id, {
-            "id": dep.id, "model_id": dep.model_id, "name": dep.name, "status": dep.status,
-            "created_at": st.iso(dep.created_at), "is_production": False,
-            "is_development": False, "environment": None,
-            "active_replica_count": 1 if dep.status == st.SAMPLER_ACTIVE else 0,
-            "base_model": dep.base_model,
-            "checkpoints": [checkpoint_view(cp) for pk in dep.checkpoint_pks
-                            if (cp := ctx.store.get_checkpoint(pk))],
-            "base_url": f"{base_url_of(request)}/deployments/{dep.id}",
-        }
-    raise ApiError(404, f"No deployment {deployment_id!r} of model {model_id!r}.",
-                   "DeploymentNotFound")
+def _model_deployment(ctx: ServerContext, request: Request) -> ModelDeployment:
+    return ctx.deployments.model_deployment(request.path_params["model_id"],
+                                            request.path_params["deployment_id"])
 
 
 async def model_deployment(request: Request) -> Response:
-    _, body = _model_deployment(get_ctx(request), request)
-    return JSONResponse(body)
+    ctx = get_ctx(request)
+    found = _model_deployment(ctx, request)
+    if found.sampler is not None:
+        return JSONResponse(sampler_deployment_view(found.sampler))
+    assert found.inference is not None
+    return JSONResponse(checkpoint_deployment_view(base_url_of(request), found.inference,
+                                                   found.checkpoints))
 
 
 async def model_deployment_logs(request: Request) -> Response:
     ctx = get_ctx(request)
-    deployment_id, _ = _model_deployment(ctx, request)
+    found = _model_deployment(ctx, request)
     params: dict[str, Any] = dict(request.query_params)
     if request.method == "POST":
         params.update(await parse_body(request, optional=True))
-    return _logs_response(ctx, deployment_id, params)
+    return _logs_response(ctx, found.deployment_id, params)
 
 
 async def model_deployment_deactivate(request: Request) -> Response:
     ctx = get_ctx(request)
-    deployment_id, body = _model_deployment(ctx, request)
-    if "sampler_id" in body:
-        ctx.samplers.deactivate(ctx.samplers.get(body["sampler_id"]))
-    else:
-        ctx.store.set_deployment_status(deployment_id, st.SAMPLER_INACTIVE, "deactivated")
-        ctx.store.append_log(deployment_id, "Deployment deactivated.")
+    ctx.deployments.deactivate_model_deployment(_model_deployment(ctx, request))
     return JSONResponse({"success": True})
 
 

@@ -24,6 +24,7 @@ readiness wait alike.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Iterable
 
 from starlette.exceptions import HTTPException
@@ -99,6 +100,21 @@ def not_found(kind: str, ident: str, hint: str = "") -> ApiError:
 
 def conflict(detail: str, error_class: str) -> ApiError:
     return ApiError(409, detail, error_class)
+
+
+# OpenAI's ``error.code`` for the error classes whose OpenAI name differs from ours.
+_OPENAI_CODES = {"SequenceTooLong": "context_length_exceeded", "ModelNotFound": "model_not_found",
+                 "InvalidApiKey": "invalid_api_key", "AuthenticationRequired": "missing_api_key"}
+
+
+def openai_error(error: ApiError, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object (``{"message", "type", "param", "code"}``) for ``error``: what
+    OpenAI clients read (the ``openai`` package shows ``message`` and keeps the object as
+    ``exc.body``). Routes serving OpenAI clients add it as ``"error"`` beside ``detail``."""
+    kind = "server_error" if error.status >= 500 else "invalid_request_error"
+    code = _OPENAI_CODES.get(error.error_class) or re.sub(
+        r"(?<=[a-z0-9])(?=[A-Z])", "_", error.error_class).lower()
+    return {"message": error.detail, "type": kind, "param": param, "code": code}
 
 
 def choices(values: Iterable[str]) -> str:

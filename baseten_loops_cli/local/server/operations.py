@@ -33,6 +33,7 @@ import uuid
 from typing import Any
 
 from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.server.errors import ApiError
 
 RESTART_ERROR = (
     "The local loops server restarted while this operation was queued or running, so it "
@@ -49,6 +50,22 @@ def encode_result(result: Any) -> str:
         return json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except ValueError:
         return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PollAnswer:
+    """What ``GET /operations/{id}`` answers: the op finished (``done`` or ``failed``), or
+    is still pending or running after the hold (neither)."""
+
+    row: st.OperationRow
+
+    @property
+    def done(self) -> bool:
+        return self.row.status == st.OP_DONE
+
+    @property
+    def failed(self) -> bool:
+        return self.row.status == st.OP_ERROR
 
 
 class OperationRegistry:
@@ -130,6 +147,20 @@ class OperationRegistry:
                 pass
         finished = self._finished.pop((run_id, op_id), None)
         return finished if finished is not None else self.store.get_operation(run_id, op_id)
+
+    async def poll(self, run_id: str, op_id: str, hold_s: float) -> PollAnswer:
+        """:meth:`wait`, for the long-poll route: 404 for an op never submitted (or purged)
+        and for one whose result expired."""
+        row = await self.wait(run_id, op_id, hold_s)
+        if row is None:
+            raise ApiError(404, f"No operation {op_id!r} on run {run_id}: it was never "
+                                "submitted here, or finished long ago. Resubmit it with the "
+                                "same Idempotency-Key.", "UnknownOperation")
+        if row.status == st.OP_EXPIRED:
+            raise ApiError(404, f"Operation {op_id}'s result expired ({self.result_ttl_s:.0f}s "
+                                "after it finished). Resubmitting with the same Idempotency-Key "
+                                "will not re-run it.", "ResultExpired")
+        return PollAnswer(row)
 
     # ── housekeeping ──
 

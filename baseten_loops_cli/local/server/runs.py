@@ -27,9 +27,10 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.store import RunRow as RunRow  # rows it answers with
 from baseten_loops_cli.local.server import trainer_ops
 from baseten_loops_cli.local.server.checkpoints import (
     CheckpointFiles,
@@ -38,15 +39,14 @@ from baseten_loops_cli.local.server.checkpoints import (
     require_bt_path,
     validate_name,
 )
-from baseten_loops_cli.local.server.compute import ComputePool
-from baseten_loops_cli.local.server.context import ModelCatalog, ServerConfig
+from baseten_loops_cli.local.server.compute import ComputePool, ModelWorker
+from baseten_loops_cli.local.server.config import ServerConfig
+from baseten_loops_cli.local.server.model_catalog import ModelCatalog
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, conflict
 from baseten_loops_cli.local.server.operations import OperationRegistry
+from baseten_loops_cli.local.server.samplers import SamplerService
 from baseten_loops_cli.local.server.schemas import CreateRunRequest
 from baseten_loops_cli.local.server.validation import validate_adam, validate_forward
-
-if TYPE_CHECKING:
-    from baseten_loops_cli.local.server.samplers import SamplerService
 
 log = logging.getLogger("loops.server.runs")
 
@@ -79,6 +79,20 @@ class _Item:
     done: asyncio.Future | None = None
 
 
+@dataclass(frozen=True)
+class RunDescription:
+    """A run as the control plane shows it (``schemas.run_view``): its row and its paired
+    sampler's, live or not (None if it never had one)."""
+
+    run: st.RunRow
+    sampler: st.SamplerRow | None
+
+
+def idle_long_enough(run: st.RunRow, now: float | None = None) -> bool:
+    """Whether ``run`` has had no op or heartbeat for its ``scale_down_delay_seconds``."""
+    return (now or time.time()) - run.last_active_at >= run.scale_down_delay_seconds
+
+
 def run_inactive_error(run: st.RunRow) -> ApiError:
     return conflict(
         f"Run {run.id} is {run.status} (deactivated); it takes no more ops. Its checkpoints "
@@ -87,12 +101,22 @@ def run_inactive_error(run: st.RunRow) -> ApiError:
 
 
 class RunExecutor:
-    def __init__(self, manager: RunManager, run: st.RunRow) -> None:
-        self.manager = manager
+    """One run's queue and its trainer's residency. Built by :meth:`RunManager.executor` with
+    the services it uses, and nothing else of the manager's."""
+
+    def __init__(self, run: st.RunRow, *, store: st.Store, ops: OperationRegistry,
+                 files: CheckpointFiles, worker: ModelWorker, samplers: SamplerService,
+                 snapshot_interval_s: float) -> None:
+        self.store = store
+        self.ops = ops
+        self.files = files
+        self.worker = worker
+        self.engine = worker.engine
+        self.samplers = samplers
+        self.snapshot_interval_s = snapshot_interval_s
         self.run_id = run.id
         self.base_model = run.base_model
         self.deployment_id = run.deployment_id
-        self.worker = manager.pool.worker(run.base_model)
         self.loaded = False
         self.running = asyncio.Event()  # set while the trainer is in memory (RUNNING)
         self.last_snapshot = time.monotonic()
@@ -103,7 +127,7 @@ class RunExecutor:
     # ── state ──
 
     def run(self) -> st.RunRow:
-        run = self.manager.store.get_run(self.run_id)
+        run = self.store.get_run(self.run_id)
         assert run is not None
         return run
 
@@ -112,10 +136,10 @@ class RunExecutor:
         return self._outstanding == 0
 
     def _set_status(self, status: str, reason: str | None = None) -> None:
-        self.manager.store.set_deployment_status(self.deployment_id, status, reason)
+        self.store.set_deployment_status(self.deployment_id, status, reason)
 
     def _log(self, message: str, level: str = "INFO", op_id: str | None = None) -> None:
-        self.manager.store.append_log(self.deployment_id, message, level=level, request_id=op_id)
+        self.store.append_log(self.deployment_id, message, level=level, request_id=op_id)
 
     # ── queue ──
 
@@ -160,9 +184,9 @@ class RunExecutor:
                 if item.done is not None and not item.done.done():
                     item.done.set_result(None)
                 if item.kind == "op":  # ...nor leave a poller waiting forever
-                    row = self.manager.ops.find(self.run_id, item.op_id)
+                    row = self.ops.find(self.run_id, item.op_id)
                     if row is not None and row.status not in st.FINISHED_OP_STATUSES:
-                        self.manager.ops.finish(
+                        self.ops.finish(
                             self.run_id, item.op_id, error=f"Internal error in the local "
                             f"server ({type(exc).__name__}: {exc}); see `loops server logs`.",
                             error_class="InternalServerError")
@@ -175,21 +199,21 @@ class RunExecutor:
         if self.loaded:
             return
         run = self.run()
-        dep = self.manager.store.get_deployment(self.deployment_id)
+        dep = self.store.get_deployment(self.deployment_id)
         assert dep is not None
         if run.status != st.RUN_ACTIVE or dep.status in st.TERMINAL_DEPLOY_STATUSES:
             reason = f": {dep.status_reason}" if dep.status_reason else ""
             raise OpFailed(f"Run {run.id}'s trainer deployment is {dep.status}{reason}. "
                            "Start a new run (from a checkpoint if you have one).",
                            "DeploymentNotRunning")
-        live_dir = self.manager.files.live_state_dir(run.id)
+        live_dir = self.files.live_state_dir(run.id)
         waking = dep.status == st.DEPLOY_SCALED_TO_ZERO
         restore: Path | None = None
         with_optimizer = True
         if live_dir.is_dir():
             restore = live_dir
         elif run.init_path:
-            restore, with_optimizer = self.manager.files.absolute(run.init_path), False
+            restore, with_optimizer = self.files.absolute(run.init_path), False
         self._set_status(st.DEPLOY_DEPLOYING)
         self._log("Waking from scale to zero: restoring the saved state." if waking else
                   f"Deploying trainer: {run.base_model}, LoRA rank {run.lora_rank}"
@@ -218,13 +242,13 @@ class RunExecutor:
             self._log(f"Restored state is at step {step} but the run had reached step "
                       f"{run.policy_version}; the steps in between were lost in an unclean "
                       f"shutdown. Continuing from step {step}.", "WARNING")
-            self.manager.store.update_run(run.id, policy_version=step)
+            self.store.update_run(run.id, policy_version=step)
         self._set_status(st.DEPLOY_RUNNING)
         self.running.set()
         self._log(f"Trainer running at step {step} (ready in {time.monotonic() - started:.1f}s).")
 
     async def _save_live_state(self) -> None:
-        live_dir = self.manager.files.live_state_dir(self.run_id)
+        live_dir = self.files.live_state_dir(self.run_id)
         await self.worker.run(f"snapshot {self.run_id}",
                               lambda: trainer_ops.save_live_state(self.worker, self.run_id,
                                                                   live_dir))
@@ -234,9 +258,9 @@ class RunExecutor:
         # Re-checked here: ops may have arrived between the janitor's check and now.
         run = self.run()
         if (not self.loaded or self._outstanding > 1 or run.status != st.RUN_ACTIVE
-                or run.pending_grad_ops or not self.manager.is_idle_long_enough(run)):
+                or run.pending_grad_ops or not idle_long_enough(run)):
             return
-        live_dir = self.manager.files.live_state_dir(self.run_id)
+        live_dir = self.files.live_state_dir(self.run_id)
         await self.worker.run(f"scale-to-zero {self.run_id}",
                               lambda: trainer_ops.hibernate(self.worker, self.run_id, live_dir))
         self.loaded = False
@@ -248,7 +272,7 @@ class RunExecutor:
     async def _stop(self, hibernate: bool) -> None:
         if not self.loaded:
             return
-        live_dir = self.manager.files.live_state_dir(self.run_id)
+        live_dir = self.files.live_state_dir(self.run_id)
         if hibernate:
             await self.worker.run(f"shutdown {self.run_id}",
                                   lambda: trainer_ops.hibernate(self.worker, self.run_id,
@@ -262,7 +286,7 @@ class RunExecutor:
     # ── ops ──
 
     async def _run_op(self, item: _Item) -> None:
-        ops = self.manager.ops
+        ops = self.ops
         row = ops.find(self.run_id, item.op_id)
         if row is None or row.status != st.OP_PENDING:
             return  # failed meanwhile (run deactivated)
@@ -274,7 +298,7 @@ class RunExecutor:
             if run.status != st.RUN_ACTIVE:
                 raise OpFailed(run_inactive_error(run).detail, "RunInactive")
             if item.op == "optim_step" and run.gradients_lost:
-                self.manager.store.update_run(run.id, gradients_lost=0, pending_grad_ops=0)
+                self.store.update_run(run.id, gradients_lost=0, pending_grad_ops=0)
                 raise OpFailed(
                     "The gradients accumulated by forward_backward before the server "
                     "restarted were lost, so this optim_step would apply nothing. Redo the "
@@ -286,12 +310,12 @@ class RunExecutor:
             job = self._job(run, item)
             outcome = await self.worker.run(
                 f"{item.op} {self.run_id}",
-                lambda: trainer_ops.execute(self.worker, job, self.manager.files))
+                lambda: trainer_ops.execute(self.worker, job, self.files))
         except OpFailed as exc:
             failure = (str(exc), exc.error_class)
         except Exception as exc:
             error_class = getattr(exc, "error_class", None)
-            if self.manager.engine.is_input_error(exc) and error_class:
+            if self.engine.is_input_error(exc) and error_class:
                 message = str(exc)
             else:
                 log.exception("run %s: %s crashed", self.run_id, item.op)
@@ -301,9 +325,9 @@ class RunExecutor:
             failure = (message, error_class)
         elapsed = time.monotonic() - started
         # The op's bookkeeping in one commit: the run's next op waits for it.
-        with self.manager.store.transaction():
-            self.manager.store.add_usage(self.run_id, "run", compute_seconds=elapsed, operations=1)
-            self.manager.store.touch_run(self.run_id)
+        with self.store.transaction():
+            self.store.add_usage(self.run_id, "run", compute_seconds=elapsed, operations=1)
+            self.store.touch_run(self.run_id)
             if failure is not None:
                 message, error_class = failure
                 ops.finish(self.run_id, item.op_id, error=message, error_class=error_class)
@@ -316,7 +340,7 @@ class RunExecutor:
         if (item.op in ("optim_step", "load_state", "load_state_with_optimizer",
                         "init_trainer_server")
                 and time.monotonic() - self.last_snapshot
-                >= self.manager.config.snapshot_interval_s):
+                >= self.snapshot_interval_s):
             await self._save_live_state()
 
     def _job(self, run: st.RunRow, item: _Item) -> trainer_ops.TrainerJob:
@@ -347,7 +371,7 @@ class RunExecutor:
                            "load_state needs trainer state: "
                            f"bt://loops:{ref.run_id}/weights/<name> (saved with save_state).",
                            "WrongCheckpointTarget")
-        cp = self.manager.store.find_checkpoint(ref.run_id, ref.target, ref.name)
+        cp = self.store.find_checkpoint(ref.run_id, ref.target, ref.name)
         if cp is None:
             raise OpFailed(f"No checkpoint {path}. List them with "
                            f"GET /v1/loops/checkpoints?run_id={ref.run_id}.", "CheckpointNotFound")
@@ -358,10 +382,10 @@ class RunExecutor:
             raise OpFailed(f"{path} has LoRA rank {cp.lora_rank}, but this run uses rank "
                            f"{run.lora_rank}. Create the run with lora_rank={cp.lora_rank}.",
                            "LoraRankMismatch")
-        return self.manager.files.absolute(cp.storage_dir)
+        return self.files.absolute(cp.storage_dir)
 
     def _apply(self, run: st.RunRow, item: _Item, outcome: trainer_ops.OpOutcome) -> None:
-        store = self.manager.store
+        store = self.store
         fields: dict[str, Any] = {"policy_version": outcome.step}
         if outcome.lora_rank != run.lora_rank:
             fields["lora_rank"] = outcome.lora_rank
@@ -383,7 +407,7 @@ class RunExecutor:
                 storage_dir=saved.storage_dir, manifest=saved.manifest,
                 expires_at=time.time() + ttl if ttl else None)
             if item.op == "save_weights_for_sampler" and item.params.get("bump_version"):
-                self.manager.samplers.publish(run.id, cp)
+                self.samplers.publish(run.id, cp)
 
 
 def _describe(item: _Item, outcome: trainer_ops.OpOutcome, elapsed: float) -> str:
@@ -423,11 +447,54 @@ class RunManager:
     def executor(self, run: st.RunRow) -> RunExecutor:
         executor = self._executors.get(run.id)
         if executor is None:
-            executor = self._executors[run.id] = RunExecutor(self, run)
+            executor = self._executors[run.id] = RunExecutor(
+                run, store=self.store, ops=self.ops, files=self.files,
+                worker=self.pool.worker(run.base_model), samplers=self.samplers,
+                snapshot_interval_s=self.config.snapshot_interval_s)
         return executor
 
     def loaded_runs(self) -> list[str]:
         return sorted(r for r, e in self._executors.items() if e.loaded)
+
+    # ── queries ──
+
+    def find(self, run_id: str) -> st.RunRow | None:
+        return self.store.get_run(run_id)
+
+    def describe(self, run: st.RunRow) -> RunDescription:
+        return RunDescription(run, self.store.paired_sampler(run.id, live_only=False))
+
+    def search(self, *, run_id: str | None = None, base_model: str | None = None,
+               team_id: str | None = None) -> list[RunDescription]:
+        """Runs (newest first), filtered by id, base model and team when given."""
+        return [self.describe(run) for run in self.store.list_runs(
+            run_id=run_id, base_model=base_model, team_id=team_id)]
+
+    def active_count(self) -> int:
+        return len(self.store.list_runs(status=st.RUN_ACTIVE))
+
+    async def heartbeat(self, run: st.RunRow, hold_s: float) -> str:
+        """``GET <trainer>/health``, which the SDK's heartbeat pings to keep a dedicated
+        trainer warm: mark the run active and answer its trainer deployment's status, holding
+        up to ``hold_s`` for a deploying trainer to come up. RUNNING, or SCALED_TO_ZERO (the
+        next op wakes it), is reachable; otherwise 409 (run deactivated) or 503 (failed to
+        load, or still loading: retry)."""
+        if run.status != st.RUN_ACTIVE:
+            raise run_inactive_error(run)
+        self.store.touch_run(run.id)
+        dep = self.store.get_deployment(run.deployment_id)
+        assert dep is not None
+        if dep.status in (st.DEPLOY_CREATED, st.DEPLOY_DEPLOYING):
+            await self.wait_until_running(run, hold_s)
+            dep = self.store.get_deployment(run.deployment_id)
+            assert dep is not None
+        if dep.status == st.DEPLOY_FAILED:
+            raise ApiError(503, f"Run {run.id}'s trainer failed to load: {dep.status_reason}. "
+                                "Start a new run; see `loops server logs`.", "DeploymentFailed")
+        if dep.status in (st.DEPLOY_CREATED, st.DEPLOY_DEPLOYING):
+            raise ApiError(503, f"Run {run.id}'s trainer is still loading; retry shortly.",
+                           "TrainerStarting", headers={"Retry-After": "1"})
+        return dep.status
 
     # ── startup / shutdown ──
 
@@ -601,9 +668,6 @@ class RunManager:
 
     # ── scale to zero ──
 
-    def is_idle_long_enough(self, run: st.RunRow, now: float | None = None) -> bool:
-        return (now or time.time()) - run.last_active_at >= run.scale_down_delay_seconds
-
     def sweep(self, now: float) -> None:
         """Janitor tick: queue scale-down for runs idle past their delay."""
         for run_id, executor in list(self._executors.items()):
@@ -614,7 +678,7 @@ class RunManager:
                 continue
             if run.pending_grad_ops:
                 continue  # releasing now would silently drop accumulated gradients
-            if self.is_idle_long_enough(run, now):
+            if idle_long_enough(run, now):
                 executor.enqueue_hibernate()
 
     async def wait_until_running(self, run: st.RunRow, timeout_s: float) -> bool:

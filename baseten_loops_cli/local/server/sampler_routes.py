@@ -24,11 +24,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.engine.sample_types import SampleRequest, SampleResult
 from baseten_loops_cli.local.server.compute import ModelSpec
 from baseten_loops_cli.local.server.context import ServerContext, get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, bad_request
+from baseten_loops_cli.local.server.samplers import SamplerRow
 from baseten_loops_cli.local.server.schemas import parse_body
 from baseten_loops_cli.local.server.streaming import sse_response
 from baseten_loops_cli.local.server.validation import check_token_ids
@@ -171,7 +171,7 @@ def completions_body(job: SampleRequest, out: SampleResult, model: str,
     }
 
 
-def _sampler(ctx: ServerContext, request: Request) -> st.SamplerRow:
+def _sampler(ctx: ServerContext, request: Request) -> SamplerRow:
     """The sampler a worker route names. An unknown id is a 404 no retry can change
     (samplers are never deleted), marked as the gateway marks one, or the SDK retries
     ``/sample`` and ``/v1/models`` for an hour (errors.py)."""
@@ -197,9 +197,7 @@ def _header_int(request: Request, name: str) -> int | None:
 async def sample(request: Request) -> Response:
     ctx = get_ctx(request)
     sampler = _sampler(ctx, request)
-    if sampler.status == st.SAMPLER_INACTIVE:
-        raise ApiError(409, f"Sampler {sampler.id} was deactivated; create a new one.",
-                       "SamplerInactive")
+    ctx.samplers.check_serving(sampler)
     body = await parse_body(request)
     spec = await ctx.models.spec(sampler.base_model)
     job = parse_sample_request(body, spec, sampler.max_seq_length or spec.max_seq_len)
@@ -214,9 +212,8 @@ async def sample(request: Request) -> Response:
 
     def record(output: SampleResult) -> dict[str, int]:
         generated = sum(len(s.tokens) for s in output.sequences)
-        owner, kind = (sampler.run_id, "run") if sampler.run_id else (sampler.id, "sampler")
-        ctx.store.add_usage(owner, kind, tokens_sampled=generated, sample_requests=1)
-        ctx.store.update_sampler(sampler.id, last_active_at=time.time())
+        ctx.samplers.record_sample(sampler, generated,
+                                   checkpoint_pk=adapter.checkpoint_pk if adapter else None)
         return {"prompt_tokens": len(job.prompt), "completion_tokens": generated,
                 "total_tokens": len(job.prompt) + generated}
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from baseten_loops_cli.local import store as st
+from baseten_loops_cli.local.store import SamplerRow as SamplerRow  # rows it answers with
 from baseten_loops_cli.local.engine.sample_types import SampleRequest, SampleResult
 from baseten_loops_cli.local.server.checkpoints import (
     CheckpointFiles,
@@ -38,7 +39,8 @@ from baseten_loops_cli.local.server.checkpoints import (
     require_bt_path,
 )
 from baseten_loops_cli.local.server.compute import SAMPLE, ComputePool, ModelWorker
-from baseten_loops_cli.local.server.context import ModelCatalog, ServerConfig
+from baseten_loops_cli.local.server.config import ServerConfig
+from baseten_loops_cli.local.server.model_catalog import ModelCatalog
 from baseten_loops_cli.local.server.errors import ApiError, bad_request, conflict, not_found
 from baseten_loops_cli.local.server.schemas import DEFAULT_SCALE_DOWN_DELAY_S, CreateSamplerRequest
 
@@ -258,11 +260,32 @@ class SamplerService:
         self.log(run.deployment_id, f"Paired sampler {sampler.id} created.")
         return sampler
 
+    def list_for_team(self, team_id: str | None) -> list[st.SamplerRow]:
+        """Samplers (newest first): the team's, or every one when ``team_id`` is None."""
+        return self.store.list_samplers(team_id)
+
     def get(self, sampler_id: str) -> st.SamplerRow:
         sampler = self.store.get_sampler(sampler_id)
         if sampler is None:
             raise not_found("sampler", sampler_id, "List samplers with GET /v1/loops/samplers.")
         return sampler
+
+    @staticmethod
+    def check_serving(sampler: st.SamplerRow) -> None:
+        """409 for a deactivated sampler (a scaled-to-zero one serves: the request wakes it)."""
+        if sampler.status == st.SAMPLER_INACTIVE:
+            raise ApiError(409, f"Sampler {sampler.id} was deactivated; create a new one.",
+                           "SamplerInactive")
+
+    def record_sample(self, sampler: st.SamplerRow, tokens_sampled: int, *,
+                      checkpoint_pk: str | None = None) -> None:
+        """A ``/sample`` request finished: count it (for the run, if the sampler is a run's
+        paired sampler; also for the run whose checkpoint ``checkpoint_pk`` served it) and
+        keep the sampler awake."""
+        owner, kind = (sampler.run_id, "run") if sampler.run_id else (sampler.id, "sampler")
+        self.store.add_usage(owner, kind, tokens_sampled=tokens_sampled, sample_requests=1,
+                             checkpoint_pk=checkpoint_pk)
+        self.store.update_sampler(sampler.id, last_active_at=time.time())
 
     def deactivate(self, sampler: st.SamplerRow) -> None:
         if sampler.status == st.SAMPLER_INACTIVE:

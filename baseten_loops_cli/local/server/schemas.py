@@ -12,7 +12,7 @@ the client used to reach us, so ``localhost`` vs ``127.0.0.1`` both round-trip.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Iterable, Literal, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -273,6 +273,38 @@ def checkpoint_view(cp: st.CheckpointRow) -> dict[str, Any]:
         "policy_version": cp.policy_version,
         "path": cp.bt_path,
     }
+
+
+def sampler_deployment_view(sampler: st.SamplerRow) -> dict[str, Any]:
+    """A dedicated sampler as ``/v1/models/{model_id}/deployments/{id}`` (DeploymentV1)."""
+    return {
+        "id": sampler.deployment_id, "model_id": sampler.model_id,
+        "name": f"sampler-{sampler.id}", "status": sampler.status,
+        "created_at": st.iso(sampler.created_at), "is_production": False,
+        "is_development": False, "environment": None,
+        "active_replica_count": 0 if sampler.status != st.SAMPLER_ACTIVE else 1,
+        "sampler_id": sampler.id,
+    }
+
+
+def checkpoint_deployment_view(base_url: str, dep: st.DeploymentRow,
+                               checkpoints: Iterable[st.CheckpointRow]) -> dict[str, Any]:
+    """A checkpoint deployment as ``/v1/models/{model_id}/deployments/{id}`` (DeploymentV1,
+    plus what it serves and where)."""
+    return {
+        "id": dep.id, "model_id": dep.model_id, "name": dep.name, "status": dep.status,
+        "created_at": st.iso(dep.created_at), "is_production": False,
+        "is_development": False, "environment": None,
+        "active_replica_count": 1 if dep.status == st.SAMPLER_ACTIVE else 0,
+        "base_model": dep.base_model,
+        "checkpoints": [checkpoint_view(cp) for cp in checkpoints],
+        "base_url": f"{base_url}/deployments/{dep.id}",
+    }
+
+
+def iso(ts: float | None) -> str | None:
+    """A time as every ``created_at`` on the wire (``store.iso``), for views without a row."""
+    return st.iso(ts)
 
 
 def deactivated_view(ident: str, base_model: str) -> dict[str, Any]:

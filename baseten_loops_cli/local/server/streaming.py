@@ -5,14 +5,16 @@ The route builds each chunk (its own JSON shape); this module drives the stream:
 token is awaited *before* the response starts (so bad input is still an HTTP error, not a
 broken stream), each token event becomes at most one chunk as soon as the sampler hands it
 over, text is released only once final (:class:`Detokenizer`), and the final result closes
-every choice (its remaining text and ``finish_reason``), then the usage chunk, then
-``[DONE]``.
+every choice (its ``finish_reason``; a sample's last token event already carried the rest of
+its text), then the usage chunk, then ``[DONE]``. A batch of prompts (:func:`sse_batch_response`)
+streams as one response, its choices numbered as OpenAI numbers them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 
@@ -54,11 +56,57 @@ class Detokenizer:
         return delta
 
 
+async def _events(samplers: SamplerService, base_model: str, jobs: list[SampleRequest]
+                  ) -> AsyncIterator[tuple[int, Any]]:
+    """``(job index, item)`` for every item of every job's stream (``SamplerService.stream``),
+    as they come; the jobs are submitted together, so the batcher decodes them as one batch."""
+    if len(jobs) == 1:
+        async for item in samplers.stream(base_model, jobs[0]):
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, job: SampleRequest) -> None:
+        try:
+            async for item in samplers.stream(base_model, job):
+                queue.put_nowait((index, item))
+        except Exception as exc:  # raised to the reader below
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        finished = 0
+        while finished < len(jobs):
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            finished += isinstance(item, SampleResult)
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def sse_response(samplers: SamplerService, base_model: str, job: SampleRequest,
                        tokenizer: Any, chunk: ChunkBuilder, *, include_usage: bool,
                        on_done: Callable[[SampleResult], dict]) -> StreamingResponse:
     """Stream ``job``; ``on_done(output)`` records the usage and returns the usage dict."""
-    events = samplers.stream(base_model, job)
+    return await sse_batch_response(samplers, base_model, [job], tokenizer, chunk,
+                                    include_usage=include_usage,
+                                    on_done=lambda outputs: on_done(outputs[0]))
+
+
+async def sse_batch_response(samplers: SamplerService, base_model: str,
+                             jobs: list[SampleRequest], tokenizer: Any, chunk: ChunkBuilder, *,
+                             include_usage: bool,
+                             on_done: Callable[[list[SampleResult]], dict]
+                             ) -> StreamingResponse:
+    """Stream ``jobs`` (a batch of prompts) as one response. Their choices are numbered as
+    OpenAI numbers a batch's: job k's sample j is choice ``sum(n of jobs before k) + j``.
+    ``on_done(outputs)`` (in job order) records the usage and returns the usage dict."""
+    offsets = [sum(job.n for job in jobs[:k]) for k in range(len(jobs))]
+    total = sum(job.n for job in jobs)
+    events = _events(samplers, base_model, jobs)
     first = await events.__anext__()
 
     def frame(obj: dict | None) -> str:
@@ -69,21 +117,30 @@ async def sse_response(samplers: SamplerService, base_model: str, job: SampleReq
         return f"data: {json.dumps(obj)}\n\n"
 
     async def sse():
-        texts = [Detokenizer(tokenizer, job.stop) for _ in range(job.n)]
-        for index in range(job.n):
+        texts = [Detokenizer(tokenizer, job.stop) for job in jobs for _ in range(job.n)]
+        for index in range(total):
             if started := frame(chunk(index, "start", None)):
                 yield started
-        item = first
-        while not isinstance(item, SampleResult):
-            # A sample's last token: its text comes from the final result (a stop string
-            # cuts it there).
-            delta = "" if item.finish_reason is not None else texts[item.sample].push(item.token)
-            if sent := frame(chunk(item.sample, "token", (delta, item))):
-                yield sent
-            item = await events.__anext__()
-        usage = on_done(item)
-        for index, seq in enumerate(item.sequences):
-            yield frame(chunk(index, "finish", (texts[index].finish(seq.text), seq.finish_reason)))
+        outputs: list[SampleResult | None] = [None] * len(jobs)
+        item: tuple[int, Any] | None = first
+        while item is not None:
+            k, event = item
+            if isinstance(event, SampleResult):
+                outputs[k] = event
+                for j, seq in enumerate(event.sequences):
+                    index = offsets[k] + j
+                    yield frame(chunk(index, "finish", (texts[index].finish(seq.text),
+                                                        seq.finish_reason)))
+            else:
+                index = offsets[k] + event.sample
+                # A sample's last token brings the rest of its text (a stop string cuts
+                # it there), so the token's logprobs travel with its text.
+                delta = (texts[index].finish(event.text) if event.text is not None
+                         else texts[index].push(event.token))
+                if sent := frame(chunk(index, "token", (delta, event))):
+                    yield sent
+            item = await anext(events, None)
+        usage = on_done(outputs)  # type: ignore[arg-type]
         if include_usage:
             yield frame(chunk(None, "usage", usage))
         yield "data: [DONE]\n\n"

@@ -17,18 +17,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from baseten_loops_cli.local import store as st
 from baseten_loops_cli.local.server.context import ServerContext, get_ctx
 from baseten_loops_cli.local.server.errors import ApiError, not_found
+from baseten_loops_cli.local.server.runs import TRAINER_OPS, RunRow
 from baseten_loops_cli.local.server.schemas import parse_body
-from baseten_loops_cli.local.server.runs import TRAINER_OPS, run_inactive_error
 
 OPERATION_SCHEMA_VERSION = 1
 
 
-def _run(ctx: ServerContext, request: Request) -> st.RunRow:
+def _run(ctx: ServerContext, request: Request) -> RunRow:
     run_id = request.path_params["run_id"]
-    run = ctx.store.get_run(run_id)
+    run = ctx.runs.find(run_id)
     if run is None:
         # Runs are never deleted, so no retry can find it: say so the way the gateway
         # does, or the SDK retries this 404 for an hour (errors.py).
@@ -46,25 +45,11 @@ async def health(request: Request) -> Response:
     if wanted and wanted != run.base_model:
         raise ApiError(404, f"This trainer serves {run.base_model}, not {wanted}.",
                        "BaseModelMismatch", gateway_code="base_model_mismatch")
-    if run.status != st.RUN_ACTIVE:
-        raise run_inactive_error(run)
     # The SDK's heartbeat pings /health to keep a dedicated trainer warm.
-    ctx.store.touch_run(run.id)
-    dep = ctx.store.get_deployment(run.deployment_id)
-    assert dep is not None
-    if dep.status in (st.DEPLOY_CREATED, st.DEPLOY_DEPLOYING):
-        await ctx.runs.wait_until_running(run, ctx.config.health_hold_s)
-        dep = ctx.store.get_deployment(run.deployment_id)
-        assert dep is not None
-    if dep.status == st.DEPLOY_FAILED:
-        raise ApiError(503, f"Run {run.id}'s trainer failed to load: {dep.status_reason}. "
-                            "Start a new run; see `loops server logs`.", "DeploymentFailed")
-    if dep.status in (st.DEPLOY_CREATED, st.DEPLOY_DEPLOYING):
-        raise ApiError(503, f"Run {run.id}'s trainer is still loading; retry shortly.",
-                       "TrainerStarting", headers={"Retry-After": "1"})
-    # RUNNING, or SCALED_TO_ZERO: reachable, and the next op wakes it.
+    deployment_status = await ctx.runs.heartbeat(run, ctx.config.health_hold_s)
     return JSONResponse({"status": "ok", "run_id": run.id, "base_model": run.base_model,
-                         "deployment_status": dep.status, "policy_version": run.policy_version})
+                         "deployment_status": deployment_status,
+                         "policy_version": run.policy_version})
 
 
 async def policy_version(request: Request) -> Response:
@@ -92,22 +77,14 @@ async def poll(request: Request) -> Response:
     ctx = get_ctx(request)
     run = _run(ctx, request)
     op_id = request.path_params["operation_id"]
-    row = await ctx.ops.wait(run.id, op_id, ctx.config.op_poll_hold_s)
-    if row is None:
-        raise ApiError(404, f"No operation {op_id!r} on run {run.id}: it was never submitted "
-                            "here, or finished long ago. Resubmit it with the same "
-                            "Idempotency-Key.", "UnknownOperation")
-    if row.status == st.OP_EXPIRED:
-        ttl = ctx.config.op_result_ttl_s
-        raise ApiError(404, f"Operation {op_id}'s result expired ({ttl:.0f}s after it "
-                            "finished). Resubmitting with the same Idempotency-Key will not "
-                            "re-run it.", "ResultExpired")
-    if row.status == st.OP_DONE:
+    answer = await ctx.ops.poll(run.id, op_id, ctx.config.op_poll_hold_s)
+    row = answer.row
+    if answer.done:
         # The result's JSON text as stored when the op finished: spliced in, not decoded and
         # encoded again (a forward's logprobs can be megabytes, on the event loop).
         body = f'{{"status":"done","result":{row.result_json or "null"},"operation_id":{json.dumps(row.id)}}}'
         return Response(body.encode("utf-8"), media_type="application/json")
-    if row.status == st.OP_ERROR:
+    if answer.failed:
         return JSONResponse({"status": "error", "error": row.error,
                              "error_class": row.error_class, "operation_id": row.id})
     return JSONResponse(

@@ -21,4 +21,4 @@ Nothing downstream knows which format a row came from.
 """
 
 from baseten_loops_cli.training.formats.dataset import read_rows  # noqa: F401
-from baseten_loops_cli.training.formats.dataset import DataSpec, data_specs, eval_source  # noqa: F401
+from baseten_loops_cli.training.formats.dataset import DataSpec, data_notes, data_specs, eval_source  # noqa: F401

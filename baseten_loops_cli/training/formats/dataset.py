@@ -210,34 +210,45 @@ def _sources_of(loaded: Any, key: tuple, value: Any, options: Any) -> list[Sourc
     return sources
 
 
-def data_specs(loaded: Any) -> tuple[DataSpec, DataSpec | None]:
-    """The training and eval data of a loaded config (``data.train``/``data.eval``, or RL's
-    ``data.prompts``/``data.eval_prompts``)."""
+def data_specs(loaded: Any, train_key: tuple[str, str] = ("data", "train"),
+               eval_key: tuple[str, str] | None = ("data", "eval")) -> tuple[DataSpec, DataSpec | None]:
+    """The training and eval data of a loaded config, at the keys its kind names
+    (``kinds.data_specs`` passes them: ``data.train``/``data.eval``, RL's ``data.prompts``/
+    ``data.eval_prompts``). Format options (``format``, ``columns``) come from the training
+    key's section."""
     config = loaded.config
-    data = config.data
-    train_key, eval_key = ("prompts", "eval_prompts") if hasattr(data, "prompts") else ("train", "eval")
-    train = DataSpec(f"data.{train_key}", _sources_of(loaded, ("data", train_key), getattr(data, train_key), data), config.seed)
-    value = getattr(data, eval_key)
+    section = getattr(config, train_key[0])
+    train_label = ".".join(train_key)
+    train = DataSpec(train_label, _sources_of(loaded, train_key, getattr(section, train_key[1]), section), config.seed)
+    eval_section = getattr(config, eval_key[0], None) if eval_key else None
+    value = getattr(eval_section, eval_key[1], None) if eval_section is not None else None
     if value is None:
         return train, None
+    eval_label = ".".join(eval_key)
     if hasattr(value, "from_train"):
-        where = loaded.where("data", eval_key, "from_train")
+        where = loaded.where(*eval_key, "from_train")
         train.holdout = (value.from_train, "train", where)
-        evals = DataSpec(f"data.{eval_key}", train.sources, config.seed, holdout=(value.from_train, "eval", where))
+        evals = DataSpec(eval_label, train.sources, config.seed, holdout=(value.from_train, "eval", where))
     else:
-        evals = DataSpec(f"data.{eval_key}", _sources_of(loaded, ("data", eval_key), value, data), config.seed)
+        evals = DataSpec(eval_label, _sources_of(loaded, eval_key, value, eval_section), config.seed)
     evals.compare_with = train
     return train, evals
 
 
-def eval_source(loaded: Any, value: Any) -> Any:
+def data_notes(*specs: DataSpec | None) -> list[str]:
+    """What reading the specs found (formats, rows kept, mixtures, rows in both splits): the plan's notes."""
+    return [line for spec in specs if spec is not None for line in spec.reports]
+
+
+def eval_source(loaded: Any, value: Any, train_key: tuple[str, str] = ("data", "train"),
+                eval_key: tuple[str, str] | None = ("data", "eval")) -> Any:
     """What to score for an eval (``eval.data`` or the config's eval data): a path as before,
-    else the eval DataSpec (a mixture or a hold-out of the training rows)."""
+    else the eval DataSpec (a hub dataset, a mixture or a hold-out of the training rows)."""
     if isinstance(value, str) and not value.startswith(HUB_PREFIX):
         return loaded.resolve_path(value)
     if isinstance(value, str):
         return plain_spec(value)
-    return data_specs(loaded)[1]
+    return data_specs(loaded, train_key, eval_key)[1]
 
 
 def fingerprint(data: Any) -> str:

@@ -1,5 +1,11 @@
 """How a training run shows itself: a Rich live view on a TTY, one plain line per step off a
-TTY, JSON Lines on stdout with ``-o jsonl``. All human output goes to stderr."""
+TTY, JSON Lines on stdout with ``-o jsonl``. All human output goes to stderr.
+
+:meth:`Output.training_view` picks one (the sink owns every terminal decision); the training
+service drives it through ``training.metrics.MetricsSink`` (``start``, ``step``, ``message``,
+``close``). What a step line shows besides the common columns is the kind's: ``fields`` are its
+``training.kinds.StepField`` entries (key, label, spec, of, optional), read by attribute.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import json
 import math
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Sequence, TextIO
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -57,30 +63,37 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return format(value, spec)
 
 
-def step_line(record: dict, total: int, main_metric: str) -> str:
+def table_text(rows: list[dict], columns: list[tuple[str, Any]]) -> str:
+    """A table as plain text, as the sink prints one off a terminal (a run directory's eval.txt)."""
+    import io
+
+    from baseten_loops_cli.output.sink import Output, Streams
+
+    buffer = io.StringIO()
+    out = Output("table", streams=Streams(stdout=buffer, stderr=io.StringIO(), stdin_tty=False, stdout_tty=False, stderr_tty=False))
+    out.emit(rows, rows=rows, columns=columns)
+    return buffer.getvalue()
+
+
+def _field_text(record: dict, field: Any) -> str | None:
+    if field.optional and field.key not in record:
+        return None
+    if field.of is not None:  # "groups 2/4"
+        return f"{field.label} {record.get(field.key, 0)}/{record.get(field.of, 0)}"
+    return f"{field.label} {_fmt(record.get(field.key), field.spec)}"
+
+
+def step_line(record: dict, total: int, fields: Sequence[Any]) -> str:
+    """``step 3/10``, the kind's ``fields``, then learning rate, tokens/s and policy version."""
     parts = [f"step {record['step']}/{total}"]
-    if main_metric == "reward":
-        parts.append(f"reward {_fmt(record.get('reward'), '.3f')}")
-        parts.append(f"pass {_fmt(record.get('pass_rate'), '.0%')}")
-        parts.append(f"groups {record.get('groups_trained', 0)}/{record.get('groups', 0)}")
-    else:
-        parts.append(f"loss {_fmt(record.get('loss'))}")
-    if "preference_accuracy" in record:  # DPO
-        parts.append(f"pref_acc {_fmt(record['preference_accuracy'], '.0%')}")
-        parts.append(f"margin {_fmt(record.get('reward_margin'), '.3f')}")
-    if "eval_loss" in record:
-        parts.append(f"eval_loss {_fmt(record['eval_loss'])}")
-    if "eval_preference_accuracy" in record:
-        parts.append(f"eval_pref_acc {_fmt(record['eval_preference_accuracy'], '.0%')}")
-    if "eval_reward_mean" in record:
-        parts.append(f"eval_reward {_fmt(record['eval_reward_mean'], '.3f')}")
+    parts += [text for text in (_field_text(record, f) for f in fields) if text is not None]
     parts.append(f"lr {_fmt(record.get('learning_rate'), '.2e')}")
     parts.append(f"tok/s {_fmt(record.get('tokens_per_s'), '.0f')}")
     parts.append(f"v{record.get('policy_version', '-')}")
     return "  ".join(parts)
 
 
-class PlainReporter:
+class PlainTrainingView:
     """One line per step on stderr; with ``jsonl`` also each record on stdout."""
 
     def __init__(self, *, jsonl: bool = False, quiet: bool = False, out: TextIO | None = None, err: TextIO | None = None):
@@ -89,18 +102,18 @@ class PlainReporter:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.total = 0
-        self.main_metric = "loss"
+        self.fields: Sequence[Any] = ()
 
-    def start(self, total_steps: int, start_step: int, main_metric: str) -> None:
+    def start(self, total_steps: int, start_step: int, main_metric: str, fields: Sequence[Any]) -> None:
         self.total = total_steps
-        self.main_metric = main_metric
+        self.fields = fields
 
     def step(self, record: dict) -> None:
         if self.jsonl:
             self.out.write(json.dumps(record, separators=(",", ":")) + "\n")
             self.out.flush()
         if not self.quiet:
-            print(step_line(record, self.total, self.main_metric), file=self.err, flush=True)
+            print(step_line(record, self.total, self.fields), file=self.err, flush=True)
 
     def message(self, text: str) -> None:
         if not self.quiet:
@@ -109,8 +122,10 @@ class PlainReporter:
     def close(self) -> None:
         pass
 
+    table_text = staticmethod(table_text)
 
-class LiveReporter:
+
+class LiveTrainingView:
     """A Rich live view: progress bar with ETA, the main metric, LR, tokens/s, policy version,
     and a sparkline of the main metric."""
 
@@ -119,17 +134,19 @@ class LiveReporter:
         self.history: list[float] = []
         self.total = 0
         self.main_metric = "loss"
+        self.fields: Sequence[Any] = ()
         self.last: dict = {}
         self._live = None
         self._progress = None
         self._task = None
 
-    def start(self, total_steps: int, start_step: int, main_metric: str) -> None:
+    def start(self, total_steps: int, start_step: int, main_metric: str, fields: Sequence[Any]) -> None:
         from rich.live import Live
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.total = total_steps
         self.main_metric = main_metric
+        self.fields = fields
         self.eta = EtaEstimator(total_steps, start_step)
         self._progress = Progress(
             TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
@@ -145,7 +162,7 @@ class LiveReporter:
 
         record = self.last
         if record:
-            line = step_line(record, self.total, self.main_metric)
+            line = step_line(record, self.total, self.fields)
         else:
             line = "waiting for the first step..."
         spark = sparkline(self.history)
@@ -168,3 +185,5 @@ class LiveReporter:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+    table_text = staticmethod(table_text)

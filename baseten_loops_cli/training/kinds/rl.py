@@ -1,4 +1,4 @@
-"""The reinforcement-learning loop (GRPO-style group advantages).
+"""Reinforcement learning (``kind: rl``): prompts, a reward, GRPO-style group advantages.
 
 Per step: publish the current weights to the sampler, sample ``group_size`` completions for each
 of ``groups_per_batch`` prompts with every request in flight, score them, set
@@ -19,13 +19,93 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field, field_validator
+
+from baseten_loops_cli.errors import ConfigError
+from baseten_loops_cli.training.config import CommonConfig, LossConfig, RewardConfig, SamplingConfig, Section
 from baseten_loops_cli.training.data import Prompt, rl_datum
+from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.rewards import completion_text, score
 from baseten_loops_cli.training.session import (
     StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped,
 )  # fmt: skip
+from baseten_loops_cli.training.templates import COMMON
+
+# Builtin rewards that compare against the row's "answer": a row without one fails at load time.
+ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
+
+
+class RLData(Section, FormatOptions):
+    prompts: Sources
+    eval_prompts: EvalSources | None = None
+    shuffle: bool = True
+
+
+class RLConfig(CommonConfig):
+    SECTIONS = CommonConfig.SECTIONS + ("loss", "sampling")
+    kind: Literal["rl"]
+    data: RLData
+    reward: RewardConfig
+    group_size: int = Field(4, ge=2)
+    groups_per_batch: int = Field(8, ge=1)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    kl_penalty_coef: float = Field(0.0, ge=0, description="KL penalty against the base model (0 = off).")
+    max_steps_off_policy: int = Field(0, ge=0, description="0 = synchronous; N >= 1 = async with that staleness bound.")
+    pass_threshold: float = Field(1.0, description="A rollout passes when its reward is at least this.")
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_shorthand(cls, value: Any) -> Any:
+        return {"fn": value} if isinstance(value, str) else value
+
+
+def load_data(loaded, tokenizer: Any) -> LoadedData:
+    from baseten_loops_cli.training import kinds
+    from baseten_loops_cli.training.data import load_prompts
+    from baseten_loops_cli.training.formats import data_notes
+    from baseten_loops_cli.training.rewards import build_reward
+
+    config = loaded.config
+    train_spec, eval_spec = kinds.data_specs(loaded)  # any format and source, read by the data layer
+    kwargs = {"max_seq_len": config.max_seq_len, "max_tokens": config.sampling.max_tokens}
+    train = load_prompts(train_spec, tokenizer, **kwargs)
+    evals = load_prompts(eval_spec, tokenizer, **kwargs) if eval_spec else None
+    reward = build_reward(config.reward, loaded.base_dir)
+    if config.reward.fn in ANSWER_REWARDS:
+        # Catch a missing answer now, not after capacity is provisioned.
+        for prompt in train + (evals or []):
+            if "answer" not in prompt.row:
+                raise ConfigError(
+                    f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row",
+                    hint='Add "answer" to every row ({"prompt": ..., "answer": ...}) or use a reward file.',
+                )
+    return LoadedData(tokenizer, train, evals, reward, data_notes(train_spec, eval_spec))
+
+
+def estimate(config, data: LoadedData) -> Estimate:
+    """Each step's real prompts and ``sampling.max_tokens`` per completion: upper bounds
+    (completions may stop early; groups without signal are not trained)."""
+    steps = total_steps(len(data.train), config)
+    completions = config.groups_per_batch * config.group_size
+    prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in prompts_for_step(data.train, step, config))
+    sample_tokens = steps * completions * config.sampling.max_tokens
+    return Estimate(steps, prompt_tokens * config.group_size + sample_tokens - steps * completions, sample_tokens,
+                    notes=["RL token counts are upper bounds (every completion at sampling.max_tokens)"])
+
+
+def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> Any:
+    """Prompt rows: ``samples`` completions each (default: group_size), scored by the reward."""
+    from baseten_loops_cli.training.evaluation import RLTask
+
+    config = loaded.config
+    return RLTask(
+        data, config.reward, loaded.base_dir, config.sampling, samples or config.group_size, k,
+        config.pass_threshold, config.seed if seed is None else seed, config.max_seq_len, limit,
+    )  # fmt: skip
 
 
 @dataclass
@@ -313,3 +393,64 @@ def run_rl(
 
         evaluate_final(session, record, sink)
     return "completed"
+
+
+def _run(session: TrainingSession, data: LoadedData, sink, stop: StopRequested) -> str:
+    return run_rl(session, data.train, data.eval, data.tokenizer, data.reward, sink, stop)
+
+
+TEMPLATE = """\
+# loops RL config (GRPO-style group advantages). Check it with `loops train validate FILE`.
+kind: rl
+""" + COMMON + """
+batch_size: 8                   # unused by RL; groups_per_batch sets the batch
+group_size: 4                   # completions sampled per prompt
+groups_per_batch: 8             # prompts per step
+
+data:
+  prompts: data/prompts.jsonl   # JSONL: {{"prompt": "...", "answer": "..."}} (or "messages")
+  # eval_prompts: data/eval_prompts.jsonl
+
+reward: exact_match             # exact_match | numeric_match | contains | starts_with | regex | path/to/file.py:function
+# reward:
+#   fn: regex
+#   pattern: "^ANSWER: \\\\d+$"
+
+loss:
+  name: importance_sampling     # importance_sampling | ppo | cispo | dro
+  # config: {{clip_low_threshold: 0.8, clip_high_threshold: 1.2}}
+
+sampling:
+  max_tokens: 32
+  temperature: 1.0
+
+max_steps_off_policy: 0         # 0 = synchronous; N >= 1 = sample the next batch while training this one
+# kl_penalty_coef: 0.0          # per-token KL penalty against the base model
+# eval:                         # optional: when training ends, score the final checkpoint as `loops eval` does
+#   base: true                  # also score the base model (eval.json + eval.txt in the run directory)
+#   # data: data/eval.jsonl     # default: data.eval (SFT) or data.eval_prompts (RL)
+"""
+
+KIND = Kind(
+    name="rl",
+    config_model=RLConfig,
+    noun="prompts",
+    main_metric="reward",
+    metric_names=("reward", "pass_rate", "groups_trained", "groups", "loss", "sampled_tokens", "sample_time_s",
+                  "sampled_with_version", "staleness", "kl_policy_base", "eval_reward_mean", "eval_pass_rate"),
+    step_fields=(
+        StepField("reward", "reward", ".3f"), StepField("pass_rate", "pass", ".0%"),
+        StepField("groups_trained", "groups", of="groups"),
+        StepField("eval_reward_mean", "eval_reward", ".3f", optional=True),
+    ),
+    data_path_keys=(("data", "prompts"), ("data", "eval_prompts")),
+    template=lambda: TEMPLATE.format(name="my-rl", lr="4.0e-5", schedule="constant"),
+    load_data=load_data,
+    estimate=estimate,
+    run=_run,
+    eval_data_key=("data", "eval_prompts"),
+    train_data_key=("data", "prompts"),
+    eval_task=eval_task,
+    code_keys=(("reward",), ("reward", "fn")),  # `reward: file.py:fn` or `reward: {fn: file.py:fn}`
+    capabilities_use_case="rl",
+)

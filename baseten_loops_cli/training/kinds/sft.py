@@ -1,4 +1,5 @@
-"""The supervised fine-tuning loop.
+"""Supervised fine-tuning (``kind: sft``): chat or prompt/completion rows, cross-entropy on the
+trained tokens.
 
 Per step: build the batch's datums (order is a pure function of seed and epoch, so a resumed
 run sees the same batches), submit ``forward_backward`` and ``optim_step`` (and, on schedule,
@@ -8,15 +9,63 @@ and record them (``training/pipeline.py``): the trainer never waits for the clie
 
 from __future__ import annotations
 
+from typing import Any, Callable, Literal
 
-from typing import Callable
-
+from baseten_loops_cli.training.config import CommonConfig, Section
 from baseten_loops_cli.training.data import Example, batches_for_step, sft_datum, weighted_nll
+from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
+from baseten_loops_cli.training.templates import COMMON
 from baseten_loops_cli.training.session import (
     StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped,
     submit_checkpoint,
 )  # fmt: skip
+
+
+class SFTData(Section, FormatOptions):
+    train: Sources
+    eval: EvalSources | None = None
+    train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
+    shuffle: bool = True
+
+
+class SFTConfig(CommonConfig):
+    kind: Literal["sft"]
+    data: SFTData
+
+
+def load_data(loaded, tokenizer: Any) -> LoadedData:
+    """Rows of any format and source (the data layer reads them), as chat/prompt-completion examples."""
+    from baseten_loops_cli.training import kinds
+    from baseten_loops_cli.training.data import load_sft_examples
+    from baseten_loops_cli.training.formats import data_notes
+
+    config = loaded.config
+    train_spec, eval_spec = kinds.data_specs(loaded)
+    kwargs = {"train_on": config.data.train_on, "max_seq_len": config.max_seq_len}
+    train = load_sft_examples(train_spec, tokenizer, **kwargs)
+    evals = load_sft_examples(eval_spec, tokenizer, **kwargs) if eval_spec else None
+    return LoadedData(tokenizer, train, evals, notes=data_notes(train_spec, eval_spec))
+
+
+def estimate(config, data: LoadedData) -> Estimate:
+    """Exact: the datums' input tokens of each step's batch, as the loop builds them."""
+    steps = total_steps(len(data.train), config)
+    train_tokens = sum(
+        len(data.train[i].tokens) - 1
+        for step in range(steps)
+        for i in batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
+    )
+    return Estimate(steps, train_tokens)
+
+
+def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> Any:
+    """SFT rows scored by likelihood (the config brings the rendering and max_seq_len)."""
+    from baseten_loops_cli.training.evaluation import SFTTask
+
+    config = loaded.config
+    return SFTTask(data, config.data.train_on, config.max_seq_len, limit)
 
 
 def total_steps(n_examples: int, config) -> int:
@@ -112,3 +161,41 @@ def run_sft(
 
         evaluate_final(session, record, sink)
     return "completed"
+
+
+def _run(session: TrainingSession, data: LoadedData, sink, stop: StopRequested) -> str:
+    return run_sft(session, data.train, data.eval, sink, stop)
+
+
+TEMPLATE = """\
+# loops SFT config. Check it with `loops train validate FILE`, run it with `loops train run FILE`.
+kind: sft
+""" + COMMON + """
+batch_size: 8
+
+data:
+  train: data/train.jsonl       # JSONL: {{"messages": [{{"role": "user", ...}}, {{"role": "assistant", ...}}]}}
+  # eval: data/eval.jsonl       #    or: {{"prompt": "...", "completion": "..."}}
+  train_on: last_assistant      # last_assistant | all_assistant | all
+  shuffle: true
+# eval:                         # optional: when training ends, score the final checkpoint as `loops eval` does
+#   base: true                  # also score the base model (eval.json + eval.txt in the run directory)
+#   # data: data/eval.jsonl     # default: data.eval (SFT) or data.eval_prompts (RL)
+"""
+
+KIND = Kind(
+    name="sft",
+    config_model=SFTConfig,
+    noun="examples",
+    main_metric="loss",
+    metric_names=("loss", "trained_tokens", "eval_loss"),
+    step_fields=(StepField("loss", "loss"), StepField("eval_loss", "eval_loss", optional=True)),
+    data_path_keys=(("data", "train"), ("data", "eval")),
+    template=lambda: TEMPLATE.format(name="my-sft", lr="2.0e-4", schedule="linear"),
+    load_data=load_data,
+    estimate=estimate,
+    run=_run,
+    eval_data_key=("data", "eval"),
+    eval_task=eval_task,
+    capabilities_use_case="sft",
+)

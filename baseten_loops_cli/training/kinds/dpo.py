@@ -1,4 +1,5 @@
-"""The preference-tuning (DPO) loop.
+"""Preference tuning (``kind: dpo``): pairs of a chosen and a rejected reply, the ``dpo`` loss
+against a frozen reference.
 
 Before step 1, every sequence (each pair's chosen and rejected conversation, train and eval) is
 scored once by the reference policy, the way the SDK's ``helpers.datum.attach_reference_logprobs``
@@ -21,16 +22,22 @@ import asyncio
 import hashlib
 import math
 import time
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
 
 from baseten_loops_cli.errors import ConfigError, LoopsError
+from baseten_loops_cli.training.config import CommonConfig, Section
 from baseten_loops_cli.training.data import PreferencePair, batches_for_step, dpo_datum, reference_logprobs_field
+from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
 from baseten_loops_cli.training.session import (
     StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped,
     submit_checkpoint,
 )  # fmt: skip
-from baseten_loops_cli.training.sft import total_steps
+from baseten_loops_cli.training.kinds.sft import total_steps
+from baseten_loops_cli.training.templates import COMMON
 
 # A pair whose policy-vs-reference log-ratio gap is within this many nats is a tie and counts
 # half: an untrained policy scores 0.5 whatever the float noise between trainer and sampler.
@@ -40,7 +47,70 @@ REFERENCE_CHECKPOINT = "dpo-reference"
 _SCORES_IN_FLIGHT = 32  # reference-scoring requests at once (a local sampler batches them)
 _SCORES_PER_APPEND = 64  # and made durable in chunks of this many
 
-__all__ = ["check_reference", "evaluate", "preference_metrics", "run_dpo", "total_steps"]
+__all__ = ["KIND", "DPOConfig", "check_reference", "evaluate", "preference_metrics", "run_dpo", "total_steps"]
+
+
+class DPOData(Section, FormatOptions):
+    train: Sources
+    eval: EvalSources | None = None
+    shuffle: bool = True
+
+
+class DPOConfig(CommonConfig):
+    EVAL_SUPPORTED = False
+    kind: Literal["dpo"]
+    data: DPOData
+    beta: float = Field(0.1, gt=0, description="DPO temperature: how far the policy may move from the reference.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed fraction of flipped labels (conservative DPO).")
+    reference: str = Field(
+        "base",
+        description="The reference policy: 'base' (the base model, as the run starts) or a sampler checkpoint bt://loops:<run>/sampler_weights/<name>.",
+    )
+
+    @field_validator("reference")
+    @classmethod
+    def _reference_checkpoint(cls, value: str) -> str:
+        if value == "base":
+            return value
+        from baseten_loops_cli.api.uri import CheckpointUri
+
+        if not CheckpointUri.is_uri(value):
+            raise ValueError(f"expected 'base' or bt://loops:<run_id>/sampler_weights/<name>, not {value!r}")
+        uri = CheckpointUri.parse(value)
+        if uri.target != "sampler":
+            raise ValueError(
+                f"{value} is trainer state; the reference is scored by a sampler, so name its sampler checkpoint "
+                f"bt://loops:{uri.run_id}/sampler_weights/{uri.name}"
+            )
+        return value
+
+
+def load_data(loaded, tokenizer: Any) -> LoadedData:
+    """Rows of any preference format and source (the data layer reads them), as chosen/rejected pairs."""
+    from baseten_loops_cli.training import kinds
+    from baseten_loops_cli.training.data import load_preference_pairs
+    from baseten_loops_cli.training.formats import data_notes
+
+    config = loaded.config
+    train_spec, eval_spec = kinds.data_specs(loaded)
+    train = load_preference_pairs(train_spec, tokenizer, max_seq_len=config.max_seq_len)
+    evals = load_preference_pairs(eval_spec, tokenizer, max_seq_len=config.max_seq_len) if eval_spec else None
+    return LoadedData(tokenizer, train, evals, notes=data_notes(train_spec, eval_spec))
+
+
+def estimate(config, data: LoadedData) -> Estimate:
+    """Exact: each step's pairs, chosen + rejected (whole sequences); before step 1 the reference
+    scores every sequence of both splits once (a prefill each, no backward)."""
+    steps = total_steps(len(data.train), config)
+    train_tokens = sum(
+        len(data.train[i].chosen.tokens) + len(data.train[i].rejected.tokens)
+        for step in range(steps)
+        for i in batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
+    )
+    pairs = data.train + (data.eval or [])
+    scored = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in pairs)
+    note = f"before step 1 the reference ({config.reference}) scores {2 * len(pairs)} sequences (~{scored:,} tokens) once"
+    return Estimate(steps, train_tokens, 0, scored_tokens=scored, notes=[note])
 
 
 def sequence_key(tokens: list[int]) -> str:
@@ -230,7 +300,7 @@ def run_dpo(
     stop: StopRequested,
 ) -> str:
     """Train to the end ("completed") or until Ctrl-C ("interrupted"); records go to ``sink``
-    (see :func:`baseten_loops_cli.training.sft.run_sft`)."""
+    (see :func:`baseten_loops_cli.training.kinds.sft.run_sft`)."""
     config = session.config
     steps = total_steps(len(train), config)
     opt = config.optimizer
@@ -297,3 +367,49 @@ def run_dpo(
     record = save_checkpoint(session, steps, final=True)
     sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
     return "completed"
+
+
+def _run(session: TrainingSession, data: LoadedData, sink: Any, stop: StopRequested) -> str:
+    return run_dpo(session, data.train, data.eval, sink, stop)
+
+
+TEMPLATE = """\
+# loops DPO config (preference pairs). Check it with `loops train validate FILE`.
+kind: dpo
+""" + COMMON + """
+batch_size: 8                   # preference pairs per step
+
+data:
+  train: data/pairs.jsonl       # JSONL: {{"prompt": "...", "chosen": "...", "rejected": "..."}}
+  # eval: data/eval_pairs.jsonl #    or: {{"messages": [...], "chosen": "...", "rejected": "..."}}
+  shuffle: true                 #    or: {{"chosen": [messages], "rejected": [messages]}}
+
+beta: 0.1                       # how far the policy may move from the reference (higher = closer)
+label_smoothing: 0.0            # assumed fraction of mislabelled pairs (conservative DPO)
+reference: base                 # base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
+"""
+
+KIND = Kind(
+    name="dpo",
+    config_model=DPOConfig,
+    noun="pairs",
+    main_metric="loss",
+    metric_names=("loss", "reward_margin", "preference_accuracy", "chosen_reward", "rejected_reward", "pairs",
+                  "eval_loss", "eval_reward_margin", "eval_preference_accuracy"),
+    step_fields=(
+        StepField("loss", "loss"),
+        StepField("preference_accuracy", "pref_acc", ".0%", optional=True),
+        StepField("reward_margin", "margin", ".3f", optional=True),
+        StepField("eval_loss", "eval_loss", optional=True),
+        StepField("eval_preference_accuracy", "eval_pref_acc", ".0%", optional=True),
+    ),
+    data_path_keys=(("data", "train"), ("data", "eval")),
+    template=lambda: TEMPLATE.format(name="my-dpo", lr="5.0e-5", schedule="linear"),
+    load_data=load_data,
+    estimate=estimate,
+    run=_run,
+    eval_data_key=("data", "eval"),
+    eval_task=None,  # pairs are not rows `loops eval` scores (EVAL_SUPPORTED is False: no `eval:` block)
+    capabilities_use_case="rl",  # the capabilities API knows sft and rl; DPO needs a sampler as RL does
+    check=check_reference,
+)

@@ -1,0 +1,48 @@
+"""The local server's knobs (``ServerConfig``): one record, built by ``app.create_app`` and
+handed to the services that read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ServerConfig:
+    """Knobs of the local server. Defaults follow the hosted platform; tests shrink the
+    time-based ones (e.g. ``op_poll_hold_s``) to keep runs fast."""
+
+    data_dir: Path
+    token: str
+    # GET /operations/{id} holds this long before answering 408 (hosted: 30 s).
+    op_poll_hold_s: float = 30.0
+    # Finished op results are kept this long, then polls answer 404 (hosted: ~1 h).
+    op_result_ttl_s: float = 3600.0
+    # ...and retried submits are deduplicated this long.
+    idempotency_window_s: float = 24 * 3600.0
+    # GET <trainer>/health waits up to this long for a deploying trainer to come up
+    # (under the SDK's 10 s probe timeout), sparing it a 10 s sleep between probes.
+    health_hold_s: float = 8.0
+    # Presigned file links expire after this long.
+    link_ttl_s: int = 3600
+    # /sample requests arriving within this window are batched into one engine call.
+    sample_batch_window_s: float = 0.01
+    max_sample_batch: int = 32
+    # /sample with X-Min-Policy-Version holds this long for the adapter to catch up
+    # before answering 408 (the SDK then retries).
+    min_version_hold_s: float = 10.0
+    # Snapshot a run's live state after an optim_step at most this often, so a crash
+    # loses at most this much training (a clean stop always snapshots).
+    snapshot_interval_s: float = 60.0
+    # How often idle runs/samplers are scaled to zero and expired data is cleaned up.
+    janitor_interval_s: float = 0.5
+    # A sampler stays up at least this long after a /wake or a request, whatever its
+    # scale_down_delay_seconds: the official SDK wakes a sampler once and then polls its
+    # status every 10 s, so one scaled down between two polls was never seen ready.
+    sampler_min_awake_s: float = 30.0
+    enable_fault_hooks: bool = False
+    # The largest body a deployment's OpenAI route reads (413 before reading the rest):
+    # well above the longest context, as text or token ids, batched.
+    max_openai_body_bytes: int = 32 * 2**20
+    # Import torch in the background at startup so the first op doesn't pay for it.
+    preload_engine: bool = True

@@ -1,0 +1,66 @@
+"""The local-only routes: ``/health`` (no auth), ``/v1/local/status``, ``/v1/local/usage``
+and the presigned checkpoint files ``/files/<checkpoint_pk>/<path>`` (``files.py`` signs
+and serves them). Like every route module they call services, never the store."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from baseten_loops_cli.local.server.context import get_ctx
+from baseten_loops_cli.local.server.errors import ApiError
+from baseten_loops_cli.local.server.files import file_response, safe_relative_path
+from baseten_loops_cli.local.server.schemas import iso
+
+
+async def health(request: Request) -> Response:
+    ctx = get_ctx(request)
+    return JSONResponse({"status": "ok", "version": ctx.version})
+
+
+async def local_status(request: Request) -> Response:
+    ctx = get_ctx(request)
+    return JSONResponse({
+        "version": ctx.version,
+        "started_at": iso(ctx.started_at),
+        "uptime_s": round(time.time() - ctx.started_at, 3),
+        "data_dir": str(ctx.config.data_dir),
+        "engine_loaded": ctx.engine.loaded,
+        "models": ctx.pool.status(),
+        "active_runs": ctx.runs.active_count(),
+        "runs_in_memory": ctx.runs.loaded_runs(),
+        "sampling": ctx.samplers.stats(),
+        "fault_hooks": ctx.config.enable_fault_hooks,
+    })
+
+
+async def local_usage(request: Request) -> Response:
+    """Per-run (and per standalone sampler / deployment) counters, for `loops usage`."""
+    ctx = get_ctx(request)
+    return JSONResponse({"usage": ctx.usage.report(request.query_params.get("run_id"))})
+
+
+async def presigned_file(request: Request) -> Response:
+    ctx = get_ctx(request)
+    pk = request.path_params["checkpoint_pk"]
+    relative = safe_relative_path(request.path_params["path"])
+    ctx.presigner.verify(pk, relative.as_posix(), request.query_params.get("expires"),
+                         request.query_params.get("sig"))
+    cp = ctx.checkpoints.find(pk)
+    if cp is None:
+        raise ApiError(404, f"Checkpoint {pk} no longer exists (deleted or expired).",
+                       "CheckpointNotFound")
+    return file_response(request, ctx.checkpoints.folder(cp), relative,
+                         sha256=cp.manifest.get(relative.as_posix()))
+
+
+def routes() -> list[BaseRoute]:
+    return [
+        Route("/health", health, methods=["GET", "HEAD"]),
+        Route("/v1/local/status", local_status, methods=["GET"]),
+        Route("/v1/local/usage", local_usage, methods=["GET"]),
+        Route("/files/{checkpoint_pk}/{path:path}", presigned_file, methods=["GET", "HEAD"]),
+    ]
