@@ -258,6 +258,20 @@ def test_parquet_without_the_extra_names_it(monkeypatch):
     assert "needs pyarrow" in info.value.message and "[data]" in info.value.hint
 
 
+def test_ci_installs_the_data_extra():
+    """CI installs .[local,dev]: the dev extra carries the [data] extra's packages, so the
+    Parquet, Arrow and hub tests here run there instead of failing on an import."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def names(reqs):
+        return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in reqs}
+
+    assert names(extras["data"]) <= names(extras["dev"])
+
+
 def test_jsonl_needs_no_extra():
     """Plain JSONL (and JSON, CSV) never import pyarrow, pandas or datasets."""
     code = ("import sys; from baseten_loops_cli.training.formats import read_rows; "
