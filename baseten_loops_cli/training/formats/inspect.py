@@ -17,9 +17,6 @@ from baseten_loops_cli.errors import ConfigError, UsageError
 from baseten_loops_cli.training.formats import rows as rows_mod
 from baseten_loops_cli.training.formats.dataset import DataSpec, plain_spec, read_rows
 
-KIND_PURPOSE = {"sft": "sft", "rl": "prompts", "dpo": "preference"}
-# The kind a format trains with when --kind is not given.
-FORMAT_KIND = {"preference": "dpo", "prompt_only": "rl", "unpaired_preference": "dpo"}
 UNLIMITED = 1 << 30
 
 
@@ -50,30 +47,32 @@ class DataCheck:
         return asdict(self)
 
 
-def _kind_of(spec: DataSpec, kind: str | None) -> tuple[str, str]:
-    """(kind, format): the one given, or the one the detected format trains with."""
+def _kind_of(spec: DataSpec, kind: str | None) -> tuple[Any, str]:
+    """(kind, format): the one given, or the registered kind that takes the detected format
+    (``Kind.row_formats``; else the first one, SFT)."""
+    from baseten_loops_cli.training import kinds
+
+    if kind is not None and kind not in kinds.names():
+        raise UsageError(f"--kind {kind!r}: expected {kinds.names_text()}", hint=f"Pass --kind {kinds.names()[0]}, or leave it out to go by the rows' format.")
     source = spec.sources[0]
     records = list(source.records())
     if not records:
         raise ConfigError(f"{spec}: no rows (the file is empty)", hint="Put at least one row in it.")
     fmt, _ = rows_mod.detect([(w, r) for w, r in records], source.name, source.format, source.columns)
-    if kind is not None and kind not in KIND_PURPOSE:
-        raise UsageError(f"--kind {kind!r}: expected sft, rl or dpo")
-    return kind or FORMAT_KIND.get(fmt, "sft"), rows_mod.describe(fmt, records)
+    if kind is None:
+        kind = next((name for name in kinds.names() if fmt in kinds.get(name).row_formats), kinds.names()[0])
+    found = kinds.get(kind)
+    if found.render_rows is None:
+        raise UsageError(f"--kind {kind!r}: this kind does not say how its rows render",
+                         hint=f"Check its rows with another kind ({kinds.names_text()}).")
+    return found, rows_mod.describe(fmt, records)
 
 
-def _load_one(kind: str, where: str, row: dict, tokenizer: Any, max_seq_len: int, train_on: str) -> list[Any]:
-    """The loader's result for one converted row (its Examples; a Prompt's tokens)."""
-    from baseten_loops_cli.training import data as data_mod
-
+def _load_one(kind: Any, where: str, row: dict, tokenizer: Any, max_seq_len: int, train_on: str) -> list[Any]:
+    """The kind's rendering of one converted row: its sequences (tokens, and weights when trained)."""
     one = DataSpec(where, [])
-    one._cache[KIND_PURPOSE[kind]] = [(where, row)]
-    if kind == "sft":
-        return data_mod.load_sft_examples(one, tokenizer, train_on=train_on, max_seq_len=max_seq_len)
-    if kind == "rl":
-        return data_mod.load_prompts(one, tokenizer, max_seq_len=max_seq_len, max_tokens=0)
-    pairs = data_mod.load_preference_pairs(one, tokenizer, max_seq_len=max_seq_len)
-    return [pairs[0].chosen, pairs[0].rejected]
+    one._cache[kind.row_purpose] = [(where, row)]
+    return kind.render_rows(one, tokenizer, max_seq_len=max_seq_len, train_on=train_on)[0]
 
 
 def _roles(row: dict) -> list[str]:
@@ -123,7 +122,7 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
     duplicates: list[list[str]] = []
     over = 0
     try:
-        converted = list(read_rows(spec, KIND_PURPOSE[kind]))
+        converted = list(read_rows(spec, kind.row_purpose))
     except ConfigError as exc:  # a row the format layer refuses: the file cannot be read as this kind
         raise ConfigError(exc.message, hint=exc.hint) from None
     for where, row in converted:
@@ -155,7 +154,7 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
     while histogram and histogram[-1]["rows"] == 0 and histogram[-1]["up_to"] > max_seq_len:
         histogram.pop()
     tokens = {"min": min(lengths), "mean": round(sum(lengths) / len(lengths)), "max": max(lengths)} if lengths else {}
-    return DataCheck(str(path), fmt, kind, len(converted), base_model, max_seq_len, tokens, histogram, over,
+    return DataCheck(str(path), fmt, kind.name, len(converted), base_model, max_seq_len, tokens, histogram, over,
                      dict(roles), empty, duplicates, problems)
 
 
@@ -176,13 +175,12 @@ def preview(path: str, *, rows: int = 3, kind: str | None = None, base_model: st
     kind, fmt = _kind_of(spec, kind)
     tokenizer = _tokenizer(base_model)
     out: list[PreviewRow] = []
-    for where, row in list(read_rows(spec, KIND_PURPOSE[kind]))[:rows]:
+    for where, row in list(read_rows(spec, kind.row_purpose))[:rows]:
         rendered = _load_one(kind, where, row, tokenizer, UNLIMITED, train_on)
-        sides = ("chosen", "rejected") if kind == "dpo" else (None,)
-        for side, item in zip(sides, rendered):
+        for side, item in zip(kind.row_sides, rendered):
             weights = getattr(item, "weights", None) or [0.0] * len(item.tokens)
             out.append(_spans(where, side, item.tokens, weights, tokenizer))
-    return kind, fmt, out
+    return kind.name, fmt, out
 
 
 def _spans(where: str, side: str | None, tokens: list[int], weights: list[float], tokenizer: Any) -> PreviewRow:

@@ -92,6 +92,11 @@ class Kind:
     code_keys: tuple[tuple[str, ...], ...] = ()  # keys whose value may be path/to/file.py:function (RL: reward)
     capabilities_use_case: str = "sft"  # the backend's model list that must offer base_model (sft, rl)
     check: Callable[[Any, "LoadedConfig"], None] | None = None  # (client, loaded): before provisioning
+    # Its rows, for the data layer and `loops data check|preview`:
+    row_purpose: str = "sft"  # the internal row type its loader reads (formats.rows.PURPOSES)
+    row_formats: tuple[str, ...] = ()  # row formats `loops data` takes as this kind's when --kind is not given
+    row_sides: tuple[str | None, ...] = (None,)  # what each rendered sequence of a row is (DPO: chosen, rejected)
+    render_rows: Callable[..., list[list[Any]]] | None = None  # (spec, tokenizer, *, max_seq_len, train_on) -> each row's sequences (.tokens, .weights)
     title: str = ""  # how plans name it (default: NAME in capitals)
 
     @property

@@ -98,6 +98,13 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
     return LoadedData(tokenizer, train, evals, notes=data_notes(train_spec, eval_spec))
 
 
+def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
+    """Each row as the loop trains it (`loops data check|preview`): its chosen and rejected sequences."""
+    from baseten_loops_cli.training.data import load_preference_pairs
+
+    return [[p.chosen, p.rejected] for p in load_preference_pairs(spec, tokenizer, max_seq_len=max_seq_len)]
+
+
 def estimate(config, data: LoadedData) -> Estimate:
     """Exact: each step's pairs, chosen + rejected (whole sequences); before step 1 the reference
     scores every sequence of both splits once (a prefill each, no backward)."""
@@ -412,4 +419,8 @@ KIND = Kind(
     eval_task=None,  # pairs are not rows `loops eval` scores (EVAL_SUPPORTED is False: no `eval:` block)
     capabilities_use_case="rl",  # the capabilities API knows sft and rl; DPO needs a sampler as RL does
     check=check_reference,
+    row_purpose="preference",
+    row_formats=("preference", "unpaired_preference"),
+    row_sides=("chosen", "rejected"),
+    render_rows=render_rows,
 )

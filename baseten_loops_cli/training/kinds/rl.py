@@ -86,6 +86,13 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
     return LoadedData(tokenizer, train, evals, reward, data_notes(train_spec, eval_spec))
 
 
+def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
+    """Each row as the sampler gets it (`loops data check|preview`): one Prompt (its tokens)."""
+    from baseten_loops_cli.training.data import load_prompts
+
+    return [[p] for p in load_prompts(spec, tokenizer, max_seq_len=max_seq_len, max_tokens=0)]
+
+
 def estimate(config, data: LoadedData) -> Estimate:
     """Each step's real prompts and ``sampling.max_tokens`` per completion: upper bounds
     (completions may stop early; groups without signal are not trained)."""
@@ -453,4 +460,7 @@ KIND = Kind(
     eval_task=eval_task,
     code_keys=(("reward",), ("reward", "fn")),  # `reward: file.py:fn` or `reward: {fn: file.py:fn}`
     capabilities_use_case="rl",
+    row_purpose="prompts",
+    row_formats=("prompt_only",),
+    render_rows=render_rows,
 )

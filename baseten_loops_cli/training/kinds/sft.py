@@ -49,6 +49,13 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
     return LoadedData(tokenizer, train, evals, notes=data_notes(train_spec, eval_spec))
 
 
+def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str = "last_assistant") -> list[list[Any]]:
+    """Each row as the loop trains it (`loops data check|preview`): one Example (tokens, weights)."""
+    from baseten_loops_cli.training.data import load_sft_examples
+
+    return [[e] for e in load_sft_examples(spec, tokenizer, train_on=train_on, max_seq_len=max_seq_len)]
+
+
 def estimate(config, data: LoadedData) -> Estimate:
     """Exact: the datums' input tokens of each step's batch, as the loop builds them."""
     steps = total_steps(len(data.train), config)
@@ -198,4 +205,6 @@ KIND = Kind(
     eval_data_key=("data", "eval"),
     eval_task=eval_task,
     capabilities_use_case="sft",
+    row_purpose="sft",
+    render_rows=render_rows,
 )
