@@ -130,16 +130,18 @@ def test_set_problems_name_the_set_item_not_the_file(tmp_path):
 
 
 def test_data_path_that_is_a_folder(tmp_path):
+    """A folder of data files is a source (issue 27); one with none in it is an error at the key."""
     (tmp_path / "train.jsonl").mkdir()
     path = write(tmp_path, SFT)
     with pytest.raises(ConfigError) as info:
         load_config(path, check_files=True)
-    assert info.value.message == f"{path}:7: data.train: {tmp_path / 'train.jsonl'} is a folder, not a data file"
-    assert "JSONL file" in info.value.hint
+    assert info.value.message == f"{path}:7: data.train: {tmp_path / 'train.jsonl'} is a folder with no data files"
+    assert ".parquet" in info.value.hint
     with pytest.raises(ConfigError) as info:
         load_data(load_config(path))
-    assert info.value.message == f"{tmp_path / 'train.jsonl'}: a folder, not a JSONL file"
-    assert info.value.hint.startswith("Name a file, not a folder")
+    assert info.value.message == f"{tmp_path / 'train.jsonl'} is a folder with no data files"
+    (tmp_path / "train.jsonl" / "part-1.jsonl").write_text(json.dumps(ROW) + "\n")
+    assert len(load_data(load_config(path, check_files=True)).train) == 1
 
 
 def test_missing_and_bad_kind(tmp_path):
@@ -171,9 +173,10 @@ def test_data_row_errors_name_the_line(tmp_path):
         load_data(load_config(path))
     assert info.value.hint.startswith("Fix or delete line 2: ")
     (tmp_path / "train.jsonl").write_text(json.dumps(ROW) + "\n" + json.dumps({"text": "x"}) + "\n")
-    with pytest.raises(ConfigError, match=r"train.jsonl:2: expected a 'messages' list") as info:
+    # A row of another format in a file of messages rows (issue 27: detected from every row).
+    with pytest.raises(ConfigError, match=r"train.jsonl:2: missing key 'messages': this row looks like text") as info:
         load_data(load_config(path))
-    assert '{"messages": [' in info.value.hint
+    assert "data.format" in info.value.hint
     (tmp_path / "train.jsonl").write_text("")
     with pytest.raises(ConfigError, match=r"train.jsonl: no examples \(the file is empty\)") as info:
         load_data(load_config(path))

@@ -219,6 +219,22 @@ class Output:
         return getpass.getpass(f"{question}: ", stream=self.streams.stderr).strip()
 
     # ------------------------------------------------------------------ data (stdout)
+    def marked(self, text: str, spans: Sequence[Sequence[int]], style: str = "bold green reverse") -> list[str]:
+        """Lines showing ``text`` with its character ``spans`` ([start, end)) marked: highlighted
+        where stdout shows colour; elsewhere the plain text and a line of the spans as offsets
+        (`loops data preview`: which tokens are trained)."""
+        if self.streams.stdout_color:
+            from rich.text import Text
+
+            marked = Text(text)
+            for start, end in spans:
+                marked.stylize(style, start, end)
+            with self.console.capture() as capture:
+                self.console.print(marked, end="")
+            return [capture.get()]
+        offsets = " ".join(f"[{start}, {end})" for start, end in spans) or "none"
+        return [text, f"trained characters: {offsets}"]
+
     def _write(self, text: str) -> None:
         self.streams.stdout.write(text)
         if not text.endswith("\n"):

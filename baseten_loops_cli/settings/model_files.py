@@ -82,3 +82,51 @@ def find_model_dir(name: str, *, weights: bool = True) -> Path | None:
         if snapshot is not None and usable(snapshot):
             return snapshot
     return None
+
+
+# ── a base model given as a folder (``base_model: ./merged``) ──
+
+def looks_like_path(name: str) -> bool:
+    """``base_model`` written as a path (not a model name such as ``org/name``)."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
+
+
+def local_model_dir(name: str, base_dir: Path) -> Path | None:
+    """The folder ``name`` names (relative to ``base_dir``, the config's folder), when it is
+    written as a path or is an existing folder there; None for a model name."""
+    path = Path(name).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if looks_like_path(name) or path.is_dir():
+        return path.resolve()
+    return None
+
+
+def byte_vocabulary(config: dict) -> bool:
+    """A model whose vocabulary is the built-in byte tokenizer's (``loops-local/tiny`` and its
+    merged exports, which carry no tokenizer files)."""
+    from baseten_loops_cli.tokenization.byte_tokenizer import ByteTokenizer
+
+    return (config.get("vocab_size") == ByteTokenizer.vocab_size and config.get("eos_token_id") == ByteTokenizer.eos_token_id
+            and config.get("bos_token_id") == ByteTokenizer.bos_token_id)
+
+
+def local_model_problem(path: Path) -> str | None:
+    """What keeps a folder from being a base model (a Hugging Face causal LM), or None."""
+    import json
+
+    if not path.exists():
+        return f"{path}: no such folder"
+    if not path.is_dir():
+        return f"{path} is a file, not a model folder"
+    if not (path / "config.json").is_file():
+        return f"{path} has no config.json (not a Hugging Face model folder)"
+    if not _has_weights(path):
+        return f"{path} has no weights (*.safetensors or *.bin)"
+    if not (path / TOKENIZER_FILE).is_file():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return f"{path}/config.json is not valid JSON"
+        if not byte_vocabulary(config):
+            return f"{path} has no {TOKENIZER_FILE} (the tokenizer)"
+    return None

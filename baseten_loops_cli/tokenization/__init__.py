@@ -76,6 +76,19 @@ def get_tokenizer(base_model: str) -> Tokenizer:
         return tokenizer
 
 
+def _byte_vocabulary_folder(name: str) -> bool:
+    import json
+    from pathlib import Path
+
+    from baseten_loops_cli.settings.model_files import byte_vocabulary
+
+    config = Path(name).expanduser() / "config.json"
+    try:
+        return config.is_file() and byte_vocabulary(json.loads(config.read_text()))
+    except (OSError, ValueError):
+        return False
+
+
 def _load(base_model: str) -> Tokenizer:
     builtin = _BUILTIN.get(base_model)
     if builtin is not None:
@@ -83,7 +96,10 @@ def _load(base_model: str) -> Tokenizer:
     from baseten_loops_cli.settings.model_files import find_model_dir
     from baseten_loops_cli.tokenization.files import load_file_tokenizer
 
-    directory = find_model_dir(base_model, weights=False) or _from_hub(base_model)
+    directory = find_model_dir(base_model, weights=False)
+    if directory is None and _byte_vocabulary_folder(base_model):
+        return ByteTokenizer()  # a folder of the tiny model (a merged export): its tokenizer is built in code
+    directory = directory or _from_hub(base_model)
     if directory is None:
         raise TokenizerUnavailableError(
             f"The tokenizer of {base_model} is not on this machine (no tokenizer.json in a "

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError, UsageError
+from baseten_loops_cli.training.formats.spec import SOURCE_TAGS
 
 
 # The keys of every kind that name files (relative to the config file); each kind adds its own
@@ -73,7 +74,6 @@ class PricingConfig(Section):
     usd_per_million_train_tokens: float | None = Field(None, ge=0)
     usd_per_million_sample_tokens: float | None = Field(None, ge=0)
     usd_per_hour: float | None = Field(None, ge=0)
-
 
 
 class RewardConfig(Section):
@@ -278,6 +278,14 @@ def _kind_lines() -> str:
     return lines[0] if len(lines) == 1 else ", ".join(lines[:-1]) + f" or {lines[-1]}"
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds (through Optional, Union, Annotated and lists:
+    a data source inside ``data.train: [...]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in getattr(annotation, "__args__", None) or () for m in _models_in(arg)]
+
+
 def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     """The field names valid at ``loc`` (the parent of an unknown key)."""
     current: Any = model
@@ -287,9 +295,7 @@ def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
             return []
-        annotation = field.annotation
-        candidates = getattr(annotation, "__args__", None) or (annotation,)
-        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        current = next(iter(_models_in(field.annotation)), None)
         if current is None:
             return []
     return list(getattr(current, "model_fields", {}))
@@ -351,6 +357,7 @@ def _override_of(overrides: dict[tuple, str], loc: tuple) -> str | None:
 
 
 def _problem(err: dict, lines: dict[tuple, int], raw: dict, overrides: dict[tuple, str] | None = None) -> Problem:
+    err = {**err, "loc": tuple(p for p in err["loc"] if p not in SOURCE_TAGS)}  # a data source's shape tag
     problem = _file_problem(err, lines, raw)
     loc = tuple(err["loc"])
     problem.override = _override_of(overrides or {}, loc)
@@ -394,22 +401,21 @@ def config_error(message: str, fix: str | None = None) -> Exception:
 def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path,
                         overrides: dict[tuple, str] | None = None) -> list[Problem]:
     """A data path that does not exist, reported at the line of its key (not later, at load)."""
+    from baseten_loops_cli.training.formats.spec import path_problem, source_paths
+
     problems = []
     for loc in data_path_keys(raw["kind"]):
         value = (raw.get(loc[0]) or {}).get(loc[1]) if isinstance(raw.get(loc[0]), dict) else None
-        if not isinstance(value, str) or not value:
-            continue
-        resolved = Path(value).expanduser()
-        resolved = resolved if resolved.is_absolute() else base_dir / resolved
-        key = ".".join(loc)
-        override = _override_of(overrides or {}, loc)
-        line = None if override is not None else lines.get(loc)
-        if not resolved.exists():
-            problems.append(Problem(line, key, f"{key}: {resolved}: data file not found",
-                                    "Check the path (relative to the config file).", override))
-        elif resolved.is_dir():
-            problems.append(Problem(line, key, f"{key}: {resolved} is a folder, not a data file",
-                                    "Point it at a JSONL file (one JSON object per line).", override))
+        for sub, text in source_paths(value):  # a path, or each path of a list of sources
+            resolved = Path(text).expanduser()
+            resolved = resolved if resolved.is_absolute() else base_dir / resolved
+            found = path_problem(resolved)
+            if found is None:
+                continue
+            key = ".".join(map(str, loc + sub))
+            override = _override_of(overrides or {}, loc)
+            line = None if override is not None else (lines.get(loc + sub) or lines.get(loc))
+            problems.append(Problem(line, key, f"{key}: {found[0]}", found[1], override))
     return problems
 
 
@@ -487,11 +493,34 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
     # Collect every problem before failing: the schema's (pydantic reports them all) and the
     # data files that do not exist, so one `validate` shows everything to fix.
     problems = _missing_data_files(raw, lines, path.resolve().parent, applied) if check_files else []
+    # base_model written as a folder: validated as its absolute path (the server and the tokenizer
+    # get the folder, wherever they run from), and checked for what a model folder needs.
+    folder = _base_model_folder(raw, lines, path.resolve().parent, applied, problems if check_files else None)
     config = None
     try:
-        config = _model_for(raw).model_validate(raw)
+        config = _model_for(raw).model_validate(raw if folder is None else {**raw, "base_model": str(folder)})
     except ValidationError as exc:
         problems += [_problem(err, lines, raw, applied) for err in exc.errors()]
     if problems:
         raise ConfigProblems(path, problems)
     return LoadedConfig(config, path.resolve(), raw, lines, applied)
+
+
+def _base_model_folder(raw: dict, lines: dict[tuple, int], base_dir: Path, overrides: dict[tuple, str],
+                       problems: list[Problem] | None) -> Path | None:
+    """``base_model`` written as a folder (relative to the config): its absolute path, and (with
+    ``problems``) what it lacks, at the line of the key: no folder, no config.json, no weights,
+    no tokenizer."""
+    from baseten_loops_cli.settings.model_files import local_model_dir, local_model_problem
+
+    value = raw.get("base_model")
+    folder = local_model_dir(value, base_dir) if isinstance(value, str) and value else None
+    if folder is None:
+        return None
+    found = local_model_problem(folder) if problems is not None else None
+    if found is not None:
+        override = _override_of(overrides, ("base_model",))
+        problems.append(Problem(None if override else lines.get(("base_model",)), "base_model", f"base_model: {found}",
+                                "Name a Hugging Face model folder (config.json, weights and tokenizer files) or a model "
+                                "`loops server models` lists.", override))
+    return folder

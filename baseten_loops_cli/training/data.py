@@ -1,4 +1,4 @@
-"""Training data: JSONL rows -> token sequences -> Datums.
+"""Training data: rows (read by ``training/formats`` from any format) -> token sequences -> Datums.
 
 SFT rows are either OpenAI chat (``{"messages": [{"role", "content"}, ...]}``) or
 ``{"prompt": ..., "completion": ...}``. RL rows are ``{"prompt": ...}`` or ``{"messages": [...]}``
@@ -9,13 +9,16 @@ Every error names the file and line.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from baseten_loops_cli.errors import ConfigError
+# Rows are read by the format layer (files, folders, hub datasets; every row format), once, into
+# the internal rows these loaders take: (where, row), where = "file:line" or "file: row N".
+from baseten_loops_cli.training.formats import read_rows
+from baseten_loops_cli.training.formats.readers import JSONL_HINT, read_jsonl  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -39,40 +42,6 @@ class Prompt:
     row: dict[str, Any]
     source: str
     text: str = field(default="")
-
-
-JSONL_HINT = "a data file is JSON Lines, one JSON object per line."
-
-
-def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """Yield (line number, row) for each non-blank line; a bad line is an error naming it."""
-    try:
-        handle = path.open("rb")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: data file not found", hint="Check the path in the config (relative to the config file).") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: a folder, not a JSONL file", hint="Name a file, not a folder: " + JSONL_HINT) from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    with handle:
-        for lineno, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ConfigError(
-                    f"{path}:{lineno}: not UTF-8 text (byte {exc.start + 1})",
-                    hint="Save the file as UTF-8 JSON Lines.",
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})",
-                                  hint=f"Fix or delete line {lineno}: {JSONL_HINT}") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{lineno}: each line must be a JSON object", hint=f"Fix or delete line {lineno}: {JSONL_HINT}")
-            yield lineno, row
 
 
 def _check_messages(messages: Any, where: str) -> list[dict]:
@@ -99,8 +68,7 @@ def load_sft_examples(path: Path, tokenizer: Any, *, train_on: str, max_seq_len:
     from baseten_loops_cli.tokenization import render_chat, render_prompt_completion
 
     examples = []
-    for lineno, row in read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, row in read_rows(path, "sft"):
         if "messages" in row:
             messages = _check_messages(row["messages"], where)
             if not any(m.get("role") == "assistant" for m in messages):
@@ -135,8 +103,7 @@ def load_prompts(path: Path, tokenizer: Any, *, max_seq_len: int, max_tokens: in
     from baseten_loops_cli.tokenization import render_chat
 
     prompts = []
-    for lineno, row in read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, row in read_rows(path, "prompts"):
         if "messages" in row:
             messages = _check_messages(row["messages"], where)
         elif isinstance(row.get("prompt"), str):
@@ -269,8 +236,7 @@ def load_preference_pairs(path: Path, tokenizer: Any, *, max_seq_len: int) -> li
     from baseten_loops_cli.training.kto_data import check_paired_row
 
     pairs = []
-    for lineno, row in read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, row in read_rows(path, "preference"):
         check_paired_row(row, where)  # an unpaired (KTO) row: named as such, not "missing 'chosen'"
         if isinstance(row.get("prompt"), str):
             prompt = [{"role": "user", "content": row["prompt"]}]

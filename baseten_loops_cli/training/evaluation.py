@@ -303,6 +303,10 @@ def check_gates(report: EvalReport, gates: Sequence[Gate]) -> list[str]:
 
 
 def file_sha256(path: Path) -> str:
+    if not isinstance(path, Path) or path.is_dir():  # a folder, mixture or hold-out (training/formats)
+        from baseten_loops_cli.training.formats.dataset import fingerprint
+
+        return fingerprint(path)
     digest = hashlib.sha256()
     try:
         with path.open("rb") as fh:
@@ -332,7 +336,9 @@ def _load_rows(task: EvalTask, tokenizer: Any) -> list[Any]:
         try:
             rows = data_mod.load_sft_examples(task.data, tokenizer, train_on=task.train_on, max_seq_len=task.max_seq_len)
         except ConfigError as exc:
-            if "expected a 'messages'" in exc.message or "no assistant message" in exc.message:
+            # rows without a reply: the old loader's words, or the data layer's (a prompt-only format)
+            if any(text in exc.message for text in ("expected a 'messages'", "no assistant message",
+                                                    "do not have a reply to train on")):
                 exc.hint = (
                     "SFT rows need an answer to score (an assistant message, or prompt + completion); "
                     "to score prompts by a reward, pass --config with an RL config (kind: rl, reward: ...)."

@@ -31,7 +31,9 @@ def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
     if not data:
         sink.message("eval: no data to score (set eval.data, or data.eval / data.eval_prompts); skipped.")
         return None
-    task = kinds.eval_task(loaded, loaded.resolve_path(data), limit=spec.limit, samples=spec.samples, k=spec.k)
+    # a file, or a hub dataset / mixture / hold-out of the training rows (the data layer's spec)
+    source = kinds.eval_source(loaded, data)
+    task = kinds.eval_task(loaded, source, limit=spec.limit, samples=spec.samples, k=spec.k)
     sampler_path = record.get("sampler_path")
     run_label = f"{session.run_id}:{record.get('name', 'final')}"
 

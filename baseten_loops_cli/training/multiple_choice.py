@@ -59,10 +59,10 @@ class MCRow:
 
 def is_multiple_choice(path: Path) -> bool:
     """Whether ``path``'s first row is a multiple-choice row (has ``choices`` and ``label``)."""
-    from baseten_loops_cli.training.data import read_jsonl
+    from baseten_loops_cli.training.formats.readers import read_path
 
     try:
-        for _, row in read_jsonl(path):
+        for _, row in read_path(path):  # any file type the data layer reads (JSONL, JSON, Parquet, ...)
             return "choices" in row and "label" in row
     except (ConfigError, OSError):
         return False  # the SFT loader says what is wrong with the file
@@ -85,11 +85,10 @@ def _context(row: dict, tokenizer: Any, where: str) -> tuple[list[int], str | No
 
 
 def load_mc_rows(path: Path, tokenizer: Any, *, limit: int | None = None) -> list[MCRow]:
-    from baseten_loops_cli.training.data import JSONL_HINT, read_jsonl
+    from baseten_loops_cli.training.formats.readers import JSONL_HINT, read_path
 
     rows: list[MCRow] = []
-    for lineno, row in read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, row in read_path(path):  # where: file:line, or file: row N
         choices, label = row.get("choices"), row.get("label")
         if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
             raise ConfigError(f"{where}: 'choices' must be a list of at least 2 non-empty strings", hint=ROW_HINT)

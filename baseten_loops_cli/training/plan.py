@@ -7,6 +7,7 @@ backend is reachable) that the base model is offered.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,9 +89,12 @@ def check_base_model(client: Any, loaded: LoadedConfig) -> list[str]:
 
     from baseten_loops_cli.training import kinds
 
-    models = client.capabilities(use_case=kinds.of(config).capabilities_use_case)
+    use_case = kinds.of(config).capabilities_use_case
+    models = client.capabilities(use_case=use_case)
     names = [m.model_name for m in models]
     match = next((m for m in models if m.model_name == base_model), None)
+    if match is None and os.path.isabs(base_model):  # a model folder: offered when the backend can load it
+        match = next((m for m in client.capabilities(model=base_model, use_case=use_case) if m.model_name == base_model), None)
     if match is None:
         import difflib
 
@@ -150,7 +154,7 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan
             + sample_tokens / 1e6 * (pricing.usd_per_million_sample_tokens or 0.0)
             + est / 3600 * (pricing.usd_per_hour or 0.0)
         )
-    notes = []
+    notes = list(data.notes)  # what the data layer found: formats, rows, mixtures, overlaps
     if capabilities.calibrated_plans:
         notes.append(measured.note(config.base_model) if measured is not None else
                      "time estimate not calibrated yet: it is measured on this machine by the first run of this model")

@@ -258,18 +258,22 @@ def main_metric_of(rundir: RunDir) -> str:
 
 
 def absolute_raw(loaded: LoadedConfig) -> dict:
-    """The config as the run directory keeps it: the kind's data paths and code files
-    (``file.py:function``) made absolute, so `loops train resume` works from anywhere."""
+    """The config as the run directory keeps it: the kind's data paths (each local source of a
+    mixture too), a base_model folder and code files (``file.py:function``) made absolute, so `loops train resume` works from anywhere."""
     import copy
 
     from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.config import data_path_keys
 
+    from baseten_loops_cli.training.formats.spec import absolute_sources
+
     raw = copy.deepcopy(loaded.raw)
     for section, key in data_path_keys(loaded.config.kind):
         value = raw[section].get(key) if isinstance(raw.get(section), dict) else None
-        if isinstance(value, str):
-            raw[section][key] = str(loaded.resolve_path(value).resolve())
+        if value is not None:  # a path, a source or a list of them (hub names stay as they are)
+            raw[section][key] = absolute_sources(value, loaded.resolve_path)
+    if loaded.config.base_model != raw.get("base_model") and Path(loaded.config.base_model).is_absolute():
+        raw["base_model"] = loaded.config.base_model  # a model folder, made absolute by load_config
     for keys in kinds.of(loaded.config).code_keys:
         parent = raw
         for part in keys[:-1]:

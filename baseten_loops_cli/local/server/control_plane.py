@@ -315,6 +315,9 @@ async def capabilities(request: Request) -> Response:
     wanted = request.query_params.get("model")
     max_seq = query_int(request, "max_seq_len", 0, minimum=0) or None
     models = await ctx.models.all()
+    if wanted and wanted not in models:  # a local model folder is offered by asking for it
+        found = await ctx.models.find(wanted)
+        models = {wanted: found} if found is not None else {}
     out = []
     for spec in models.values():
         if wanted and spec.name != wanted:

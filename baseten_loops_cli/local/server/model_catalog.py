@@ -23,6 +23,11 @@ class ModelCatalog:
                                 "the local extra: pip install 'baseten-loops-cli[local]'.",
                            "EngineUnavailable") from None
 
+    async def find(self, name: str) -> ModelSpec | None:
+        """A named model or a local Hugging Face model folder; None if neither."""
+        models = await self.all()
+        return models.get(name) or await asyncio.to_thread(self.engine.spec, name)
+
     async def spec(self, name: str) -> ModelSpec:
         """A model by name (or local model directory); 400 listing the available ones."""
         models = await self.all()

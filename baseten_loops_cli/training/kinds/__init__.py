@@ -56,6 +56,7 @@ class LoadedData:
     train: list
     eval: list | None
     reward: tuple[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)  # what the data layer found: formats, rows, overlaps
 
 
 @dataclass
@@ -87,10 +88,16 @@ class Kind:
     estimate: Callable[[Any, LoadedData], Estimate]  # (config, data)
     run: Callable[["TrainingSession", LoadedData, "MetricsSink", "StopRequested"], str]  # -> completed | interrupted
     eval_data_key: tuple[str, str] | None = None  # the config key of the default eval data (`eval:` and `loops eval --config`)
+    train_data_key: tuple[str, str] = ("data", "train")  # the config key of the training rows (what from_train holds out of)
     eval_task: Callable[..., Any] | None = None  # (loaded, data, *, limit, seed, samples, k) -> evaluation.EvalTask
     code_keys: tuple[tuple[str, ...], ...] = ()  # keys whose value may be path/to/file.py:function (RL: reward)
     capabilities_use_case: str = "sft"  # the backend's model list that must offer base_model (sft, rl)
     check: Callable[[Any, "LoadedConfig"], None] | None = None  # (client, loaded): before provisioning
+    # Its rows, for the data layer and `loops data check|preview`:
+    row_purpose: str = "sft"  # the internal row type its loader reads (formats.rows.PURPOSES)
+    row_formats: tuple[str, ...] = ()  # row formats `loops data` takes as this kind's when --kind is not given
+    row_sides: tuple[str | None, ...] = (None,)  # what each rendered sequence of a row is (DPO: chosen, rejected)
+    render_rows: Callable[..., list[list[Any]]] | None = None  # (spec, tokenizer, *, max_seq_len, train_on) -> each row's sequences (.tokens, .weights)
     title: str = ""  # how plans name it (default: NAME in capitals)
 
     @property
@@ -155,12 +162,31 @@ def eval_task(loaded: "LoadedConfig", data: "Path | None" = None, *, limit: int 
         value = eval_data(loaded)
         if value is None:
             return None
-        data = loaded.resolve_path(value)
+        data = eval_source(loaded, value)
     return kind.eval_task(loaded, data, limit=limit, seed=seed, samples=samples, k=k)
 
 
-def eval_data(loaded: "LoadedConfig") -> str | None:
-    """The config's default eval data (the value of the kind's ``eval_data_key``), or None."""
+def data_specs(loaded: "LoadedConfig") -> tuple[Any, Any]:
+    """The training and eval data of a config as the data layer reads them
+    (``formats.DataSpec``: sources, mixture, hold-out), from the kind's data keys."""
+    from baseten_loops_cli.training.formats import data_specs as specs
+
+    kind = of(loaded.config)
+    return specs(loaded, kind.train_data_key, kind.eval_data_key)
+
+
+def eval_source(loaded: "LoadedConfig", value: Any) -> Any:
+    """What an eval scores for ``value`` (``eval.data`` or the kind's eval data): a file's path,
+    or the data layer's spec of a hub dataset, a mixture or a hold-out of the training rows."""
+    from baseten_loops_cli.training.formats import eval_source as source
+
+    kind = of(loaded.config)
+    return source(loaded, value, kind.train_data_key, kind.eval_data_key)
+
+
+def eval_data(loaded: "LoadedConfig") -> Any:
+    """The config's default eval data (the value of the kind's ``eval_data_key``: a path, a
+    source, a list of sources or a hold-out), or None."""
     key = of(loaded.config).eval_data_key
     if key is None:
         return None

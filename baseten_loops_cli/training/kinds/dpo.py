@@ -36,6 +36,7 @@ from baseten_loops_cli.errors import ConfigError, LoopsError
 from baseten_loops_cli.training import preference_losses as pl
 from baseten_loops_cli.training.config import CommonConfig, Section, config_error
 from baseten_loops_cli.training.data import PreferencePair, batches_for_step, dpo_datum, reference_logprobs_field
+from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
 from baseten_loops_cli.training.session import (
@@ -57,9 +58,9 @@ __all__ = ["KIND", "DPOConfig", "check_reference", "evaluate", "param_error", "p
            "run_dpo", "sequence_datum", "sequence_key", "total_steps"]
 
 
-class DPOData(Section):
-    train: str
-    eval: str | None = None
+class DPOData(Section, FormatOptions):
+    train: Sources
+    eval: EvalSources | None = None
     shuffle: bool = True
 
 
@@ -153,18 +154,24 @@ class DPOConfig(CommonConfig):
 
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
-    """The pairs of both splits (``data.load_preference_pairs``: every row checked, an unpaired
-    KTO row named as such)."""
+    """Rows of any preference format and source (the data layer reads them), as chosen/rejected
+    pairs (``data.load_preference_pairs``: every row checked, an unpaired KTO row named as such)."""
+    from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.data import load_preference_pairs
+    from baseten_loops_cli.training.formats import data_notes
 
     config = loaded.config
-    train = load_preference_pairs(loaded.resolve_path(config.data.train), tokenizer, max_seq_len=config.max_seq_len)
-    evals = (
-        load_preference_pairs(loaded.resolve_path(config.data.eval), tokenizer, max_seq_len=config.max_seq_len)
-        if config.data.eval
-        else None
-    )
-    return LoadedData(tokenizer, train, evals)
+    train_spec, eval_spec = kinds.data_specs(loaded)
+    train = load_preference_pairs(train_spec, tokenizer, max_seq_len=config.max_seq_len)
+    evals = load_preference_pairs(eval_spec, tokenizer, max_seq_len=config.max_seq_len) if eval_spec else None
+    return LoadedData(tokenizer, train, evals, notes=data_notes(train_spec, eval_spec))
+
+
+def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
+    """Each row as the loop trains it (`loops data check|preview`): its chosen and rejected sequences."""
+    from baseten_loops_cli.training.data import load_preference_pairs
+
+    return [[p.chosen, p.rejected] for p in load_preference_pairs(spec, tokenizer, max_seq_len=max_seq_len)]
 
 
 def estimate(config, data: LoadedData) -> Estimate:
@@ -574,4 +581,8 @@ KIND = Kind(
     eval_task=None,  # pairs are not rows `loops eval` scores (EVAL_SUPPORTED is False: no `eval:` block)
     capabilities_use_case="rl",  # the capabilities API knows sft and rl; DPO needs a sampler as RL does
     check=check_reference,
+    row_purpose="preference",
+    row_formats=("preference", "unpaired_preference"),
+    row_sides=("chosen", "rejected"),
+    render_rows=render_rows,
 )

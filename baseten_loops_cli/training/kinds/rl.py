@@ -26,6 +26,7 @@ from pydantic import Field, field_validator
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.config import CommonConfig, LossConfig, RewardConfig, SamplingConfig, Section
 from baseten_loops_cli.training.data import Prompt, rl_datum
+from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.rewards import completion_text, score
 from baseten_loops_cli.training.session import (
@@ -37,9 +38,9 @@ from baseten_loops_cli.training.templates import COMMON
 ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
 
 
-class RLData(Section):
-    prompts: str
-    eval_prompts: str | None = None
+class RLData(Section, FormatOptions):
+    prompts: Sources
+    eval_prompts: EvalSources | None = None
     shuffle: bool = True
 
 
@@ -63,17 +64,16 @@ class RLConfig(CommonConfig):
 
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
+    from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.data import load_prompts
+    from baseten_loops_cli.training.formats import data_notes
     from baseten_loops_cli.training.rewards import build_reward
 
     config = loaded.config
+    train_spec, eval_spec = kinds.data_specs(loaded)  # any format and source, read by the data layer
     kwargs = {"max_seq_len": config.max_seq_len, "max_tokens": config.sampling.max_tokens}
-    train = load_prompts(loaded.resolve_path(config.data.prompts), tokenizer, **kwargs)
-    evals = (
-        load_prompts(loaded.resolve_path(config.data.eval_prompts), tokenizer, **kwargs)
-        if config.data.eval_prompts
-        else None
-    )
+    train = load_prompts(train_spec, tokenizer, **kwargs)
+    evals = load_prompts(eval_spec, tokenizer, **kwargs) if eval_spec else None
     reward = build_reward(config.reward, loaded.base_dir)
     if config.reward.fn in ANSWER_REWARDS:
         # Catch a missing answer now, not after capacity is provisioned.
@@ -83,7 +83,14 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
                     f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row",
                     hint='Add "answer" to every row ({"prompt": ..., "answer": ...}) or use a reward file.',
                 )
-    return LoadedData(tokenizer, train, evals, reward)
+    return LoadedData(tokenizer, train, evals, reward, data_notes(train_spec, eval_spec))
+
+
+def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
+    """Each row as the sampler gets it (`loops data check|preview`): one Prompt (its tokens)."""
+    from baseten_loops_cli.training.data import load_prompts
+
+    return [[p] for p in load_prompts(spec, tokenizer, max_seq_len=max_seq_len, max_tokens=0)]
 
 
 def estimate(config, data: LoadedData) -> Estimate:
@@ -449,7 +456,11 @@ KIND = Kind(
     estimate=estimate,
     run=_run,
     eval_data_key=("data", "eval_prompts"),
+    train_data_key=("data", "prompts"),
     eval_task=eval_task,
     code_keys=(("reward",), ("reward", "fn")),  # `reward: file.py:fn` or `reward: {fn: file.py:fn}`
     capabilities_use_case="rl",
+    row_purpose="prompts",
+    row_formats=("prompt_only",),
+    render_rows=render_rows,
 )

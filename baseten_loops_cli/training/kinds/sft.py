@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal
 
 from baseten_loops_cli.training.config import CommonConfig, Section
 from baseten_loops_cli.training.data import Example, batches_for_step, sft_datum, weighted_nll
+from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
 from baseten_loops_cli.training.templates import COMMON
@@ -22,9 +23,9 @@ from baseten_loops_cli.training.session import (
 )  # fmt: skip
 
 
-class SFTData(Section):
-    train: str
-    eval: str | None = None
+class SFTData(Section, FormatOptions):
+    train: Sources
+    eval: EvalSources | None = None
     train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
     shuffle: bool = True
 
@@ -35,13 +36,24 @@ class SFTConfig(CommonConfig):
 
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
+    """Rows of any format and source (the data layer reads them), as chat/prompt-completion examples."""
+    from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.data import load_sft_examples
+    from baseten_loops_cli.training.formats import data_notes
 
     config = loaded.config
+    train_spec, eval_spec = kinds.data_specs(loaded)
     kwargs = {"train_on": config.data.train_on, "max_seq_len": config.max_seq_len}
-    train = load_sft_examples(loaded.resolve_path(config.data.train), tokenizer, **kwargs)
-    evals = load_sft_examples(loaded.resolve_path(config.data.eval), tokenizer, **kwargs) if config.data.eval else None
-    return LoadedData(tokenizer, train, evals)
+    train = load_sft_examples(train_spec, tokenizer, **kwargs)
+    evals = load_sft_examples(eval_spec, tokenizer, **kwargs) if eval_spec else None
+    return LoadedData(tokenizer, train, evals, notes=data_notes(train_spec, eval_spec))
+
+
+def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str = "last_assistant") -> list[list[Any]]:
+    """Each row as the loop trains it (`loops data check|preview`): one Example (tokens, weights)."""
+    from baseten_loops_cli.training.data import load_sft_examples
+
+    return [[e] for e in load_sft_examples(spec, tokenizer, train_on=train_on, max_seq_len=max_seq_len)]
 
 
 def estimate(config, data: LoadedData) -> Estimate:
@@ -193,4 +205,6 @@ KIND = Kind(
     eval_data_key=("data", "eval"),
     eval_task=eval_task,
     capabilities_use_case="sft",
+    row_purpose="sft",
+    render_rows=render_rows,
 )

@@ -1,0 +1,101 @@
+"""`loops data check` and `loops data preview` (issue 27): their output on and off a terminal and
+in JSON, run as a user runs them (a child process; no server needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+FORMATS = Path(__file__).resolve().parent / "data" / "formats"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOPS_", "BASETEN_", "NO_COLOR"))}
+    env.update({"PYTHONPATH": str(ROOT), "LOOPS_CONFIG_DIR": str(tmp_path / "cfg"), "LOOPS_NO_AUTOSTART": "1",
+                "COLUMNS": "200", "TERM": "xterm-256color"})
+    env.update(extra)
+    return env
+
+
+def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], capture_output=True, text=True,
+                          env=_env(tmp_path), cwd=tmp_path, timeout=120)
+
+
+def run_tty(tmp_path: Path, *args: str) -> str:
+    """stdout and stderr of ``loops ARGS`` at a terminal (a pseudo-terminal)."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", *args], stdin=follower, stdout=follower,
+                            stderr=follower, env=_env(tmp_path), cwd=tmp_path)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=120)
+    os.close(leader)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_check_reports_format_lengths_roles_and_json(tmp_path):
+    out = run(tmp_path, "data", "check", str(FORMATS / "alpaca.json"), "--max-seq-len", "64", "-o", "json")
+    assert out.returncode == 1, out.stderr  # two rows (system, history) are over 64 tokens
+    doc = json.loads(out.stdout)
+    assert (doc["format"], doc["kind"], doc["rows"]) == ("alpaca", "sft", 12)
+    assert doc["roles"] == {"user": 13, "assistant": 13, "system": 1}
+    assert doc["over_max_seq_len"] == 2 and sum(b["rows"] for b in doc["histogram"]) == 12
+    assert [p["where"] for p in doc["problems"]] == [f"{FORMATS / 'alpaca.json'}: row 2", f"{FORMATS / 'alpaca.json'}: row 3"]
+    assert "over max_seq_len 64" in doc["problems"][0]["message"]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("Error: ")]
+    assert errors == [f"Error: {FORMATS / 'alpaca.json'}: row 2: {doc['problems'][0]['message']} (and 1 more)"]
+
+
+def test_check_table_names_empty_duplicate_and_refused_rows(tmp_path):
+    data = tmp_path / "d.csv"
+    data.write_text("prompt,completion\nWhat is 1+1?,ANSWER: 2\nWhat is 1+1?,ANSWER: 2\n,\n", encoding="utf-8")
+    out = run(tmp_path, "data", "check", str(data))
+    assert out.returncode == 1
+    assert out.stdout.splitlines()[0] == f"{data}: prompt_completion (standard), 3 rows (kind sft, loops-local/tiny)"
+    assert f"duplicate rows: {data}:3 = {data}:2" in out.stdout
+    assert f"empty rows: {data}:4" in out.stdout
+    assert f"  {data}:4: nothing to train on" in out.stdout
+    assert "Traceback" not in out.stderr
+    ok = run(tmp_path, "data", "check", str(FORMATS / "sharegpt.jsonl"))
+    assert ok.returncode == 0, ok.stderr
+    assert "sharegpt, 12 rows" in ok.stdout and "roles: assistant 13, system 11, tool 1, user 12" in ok.stdout
+
+
+def test_preview_json_spans_are_the_trained_text(tmp_path):
+    out = run(tmp_path, "data", "preview", str(FORMATS / "preference.jsonl"), "--rows", "2", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert (doc["format"], doc["kind"]) == ("preference (standard)", "dpo")
+    assert [r["side"] for r in doc["rows"]] == ["chosen", "rejected", "chosen", "rejected"]
+    first = doc["rows"][0]
+    assert [first["text"][a:b] for a, b in first["trained"]] == ["ANSWER: 0<|im_end|>"]
+    assert first["trained_tokens"] == len("ANSWER: 0") + 1  # the byte tokenizer: a token per byte, plus <|im_end|>
+
+
+def test_preview_marks_trained_tokens_at_a_terminal_and_as_offsets_elsewhere(tmp_path):
+    plain = run(tmp_path, "data", "preview", str(FORMATS / "alpaca.json"), "-n", "1")
+    assert plain.returncode == 0, plain.stderr
+    assert "\x1b[" not in plain.stdout
+    lines = plain.stdout.splitlines()
+    assert lines[0] == f"{FORMATS / 'alpaca.json'}: alpaca (kind sft, loops-local/tiny)"
+    assert lines[-1].startswith("trained characters: [")
+    tty = run_tty(tmp_path, "data", "preview", str(FORMATS / "alpaca.json"), "-n", "1")
+    assert "trained characters" not in tty
+    highlighted = tty[tty.index("assistant"):]
+    assert "\x1b[" in highlighted and "ANSWER: 0" in highlighted
+    before = highlighted[: highlighted.index("ANSWER: 0")]
+    assert "\x1b[" in before  # the style starts before the trained reply
