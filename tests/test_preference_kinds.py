@@ -230,7 +230,7 @@ GOOD_KTO = [{"prompt": "What is 2+1?", "completion": "ANSWER: 3", "label": True}
     ("kto", [dict(r, label=True) for r in GOOD_KTO], "", "every row has label true; KTO needs rows labelled false"),
     ("kto", GOOD_KTO + [{"prompt": "a", "completion": "b", "label": "yes"}], ":3: ", "'label' must be true or false"),
     ("dpo", [{"prompt": "What is 2+1?", "chosen": "ANSWER: 3", "rejected": "3"}] + GOOD_KTO[:1], ":2: ",
-     "an unpaired row ('completion'/'label') under kind: dpo"),
+     "missing key 'chosen': this is an unpaired row ('completion'/'label')"),
 ], ids=["paired-under-kto", "one-label", "label-not-bool", "unpaired-under-dpo"])  # fmt: skip
 def test_bad_preference_data_fails_before_anything_is_provisioned(local_server, tmp_path, kind, rows, where, message):
     train = write_rows(tmp_path / "rows.jsonl", rows)

@@ -98,12 +98,22 @@ def detect(rows: list[tuple[str, dict]], label: str, forced: str | None = None,
             continue
         field = KEY_FIELD[fmt]
         looks = f"this row looks like {kind}" if kind else "this row is in no known format"
+        hint = "Fix or remove the row, or set data.format if every row is meant to be read as one format."
+        if frozenset({kind, fmt}) == _PAIRED_AND_UNPAIRED:
+            # The mistake users make most with preference data: thumbs-up/down rows among pairs.
+            looks = ("this is an unpaired row ('completion'/'label')" if kind == "unpaired_preference"
+                     else "this is a paired row ('chosen'/'rejected')")
+            hint = ("Pairs (chosen/rejected) train with kind: dpo, unpaired rows (completion + label) "
+                    "with kind: kto; keep one kind of row per file.")
         raise ConfigError(
             f"{where}: missing key {field!r}{_mapped_note(field, mapped)}: {looks} (keys {', '.join(sorted(map(str, row)))}), "
             f"but {counts[fmt]:,} of the {len(rows):,} rows of {label} are {fmt}",
-            hint="Fix or remove the row, or set data.format if every row is meant to be read as one format.",
+            hint=hint,
         )
     return fmt, kinds
+
+
+_PAIRED_AND_UNPAIRED = frozenset({"preference", "unpaired_preference"})
 
 
 def _mapped_note(field: str, mapped: dict[str, str] | None) -> str:
