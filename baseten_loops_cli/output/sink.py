@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Sequence, TextIO
 
 from baseten_loops_cli.errors import CancelledError, UsageError
 
-FORMATS = ("table", "json", "jsonl", "yaml", "none")
+FORMATS = ("table", "json", "jsonl", "yaml", "csv", "none")
 
 # A column is (header, key or function of the row). A key is a dotted path in the row's JSON
 # ("user.email"); a function gets the row as it was given (a model, or a dict).
@@ -306,6 +306,9 @@ class Output:
 
             self._write(yaml.safe_dump(payload, sort_keys=False, allow_unicode=True).rstrip("\n"))
             return
+        if self.format == "csv":
+            self._csv(row_list, originals, columns, payload)
+            return
         # table
         if note:
             self.info(note)
@@ -362,7 +365,7 @@ class Output:
     def check_text_stream(self, option: str, *, hint: str) -> None:
         """Refuse ``option``, which prints text as it comes (:meth:`text_piece`), with a format
         that prints documents (json, jsonl, yaml, --jq): a usage error naming both."""
-        if self.format in ("json", "jsonl", "yaml"):
+        if self.format in ("json", "jsonl", "yaml", "csv"):
             raise UsageError(f"{option} prints text as it is generated, not -o {self.format}", hint=hint)
 
     def emit_record(self, record: Any) -> None:
@@ -449,6 +452,35 @@ class Output:
         self._write("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
         for line in cells:
             self._write("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+
+    def _csv(self, rows: list[dict] | None, originals: list[Any] | None, columns: Sequence[Column] | None,
+             payload: Any) -> None:
+        """RFC 4180 CSV: the table's rows and columns (headers as the table's); without a table,
+        one row of the document's top-level scalar fields. Lists are joined with ``;``."""
+        import csv
+        import io
+
+        def cell(value: Any) -> Any:
+            if value is None:
+                return ""
+            if isinstance(value, (list, tuple)):
+                return ";".join(str(v) for v in value)
+            if isinstance(value, dict):
+                return json.dumps(value, separators=(",", ":"))
+            return value
+
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        if rows is not None and originals is not None and columns is not None:
+            writer.writerow([h for h, _ in columns])
+            for row, original in zip(rows, originals):
+                writer.writerow([cell(_cell(row, key, original)) for _, key in columns])
+        elif isinstance(payload, dict):
+            writer.writerow(list(payload))
+            writer.writerow([cell(v) for v in payload.values()])
+        else:
+            writer.writerow([cell(payload)])
+        self._write(buffer.getvalue().rstrip("\n"))
 
     def _fields(self, obj: dict, original: Any, fields: Sequence[Column]) -> None:
         width = max(len(label) for label, _ in fields) + 1

@@ -242,18 +242,11 @@ def summary_of(rundir: RunDir, run_id: str | None, kind: str, status: str, *, de
     )
 
 
-def main_metric_of(rundir: RunDir) -> str:
-    """The main metric of the kind that wrote a run directory (its saved config says which;
-    ``loss`` when that cannot be read or names no registered kind): `train plot`'s default."""
-    import yaml
-
+def main_metric(kind: str | None) -> str:
+    """The main metric of the kind a run directory's config names (``loss`` when it names no
+    registered kind): `train plot`'s default, the train metric `train compare` shows."""
     from baseten_loops_cli.training import kinds
 
-    try:
-        raw = yaml.safe_load(rundir.config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
-        raw = None
-    kind = raw.get("kind") if isinstance(raw, dict) else None
     return kinds.get(kind).main_metric if isinstance(kind, str) and kind in kinds.names() else "loss"
 
 
@@ -281,8 +274,24 @@ def absolute_raw(loaded: LoadedConfig) -> dict:
     return raw
 
 
-def _execute(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir, *, resume: bool, keep_run: bool,
-             view: Any, announce: Announce) -> TrainingSummary:
+def _execute(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir, **options: Any) -> TrainingSummary:
+    """:func:`_train` with the run directory held by this process (its .lock): a second `train
+    resume` of the same directory (a sweep's resume while a killed sweep's run still stops) is
+    refused instead of replaying the other's steps."""
+    from baseten_loops_cli.training.rundir import RunDirBusy
+
+    try:
+        rundir.acquire()
+    except RunDirBusy as busy:
+        raise UsageError(str(busy), hint="Wait for that process to stop (or stop it), then run this again.") from None
+    try:
+        return _train(backend, loaded, data, rundir, **options)
+    finally:
+        rundir.release()
+
+
+def _train(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir, *, resume: bool, keep_run: bool,
+           view: Any, announce: Announce) -> TrainingSummary:
     """Connect, train, and leave the run directory and the backend in a clean state.
 
     Whatever ends the loop (done, Ctrl-C, a broken reward, a backend error, a bug), state.json
