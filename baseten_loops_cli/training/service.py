@@ -100,8 +100,11 @@ class ResumeTarget:
 def load(config: Path, overrides: list[str] | None = None) -> LoadedConfig:
     """Load and validate a config, including that its data files exist."""
     from baseten_loops_cli.training.config import load_config
+    from baseten_loops_cli.training.trackers import check_installed
 
-    return load_config(config, overrides or [], check_files=True)
+    loaded = load_config(config, overrides or [], check_files=True)
+    check_installed(loaded.config.logging.trackers)
+    return loaded
 
 
 def check_on_backend(client: Any, loaded: LoadedConfig) -> list[str]:
@@ -204,7 +207,11 @@ def open_run_dir(run_dir: Path) -> ResumeTarget:
         what = "no state.json" if run_dir.is_dir() else ("a file" if run_dir.exists() else "no such folder")
         raise UsageError(f"{run_dir} is not a run directory ({what})", hint="Pass the --run-dir of `loops train run`.")
     state = rundir.read_state()
-    return ResumeTarget(rundir, load_config(rundir.config_file), state)
+    loaded = load_config(rundir.config_file)
+    from baseten_loops_cli.training.trackers import check_installed
+
+    check_installed(loaded.config.logging.trackers)
+    return ResumeTarget(rundir, loaded, state)
 
 
 def load_data(loaded: LoadedConfig) -> LoadedData:
@@ -302,6 +309,7 @@ def _train(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir,
     from baseten_loops_cli.training.metrics import MetricsSink, open_wandb
     from baseten_loops_cli.training.rewards import RewardError
     from baseten_loops_cli.training.session import StopRequested, open_session, save_checkpoint
+    from baseten_loops_cli.training.trackers import open_trackers
 
     kind = kinds.of(loaded.config)
     resume_cmd = f"loops train resume {rundir.path}"
@@ -331,7 +339,10 @@ def _train(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir,
             wandb, note = open_wandb(loaded.config, rundir, run_id=session.run_id, raw_config=loaded.raw)
             if note:
                 announce(note)
-            sink = MetricsSink(rundir, view, wandb=wandb, step_fields=kind.step_fields)
+            trackers, notes = open_trackers(loaded.config, rundir, raw_config=loaded.raw, start_step=session.start_step)
+            for note in notes:
+                announce(note)
+            sink = MetricsSink(rundir, view, wandb=wandb, trackers=trackers, step_fields=kind.step_fields)
             try:
                 status = kind.run(session, data, sink, stop)
             except RewardError:

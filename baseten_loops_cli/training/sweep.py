@@ -280,8 +280,12 @@ def open_sweep(path: Path) -> Sweep:
 def loaded_points(sweep: Sweep) -> list[Any]:
     """Each point's config, loaded and checked (files too): what the summed plan is made of."""
     from baseten_loops_cli.training.config import load_config
+    from baseten_loops_cli.training.trackers import check_installed
 
-    return [load_config(sweep.config, [*sweep.sets, *p.overrides], check_files=True) for p in sweep.points]
+    loaded = [load_config(sweep.config, [*sweep.sets, *p.overrides], check_files=True) for p in sweep.points]
+    for one in loaded[:1]:
+        check_installed(one.config.logging.trackers)
+    return loaded
 
 
 # ------------------------------------------------------------------ running
