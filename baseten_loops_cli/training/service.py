@@ -339,7 +339,8 @@ def _train(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir,
             wandb, note = open_wandb(loaded.config, rundir, run_id=session.run_id, raw_config=loaded.raw)
             if note:
                 announce(note)
-            trackers, notes = open_trackers(loaded.config, rundir, raw_config=loaded.raw, start_step=session.start_step)
+            trackers, notes = open_trackers(loaded.config, rundir, raw_config=absolute_raw(loaded),
+                                            start_step=session.start_step)  # the config as config.yaml keeps it
             for note in notes:
                 announce(note)
             sink = MetricsSink(rundir, view, wandb=wandb, trackers=trackers, step_fields=kind.step_fields)
