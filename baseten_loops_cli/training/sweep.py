@@ -185,7 +185,7 @@ def check(config: Path, sets: list[str], spec: SweepSpec, loaded: Any) -> None:
             leaf = difflib.get_close_matches(leaf_name, [k.rsplit(".", 1)[-1] for k in keys], n=1, cutoff=0.6)
             if not close and leaf:
                 close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf[0]][:1]
-            raise UsageError(f"--grid {key!r}: not a config key" + (f"; did you mean {close[0]!r}?" if close else ""),
+            raise ConfigError(f"--grid {key!r}: not a config key" + (f"; did you mean {close[0]!r}?" if close else ""),
                              hint=f"Use --grid {close[0]}=..." if close else "Run `loops train init` to see the keys.")
         if key == "sweep" or key.startswith("sweep."):
             raise UsageError(f"--grid {key!r}: a sweep cannot sweep its own settings", hint="Pick a training key.")
@@ -195,7 +195,7 @@ def check(config: Path, sets: list[str], spec: SweepSpec, loaded: Any) -> None:
                 load_config(config, [*sets, f"{key}={value}"])
             except ConfigProblems as exc:
                 problem = exc.problems[0]
-                raise UsageError(f"--grid {key}={value}: {problem.message}",
+                raise ConfigError(f"--grid {key}={value}: {problem.message}",
                                  hint=f"Give {key} values of its type." if problem.override else problem.fix) from None
     size = 1
     for values in spec.grid.values():

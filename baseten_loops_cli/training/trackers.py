@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from baseten_loops_cli.errors import UsageError
+from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.rundir import SWEEP_INDEX, RunDir, atomic_write
 
 # name -> (module that must import, the extra that installs it)
@@ -51,7 +51,7 @@ def check_installed(names: list[str], *, where: str = "logging.trackers") -> Non
         try:
             importlib.import_module(module)  # imported for real: a broken install fails here, not mid-run
         except ImportError:
-            raise UsageError(f"{where} names {name!r}, but {module} is not installed",
+            raise ConfigError(f"{where} names {name!r}, but {module} is not installed",
                              hint=f"Install it: pip install '{PACKAGE}[{extra}]' (or remove {name!r} from {where}).") from None
 
 
