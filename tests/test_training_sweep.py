@@ -75,7 +75,7 @@ def test_sweep_killed_midway_resumes_each_run_exactly_once(local_server, tmp_pat
     table = loops(["train", "compare", str(sweep_dir), "--sort", "final_loss"], env, tmp_path)
     assert table.returncode == 0, table.stderr
     lines = table.stdout.strip().splitlines()
-    assert lines[0].split()[:4] == ["RUN", "STATUS", "lora_rank", "optimizer.learning_rate"]
+    assert lines[0].split()[:4] == ["run", "status", "lora_rank", "optimizer.learning_rate"]
     assert len(lines) == 5 and all("completed" in line for line in lines[1:])
     assert "*" in lines[1]  # sorted by final_loss: the first row holds the best one
     doc = json.loads(loops(["-o", "json", "train", "compare", str(sweep_dir)], env, tmp_path).stdout)

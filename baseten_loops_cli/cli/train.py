@@ -470,25 +470,14 @@ def compare(
     main_metrics = {name: kinds.get(name).main_metric for name in kinds.names()}
     result = compare_runs(records, main_metrics=main_metrics, sort=sort)
 
-    def marked(column: str):
-        def cell(row: dict) -> str:
-            from baseten_loops_cli.output.sink import format_cell
-
-            value = row.get(column)
-            text = f"{value:.4g}" if isinstance(value, float) else format_cell(value)
-            return text + ("*" if column in row["best"] else "")
-        return cell
-
     def plain(column: str):
         return lambda row: row.get(column)  # a column name like optimizer.learning_rate is no path
 
-    if out.format == "csv":
-        columns = [(c, plain(c)) for c in [*result.columns, "best"]]
-    else:
-        columns = [("RUN", "run"), ("STATUS", "status"), *[(k, plain(k)) for k in result.key_columns], ("STEPS", "steps"),
-                   *[(c, marked(c)) for c in result.metric_columns
-                     if any(r.get(c) is not None for r in result.rows)]]
+    columns = [("run", "run"), ("status", "status"), *[(k, plain(k)) for k in result.key_columns], ("steps", "steps"),
+               *[(c, plain(c)) for c in result.metric_columns if any(r.get(c) is not None for r in result.rows)],
+               ("best", "best")]
     out.emit(result.as_dict(), rows=result.rows, columns=columns, id_key="run",
-             note=None, hint="* marks the best value of a column." if result.best else None)
+             marked=lambda row, column: column in row.get("best", ()),
+             hint="* marks the best value of a column." if result.best else None)
     if plot_metric:
         _plot(state, records, plot_metric, out_file)

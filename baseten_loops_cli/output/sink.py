@@ -273,6 +273,7 @@ class Output:
         text: Iterable[str] | None = None,
         note: str | None = None,
         hint: str | None = None,
+        marked: Callable[[dict, str], bool] | None = None,
     ) -> None:
         """Write ``data`` (the JSON document: a model, or a dict of models) in the chosen format.
 
@@ -280,7 +281,8 @@ class Output:
         ``fields`` describes a key/value view of a single object; ``text`` is a view of plain
         lines (an empty one: the messages on stderr already said it all). Without any of them,
         tables fall back to JSON. For people only (the table view): ``note`` is said on stderr
-        before the view, ``hint`` after a non-empty one.
+        before the view, ``hint`` after a non-empty one. ``marked(row, header)`` says which cells
+        the table marks with ``*`` (the best of a column); documents carry that in their data.
         """
         payload = to_jsonable(data)
         originals = list(rows) if rows is not None else None
@@ -322,7 +324,7 @@ class Output:
             for line in text:
                 self._write(line)
         elif row_list is not None and originals is not None and columns is not None:
-            self._table(list(zip(row_list, originals)), columns, title)
+            self._table(list(zip(row_list, originals)), columns, title, marked)
         elif fields is not None:
             self._fields(payload, data, fields)
         else:
@@ -435,9 +437,11 @@ class Output:
                                  out=self.streams.stdout, err=self.streams.stderr)
 
     # ------------------------------------------------------------------ renderers
-    def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None) -> None:
+    def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None,
+               marked: Callable[[dict, str], bool] | None = None) -> None:
         headers = [h for h, _ in columns]
-        cells = [[format_cell(_cell(row, key, original)) for _, key in columns] for row, original in rows]
+        cells = [[format_cell(_cell(row, key, original)) + ("*" if marked is not None and marked(row, header) else "")
+                  for header, key in columns] for row, original in rows]
         if self.is_tty:
             from rich.table import Table
 
