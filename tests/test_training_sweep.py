@@ -96,12 +96,19 @@ def test_sweep_killed_midway_resumes_each_run_exactly_once(local_server, tmp_pat
     assert {float(r["final_loss"]) for r in parsed} == {r["final_loss"] for r in doc["runs"]}
 
 
-def test_ctrl_c_stops_every_run_of_a_sweep_then_resume_finishes(local_server, tmp_path):
+@pytest.mark.required_in_ci  # the trackers are in the dev extra
+def test_ctrl_c_stops_every_run_of_a_sweep_then_resume_finishes(local_server, tmp_path, monkeypatch):
+    """Ctrl-C, resume, and the trackers grouping the sweep's runs: one MLflow parent run with
+    both runs nested (each kept across the resume), one trackio project, one TensorBoard logdir."""
     from tests.test_reliability_faults import cli_env, loops
 
     env = cli_env(local_server)
+    env["TRACKIO_DIR"] = str(tmp_path / "trackio")
+    env.pop("MLFLOW_TRACKING_URI", None)
     sweep_dir = tmp_path / "sweep"
-    proc = start_loops(["train", "sweep", str(EXAMPLES / "tiny-sft.yaml"), *_sets(["max_steps=6", "eval_every=0", "checkpointing.save_every=1", "data.eval=null"]),
+    sets = ["max_steps=6", "eval_every=0", "checkpointing.save_every=1", "data.eval=null",
+            "logging.trackers=[tensorboard,mlflow,trackio]"]
+    proc = start_loops(["train", "sweep", str(EXAMPLES / "tiny-sft.yaml"), *_sets(sets),
                         "--grid", "seed=1,2", "--parallel", "2", "--sweep-dir", str(sweep_dir)], env, tmp_path)
     runs = [sweep_dir / "00-seed=1", sweep_dir / "01-seed=2"]
     wait_for(lambda: proc.poll() is not None or all(trained_steps(r) for r in runs), timeout=240)
@@ -113,7 +120,27 @@ def test_ctrl_c_stops_every_run_of_a_sweep_then_resume_finishes(local_server, tm
     for run in runs:
         state = json.loads((run / "state.json").read_text())
         assert state["status"] in ("interrupted", "completed"), state
+    mlflow_runs = [json.loads((run / "state.json").read_text())["trackers"]["mlflow_run_id"] for run in runs]
     resumed = loops(["train", "resume", str(sweep_dir)], env, tmp_path, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
-    for run in runs:
+    for run, mlflow_run in zip(runs, mlflow_runs):
         assert trained_steps(run) == list(range(1, 7)), trained_steps(run)
+        assert json.loads((run / "state.json").read_text())["trackers"]["mlflow_run_id"] == mlflow_run
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(sweep_dir / "trackers" / "mlruns").as_uri())
+    parent = json.loads((sweep_dir / "trackers.json").read_text())["mlflow_parent_run_id"]
+    assert client.get_run(parent).info.run_name == "sweep"
+    for run, mlflow_run in zip(runs, mlflow_runs):
+        child = client.get_run(mlflow_run)
+        assert child.data.tags["mlflow.parentRunId"] == parent and child.info.run_name == run.name
+        assert child.data.params["seed"] == run.name.split("=")[1]
+        assert [m.step for m in client.get_metric_history(mlflow_run, "loss")][-1] == 6
+    import trackio.sqlite_storage
+    from trackio.sqlite_storage import SQLiteStorage
+
+    monkeypatch.setattr(trackio.sqlite_storage, "TRACKIO_DIR", tmp_path / "trackio")
+    assert sorted(SQLiteStorage.get_runs("sweep")) == [r.name for r in runs]  # the project is the sweep
+    assert sorted(p.name for p in (sweep_dir / "trackers" / "tensorboard").iterdir()) == [r.name for r in runs]
