@@ -144,3 +144,23 @@ def test_ctrl_c_stops_every_run_of_a_sweep_then_resume_finishes(local_server, tm
     monkeypatch.setattr(trackio.sqlite_storage, "TRACKIO_DIR", tmp_path / "trackio")
     assert sorted(SQLiteStorage.get_runs("sweep")) == [r.name for r in runs]  # the project is the sweep
     assert sorted(p.name for p in (sweep_dir / "trackers" / "tensorboard").iterdir()) == [r.name for r in runs]
+
+
+def test_a_failed_run_does_not_stop_the_others(local_server, tmp_path, monkeypatch):
+    """The first point fails in its own process (a value only its run checks: the index was
+    edited after the sweep checked it); the second still trains; the result names the failure."""
+    from baseten_loops_cli.training import sweep as sweeps
+    from tests.test_reliability_faults import cli_env
+
+    for key, value in cli_env(local_server).items():
+        monkeypatch.setenv(key, value)
+    spec = sweeps.SweepSpec(grid={"lora_rank": ["lots", "4"]})
+    points = sweeps.points(spec)
+    sweep = sweeps.create(tmp_path / "sweep", EXAMPLES / "tiny-sft.yaml",
+                          ["max_steps=1", "eval_every=0", "data.eval=null"], spec, points, parallel=1)
+    events: list[str] = []
+    result = sweeps.run(sweep, parallel=1, loops_args=[], on_event=events.append)
+    assert [o.status for o in result.outcomes] == ["failed", "completed"], events
+    assert [o.point.name for o in result.failed] == ["00-lora_rank=lots"]
+    assert "lora_rank" in result.failed[0].error and "integer" in result.failed[0].error
+    assert trained_steps(sweep.path / "01-lora_rank=4") == [1]
