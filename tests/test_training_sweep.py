@@ -164,3 +164,33 @@ def test_a_failed_run_does_not_stop_the_others(local_server, tmp_path, monkeypat
     assert [o.point.name for o in result.failed] == ["00-lora_rank=lots"]
     assert "lora_rank" in result.failed[0].error and "integer" in result.failed[0].error
     assert trained_steps(sweep.path / "01-lora_rank=4") == [1]
+
+
+def test_points_are_the_product_or_distinct_seeded_draws_each_in_its_own_directory():
+    from baseten_loops_cli.training import sweep as sweeps
+
+    grid = sweeps.parse_grid(["optimizer.learning_rate=1e-4,3e-4,1e-3", "lora_rank=4,8"])
+    every = sweeps.points(sweeps.SweepSpec(grid=grid))
+    assert [p.params for p in every][:2] == [{"optimizer.learning_rate": "1e-4", "lora_rank": "4"},
+                                             {"optimizer.learning_rate": "1e-4", "lora_rank": "8"}]
+    assert len({p.name for p in every}) == len(every) == 6
+    drawn = sweeps.points(sweeps.SweepSpec(grid=grid, random=4, seed=3))
+    assert drawn == sweeps.points(sweeps.SweepSpec(grid=grid, random=4, seed=3))  # the seed decides
+    assert len({tuple(p.params.values()) for p in drawn}) == 4
+    assert {tuple(p.params.items()) for p in drawn} <= {tuple(p.params.items()) for p in every}
+    with pytest.raises(Exception, match="listed twice"):
+        sweeps.parse_grid(["seed=1,1"])
+
+
+def test_a_run_directory_has_one_writer(tmp_path):
+    from baseten_loops_cli.training.rundir import RunDir, RunDirBusy
+
+    first, second = RunDir(tmp_path), RunDir(tmp_path)
+    first.acquire()
+    assert second.lock_holder() == os.getpid()
+    with pytest.raises(RunDirBusy, match=f"pid {os.getpid()}"):
+        second.acquire()
+    first.release()
+    assert second.lock_holder() is None
+    second.acquire()
+    second.release()

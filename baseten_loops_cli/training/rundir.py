@@ -25,6 +25,7 @@ than a small model's step) to keep records that resume trims anyway.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -146,9 +147,11 @@ class RunDir:
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
             os.close(fd)
-            raise RunDirBusy(self.path, self.lock_holder()) from None
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunDirBusy(self.path, self.lock_holder()) from None
+            return  # a file system without flock (some network mounts): train unlocked, as before
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
