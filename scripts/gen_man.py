@@ -65,6 +65,12 @@ ENVIRONMENT: list[tuple[str, str]] = [
     ("TERM", "When dumb, no colour and no animation."),
     ("SHELL", "The shell `loops completion install` installs for when none is named."),
     ("ZDOTDIR", "Where `loops completion install zsh` finds .zshrc (default: the home directory)."),
+    ("MLFLOW_TRACKING_URI", "Where a config's `logging.trackers: [mlflow]` logs (default: the local file "
+     "store in the run's trackers/mlruns folder)."),
+    ("MLFLOW_ALLOW_FILE_STORE", "Set to true by `loops train` when it logs to MLflow's local file store "
+     "(MLflow 3 keeps that store behind this switch)."),
+    ("TRACKIO_DIR", "Where `logging.trackers: [trackio]` logs when logging.tracker_dir is not set "
+     "(default ~/.cache/huggingface/trackio)."),
 ]
 
 # Read by the package but not user settings.

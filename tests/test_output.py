@@ -56,6 +56,33 @@ def test_yaml_output():
     assert yaml.safe_load(s.stdout.getvalue())["runs"][1]["status"] == "INACTIVE"
 
 
+def test_csv_is_the_tables_rows_and_columns_read_back_by_the_csv_module():
+    import csv
+    import io
+
+    out, s = make("csv")
+    emit_runs(out)
+    rows = list(csv.reader(io.StringIO(s.stdout.getvalue())))
+    assert rows[0] == [h for h, _ in COLUMNS] and len(rows) == 1 + len(ROWS)
+    assert rows[2][[h for h, _ in COLUMNS].index("STATUS")] == "INACTIVE"
+    out, s = make("csv")
+    out.emit({"runs": [{"run": "a,b", "tags": ["x", "y"], "loss": None}]}, rows=[{"run": "a,b", "tags": ["x", "y"], "loss": None}],
+             columns=[("run", "run"), ("tags", "tags"), ("loss", "loss")])
+    assert list(csv.reader(io.StringIO(s.stdout.getvalue()))) == [["run", "tags", "loss"], ["a,b", "x;y", ""]]
+
+
+def test_table_marks_the_cells_marked_and_documents_do_not():
+    row = {"run": "a", "loss": 0.5, "best": ["loss"]}
+    out, s = make("table", tty=False)
+    out.emit({"runs": [row]}, rows=[row], columns=[("run", "run"), ("loss", "loss")],
+             marked=lambda r, column: column in r["best"])
+    assert s.stdout.getvalue().splitlines()[1].split() == ["a", "0.5*"]
+    out, s = make("json")
+    out.emit({"runs": [row]}, rows=[row], columns=[("run", "run"), ("loss", "loss")],
+             marked=lambda r, column: column in r["best"])
+    assert json.loads(s.stdout.getvalue())["runs"][0]["loss"] == 0.5
+
+
 def test_none_prints_nothing():
     out, s = make("none")
     emit_runs(out)

@@ -102,7 +102,7 @@ def root(
     ctx: typer.Context,
     output: Annotated[
         Optional[str],
-        typer.Option("-o", "--output", help="Output format: table, json, jsonl, yaml or none.", envvar="LOOPS_OUTPUT", show_envvar=True),
+        typer.Option("-o", "--output", help="Output format: table, json, jsonl, yaml, csv or none.", envvar="LOOPS_OUTPUT", show_envvar=True),
     ] = None,
     jq: Annotated[
         Optional[str], typer.Option("--jq", help="Filter JSON output with a jq expression (implies -o json).")

@@ -185,11 +185,14 @@ def run(
 @app.command("resume")
 def resume(
     ctx: typer.Context,
-    run_dir: Annotated[Path, typer.Argument(help="The run directory of an interrupted run.")],
+    run_dir: Annotated[Path, typer.Argument(help="The run directory of an interrupted run, or a sweep folder.")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before provisioning remote capacity.")] = False,
     keep_run: Annotated[bool, typer.Option("--keep-run", help="Leave the run active when training ends.")] = False,
 ) -> None:
-    """Continue an interrupted run from its last checkpoint: no step repeated or skipped.
+    """Continue an interrupted run (or finish a sweep) from its last checkpoint: no step repeated or skipped.
+
+    Given a sweep folder, it starts the sweep's runs that never started and resumes those that
+    stopped or failed; completed runs are left as they are, so each run trains exactly once.
 
     A run that `loops train run` deactivated when it stopped cannot take more steps, so training
     continues in a new run from the saved state; the output says so, state.json lists the earlier
@@ -198,11 +201,17 @@ def resume(
     Examples:
 
       loops train resume runs/tiny-sft-20261203-091500
+
+      loops train resume runs/sweep-tiny-sft-20261204-101500
     """
     from baseten_loops_cli.training import service
+    from baseten_loops_cli.training.rundir import is_sweep_dir
 
     state = get_state(ctx)
     out = state.output
+    if is_sweep_dir(run_dir):
+        _resume_sweep(state, run_dir, yes=yes)
+        return
     target = service.open_run_dir(run_dir)
     if target.completed:
         out.info(f"{run_dir}: already completed ({target.state.get('step')} steps); nothing to resume.")
@@ -220,7 +229,7 @@ def resume(
 @app.command("plot")
 def plot(
     ctx: typer.Context,
-    run_dirs: Annotated[list[Path], typer.Argument(help="One or more run directories (overlaid, one colour and legend entry each).")],
+    run_dirs: Annotated[list[Path], typer.Argument(help="One or more run directories or sweep folders (overlaid, one colour and legend entry each).")],
     metric: Annotated[Optional[list[str]], typer.Option("--metric", "-m", help="Metric(s) to plot (default: the kind's main metric: loss, or reward for RL).")] = None,
     out_file: Annotated[Optional[Path], typer.Option("--out", help="Write a PNG here (needs matplotlib).")] = None,
 ) -> None:
@@ -234,22 +243,34 @@ def plot(
 
       loops train plot runs/my-rl --metric reward --metric pass_rate --out curves.png
     """
+
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.training.rundir import RunRecord, run_dirs as expand
+
+    state = get_state(ctx)
+    records = []
+    for run_dir in expand(run_dirs, started_only=True):
+        record = RunRecord(run_dir)
+        if not record.metrics:
+            raise UsageError(f"{run_dir}: no metrics.jsonl records to plot", hint="Pass run directories of `loops train run`.")
+        records.append(record)
+    _plot(state, records, metric, out_file)
+
+
+def _plot(state, records, metric, out_file) -> None:
+    """Draw ``records`` (rundir.RunRecord) overlaid: `train plot` and `train compare --plot`."""
     import shutil
 
     from baseten_loops_cli.errors import UsageError
-    from baseten_loops_cli.training import service
     from baseten_loops_cli.training.plot import plot_png, plot_terminal
-    from baseten_loops_cli.training.rundir import RunDir
 
-    state = get_state(ctx)
-    runs: dict[str, list[dict]] = {}
-    for run_dir in run_dirs:
-        records = [r for r in RunDir(run_dir).metrics() if not r.get("final")]
-        if not records:
-            raise UsageError(f"{run_dir}: no metrics.jsonl records to plot", hint="Pass run directories of `loops train run`.")
-        runs[str(run_dir).rstrip("/") or str(run_dir)] = records
-    names = metric or [service.main_metric_of(RunDir(run_dirs[0]))]
-    available = sorted({k for rs in runs.values() for r in rs for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
+    if not records:
+        raise UsageError("no run has metrics to plot yet", hint="Plot runs that have taken a step.")
+    runs = {r.label: r.metrics for r in records}
+    from baseten_loops_cli.training.service import main_metric
+
+    names = metric or [main_metric(records[0].kind)]
+    available = sorted({n for r in records for n in r.numeric_names()})
     for name in names:
         if name not in available:
             raise UsageError(f"no metric {name!r} in {', '.join(runs)}", hint=f"Available: {', '.join(available)}.")
@@ -260,3 +281,205 @@ def plot(
     color = state.output.streams.stdout_color
     width = max(40, min(120, shutil.get_terminal_size((80, 24)).columns - 2))
     typer.echo(plot_terminal(runs, names, width=width, color=color))
+
+
+def _loops_args(state) -> list[str]:
+    """The global options a sweep's run processes need to reach the same backend."""
+    return ["--profile", state.profile] if state.profile else []
+
+
+def _sweep_plan_lines(sweep, prepared, parallel: int, backend_desc: str) -> list[str]:
+    from baseten_loops_cli.output.format import human_duration
+
+    plans = [p.plan for p in prepared]
+    config = prepared[0].loaded.config
+    lines = [f"Sweep of {len(plans)} runs of {config.name!r} ({plans[0].title}) on {config.base_model}, "
+             f"{backend_desc}, {parallel} at a time, into {sweep.path}:"]
+    for point, plan in zip(sweep.points, plans):
+        lines.append(f"  {point.name}: {plan.steps} steps, ~{plan.train_tokens:,} tokens"
+                     + (f", ~{plan.sample_tokens:,} sampled" if plan.sample_tokens else "")
+                     + f", {human_duration(plan.est_seconds)}"
+                     + (f", ${plan.est_cost_usd:,.2f}" if plan.est_cost_usd is not None else ""))
+    costs = [p.est_cost_usd for p in plans]
+    seconds = sum(p.est_seconds or 0.0 for p in plans)
+    lines.append(f"  total: {sum(p.steps for p in plans)} steps, ~{sum(p.train_tokens for p in plans):,} tokens trained"
+                 + (f", ~{sum(p.sample_tokens for p in plans):,} sampled" if any(p.sample_tokens for p in plans) else ""))
+    lines.append(f"  estimated time: {human_duration(seconds)} of training"
+                 + (f" (~{human_duration(seconds / parallel)} with {parallel} at a time)" if parallel > 1 else "")
+                 + (f", estimated cost: ${sum(costs):,.2f}" if all(c is not None for c in costs) else ""))
+    lines += [f"  note: {n}" for n in dict.fromkeys(n for p in plans for n in p.notes)]
+    return lines
+
+
+def _sweep_rows(result):
+    from baseten_loops_cli.training.rundir import RunRecord
+
+    rows = []
+    for outcome in result.outcomes:
+        rundir = result.sweep.rundir(outcome.point)
+        record = RunRecord(rundir.path) if rundir.exists() else None
+        rows.append({"run": outcome.point.name, "run_dir": str(rundir.path), "status": outcome.status,
+                     "steps": record.steps if record else 0, "params": outcome.point.params,
+                     "error": outcome.error})
+    return rows
+
+
+def _run_sweep(state, sweep, parallel: int) -> None:
+    """Train the sweep's runs and render how they ended: a table (or -o json|csv), exit 130 after
+    Ctrl-C, exit 1 naming the failed runs."""
+    from baseten_loops_cli.errors import LoopsError
+    from baseten_loops_cli.training import sweep as sweeps
+
+    out = state.output
+    columns = [("RUN", "run"), ("STATUS", "status"), ("STEPS", "steps"), ("RUN DIR", "run_dir")]
+
+    def render(result) -> None:
+        rows = _sweep_rows(result)
+        out.emit({"sweep_dir": str(sweep.path), "runs": rows}, rows=rows, columns=columns, id_key="run_dir")
+
+    try:
+        result = sweeps.run(sweep, parallel=parallel, loops_args=_loops_args(state), on_event=out.info)
+    except sweeps.SweepInterrupted as stopped:
+        render(stopped.result)
+        raise
+    render(result)
+    if result.failed:
+        names = ", ".join(o.point.name for o in result.failed)
+        raise LoopsError(f"{len(result.failed)} of {len(result.outcomes)} runs failed: {names}",
+                         hint=f"Each run's output is in its {sweeps.LOG_NAME}; retry them with "
+                              f"`loops train resume {sweep.path}`.")
+    out.success(f"Done: {len(result.outcomes)} runs in {sweep.path}. Compare them: loops train compare {sweep.path}")
+
+
+def _resume_sweep(state, sweep_dir: Path, *, yes: bool) -> None:
+    from baseten_loops_cli.training import service
+    from baseten_loops_cli.training import sweep as sweeps
+
+    out = state.output
+    sweep = sweeps.open_sweep(sweep_dir)
+    loaded = sweeps.loaded_points(sweep)
+    backend = state.backend(_profile_for(state, loaded[0]))
+    left = [p for p in sweep.points if sweep.status(p) != "completed"]
+    parallel = int(sweep.index.get("parallel") or 1)
+    if backend.capabilities.billable and left:
+        for line in _sweep_plan_lines(sweep, [service.prepare(l, sweep.rundir(p), backend) for p, l in zip(sweep.points, loaded)],
+                                      parallel, f"profile {backend.profile_name!r} ({backend.base_url})"):
+            out.note(line)
+        out.confirm(f"Resume {len(left)} runs on {backend.base_url} (may provision new runs)?", yes=yes)
+    _run_sweep(state, sweep, parallel)
+
+
+@app.command("sweep")
+def sweep(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Argument(help="The YAML config.")],
+    grid: Annotated[Optional[list[str]], typer.Option("--grid", help="key.path=v1,v2: sweep these values (repeatable; the product is run).")] = None,
+    overrides: SetOpt = None,
+    random_n: Annotated[Optional[int], typer.Option("--random", help="Run N points drawn at random from the grid instead of all.")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="The seed of --random's draw (default 0).")] = None,
+    parallel: Annotated[Optional[int], typer.Option("--parallel", help="Runs at a time (default: 1 locally, all of them on a billable backend).")] = None,
+    max_runs: Annotated[Optional[int], typer.Option("--max-runs", help="Refuse a sweep of more runs than this (default 64).")] = None,
+    sweep_dir: Annotated[Optional[Path], typer.Option("--sweep-dir", help="The sweep folder (default runs/sweep-NAME-TIME); one run directory per point inside.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check and show the summed plan; provision nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before provisioning remote capacity.")] = False,
+) -> None:
+    """Train one config at every point of a grid of --set values, each in its own run directory.
+
+    The runs go under one sweep folder with a sweep.json index; each is a `loops train run`
+    process of its own, its output in RUN_DIR/train.log. Without --grid, the config's `sweep:`
+    block says what to vary. One confirmation on a billable backend shows the summed plan and
+    cost. Ctrl-C stops every run after its step in flight (exit 130); `loops train resume
+    SWEEP_DIR` finishes what is left, each run exactly once. A failed run does not stop the
+    others: the sweep exits 1 naming it.
+
+    Examples:
+
+      loops train sweep examples/tiny-sft.yaml --grid optimizer.learning_rate=1e-3,3e-3 --grid lora_rank=4,16
+
+      loops train sweep my.yaml --grid seed=0,1,2,3 --grid batch_size=8,16 --random 4 --seed 7
+
+      loops train sweep my.yaml --grid optimizer.learning_rate=1e-4,3e-4 --parallel 2 --yes
+    """
+    from baseten_loops_cli.training import service
+    from baseten_loops_cli.training import sweep as sweeps
+    from baseten_loops_cli.training.rundir import RunDir
+
+    state = get_state(ctx)
+    out = state.output
+    sets = list(overrides or [])
+    loaded = service.load(config, sets)
+    spec = sweeps.spec_of(loaded, sweeps.parse_grid(grid or []), random_n=random_n, seed=seed,
+                          max_runs=max_runs, parallel=parallel)
+    sweeps.check(config, sets, spec, loaded)
+    points = sweeps.points(spec)
+    target = sweep_dir or sweeps.default_sweep_dir(loaded.config.name)
+    sweeps.check_target(target)
+    point_configs = [service.load(config, [*sets, *p.overrides]) for p in points]
+    backend = state.backend(_profile_for(state, loaded))
+    prepared = [service.prepare(l, RunDir(target / p.name), backend) for p, l in zip(points, point_configs)]
+    at_once = min(len(points), spec.parallel or (len(points) if backend.capabilities.billable else 1))
+    desc = f"profile {backend.profile_name!r} ({backend.base_url})"
+    plan = sweeps.Sweep(target, {}, points)
+    lines = _sweep_plan_lines(plan, prepared, at_once, desc)
+    if dry_run:
+        out.report({"dry_run": True, "sweep_dir": str(target), "parallel": at_once,
+                    "runs": [{"run": p.name, "params": p.params, "plan": pr.plan.as_dict()} for p, pr in zip(points, prepared)]},
+                   id_key="sweep_dir", lines=[*lines, f"Dry run: nothing provisioned (sweep folder would be {target})."])
+        return
+    for line in lines:
+        out.note(line)
+    if backend.capabilities.billable:
+        out.confirm(f"Provision {len(points)} {loaded.config.base_model} runs on {backend.base_url}, {at_once} at a time?", yes=yes)
+    created = sweeps.create(target, config, sets, spec, points, parallel=at_once)
+    _run_sweep(state, created, at_once)
+
+
+@app.command("compare")
+def compare(
+    ctx: typer.Context,
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories and/or sweep folders.")],
+    sort: Annotated[Optional[str], typer.Option("--sort", help="Sort by this column, best first (e.g. final_loss, best_eval_loss, wall_s).")] = None,
+    plot_metric: Annotated[Optional[list[str]], typer.Option("--plot", help="Also draw this metric of every run, overlaid (repeatable).")] = None,
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="With --plot: write a PNG here (needs matplotlib).")] = None,
+) -> None:
+    """Compare runs side by side: one row per run, the best value of each column marked (*).
+
+    Columns: the config keys that differ between the runs, steps, the final and best value of
+    the train metric and of each eval metric, the `eval:` table's figures (eval.json), wall
+    time, tokens and cost (from the config's pricing.*). -o json and -o csv give the same rows
+    and a "best" list per row.
+
+    Examples:
+
+      loops train compare runs/sweep-tiny-sft-20261204-101500
+
+      loops train compare runs/a runs/b --sort best_eval_loss -o csv > runs.csv
+
+      loops train compare runs/sweep-x --plot loss --out loss.png
+    """
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.training import kinds
+    from baseten_loops_cli.training.compare import compare as compare_runs
+    from baseten_loops_cli.training.rundir import RunRecord, run_dirs as expand
+
+    state = get_state(ctx)
+    out = state.output
+    if out_file is not None and not plot_metric:
+        raise UsageError("--out needs --plot METRIC", hint="e.g. loops train compare DIR --plot loss --out loss.png")
+    records = [RunRecord(p) for p in expand(run_dirs, started_only=True)]
+    if not records:
+        raise UsageError(f"no run has started in {', '.join(map(str, run_dirs))}", hint="Start it with `loops train resume SWEEP_DIR`.")
+    main_metrics = {name: kinds.get(name).main_metric for name in kinds.names()}
+    result = compare_runs(records, main_metrics=main_metrics, sort=sort)
+
+    def plain(column: str):
+        return lambda row: row.get(column)  # a column name like optimizer.learning_rate is no path
+
+    columns = [("run", "run"), ("status", "status"), *[(k, plain(k)) for k in result.key_columns], ("steps", "steps"),
+               *[(c, plain(c)) for c in result.metric_columns if any(r.get(c) is not None for r in result.rows)],
+               ("best", "best")]
+    out.emit(result.as_dict(), rows=result.rows, columns=columns, id_key="run",
+             marked=lambda row, column: column in row.get("best", ()),
+             hint="* marks the best value of a column." if result.best else None)
+    if plot_metric:
+        _plot(state, records, plot_metric, out_file)

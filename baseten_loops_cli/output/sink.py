@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Sequence, TextIO
 
 from baseten_loops_cli.errors import CancelledError, UsageError
 
-FORMATS = ("table", "json", "jsonl", "yaml", "none")
+FORMATS = ("table", "json", "jsonl", "yaml", "csv", "none")
 
 # A column is (header, key or function of the row). A key is a dotted path in the row's JSON
 # ("user.email"); a function gets the row as it was given (a model, or a dict).
@@ -285,6 +285,7 @@ class Output:
         text: Iterable[str] | None = None,
         note: str | None = None,
         hint: str | None = None,
+        marked: Callable[[dict, str], bool] | None = None,
     ) -> None:
         """Write ``data`` (the JSON document: a model, or a dict of models) in the chosen format.
 
@@ -292,7 +293,8 @@ class Output:
         ``fields`` describes a key/value view of a single object; ``text`` is a view of plain
         lines (an empty one: the messages on stderr already said it all). Without any of them,
         tables fall back to JSON. For people only (the table view): ``note`` is said on stderr
-        before the view, ``hint`` after a non-empty one.
+        before the view, ``hint`` after a non-empty one. ``marked(row, header)`` says which cells
+        the table marks with ``*`` (the best of a column); documents carry that in their data.
         """
         payload = to_jsonable(data)
         originals = list(rows) if rows is not None else None
@@ -318,6 +320,9 @@ class Output:
 
             self._write(yaml.safe_dump(payload, sort_keys=False, allow_unicode=True).rstrip("\n"))
             return
+        if self.format == "csv":
+            self._csv(row_list, originals, columns, payload)
+            return
         # table
         if note:
             self.info(note)
@@ -331,7 +336,7 @@ class Output:
             for line in text:
                 self._write(line)
         elif row_list is not None and originals is not None and columns is not None:
-            self._table(list(zip(row_list, originals)), columns, title)
+            self._table(list(zip(row_list, originals)), columns, title, marked)
         elif fields is not None:
             self._fields(payload, data, fields)
         else:
@@ -374,7 +379,7 @@ class Output:
     def check_text_stream(self, option: str, *, hint: str) -> None:
         """Refuse ``option``, which prints text as it comes (:meth:`text_piece`), with a format
         that prints documents (json, jsonl, yaml, --jq): a usage error naming both."""
-        if self.format in ("json", "jsonl", "yaml"):
+        if self.format in ("json", "jsonl", "yaml", "csv"):
             raise UsageError(f"{option} prints text as it is generated, not -o {self.format}", hint=hint)
 
     def stream(self, record: Any, *, text: str | None, quiet_text: str | None = None) -> None:
@@ -439,9 +444,11 @@ class Output:
                                  out=self.streams.stdout, err=self.streams.stderr)
 
     # ------------------------------------------------------------------ renderers
-    def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None) -> None:
+    def _table(self, rows: list[tuple[dict, Any]], columns: Sequence[Column], title: str | None,
+               marked: Callable[[dict, str], bool] | None = None) -> None:
         headers = [h for h, _ in columns]
-        cells = [[format_cell(_cell(row, key, original)) for _, key in columns] for row, original in rows]
+        cells = [[format_cell(_cell(row, key, original)) + ("*" if marked is not None and marked(row, header) else "")
+                  for header, key in columns] for row, original in rows]
         if self.is_tty:
             from rich.table import Table
 
@@ -456,6 +463,35 @@ class Output:
         self._write("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
         for line in cells:
             self._write("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+
+    def _csv(self, rows: list[dict] | None, originals: list[Any] | None, columns: Sequence[Column] | None,
+             payload: Any) -> None:
+        """RFC 4180 CSV: the table's rows and columns (headers as the table's); without a table,
+        one row of the document's top-level scalar fields. Lists are joined with ``;``."""
+        import csv
+        import io
+
+        def cell(value: Any) -> Any:
+            if value is None:
+                return ""
+            if isinstance(value, (list, tuple)):
+                return ";".join(str(v) for v in value)
+            if isinstance(value, dict):
+                return json.dumps(value, separators=(",", ":"))
+            return value
+
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        if rows is not None and originals is not None and columns is not None:
+            writer.writerow([h for h, _ in columns])
+            for row, original in zip(rows, originals):
+                writer.writerow([cell(_cell(row, key, original)) for _, key in columns])
+        elif isinstance(payload, dict):
+            writer.writerow(list(payload))
+            writer.writerow([cell(v) for v in payload.values()])
+        else:
+            writer.writerow([cell(payload)])
+        self._write(buffer.getvalue().rstrip("\n"))
 
     def _fields(self, obj: dict, original: Any, fields: Sequence[Column]) -> None:
         width = max(len(label) for label, _ in fields) + 1

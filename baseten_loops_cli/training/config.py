@@ -66,6 +66,26 @@ class LoggingConfig(Section):
     )
     wandb_project: str | None = None
     wandb_name: str | None = None
+    trackers: list[Literal["tensorboard", "mlflow", "trackio"]] = Field(
+        default_factory=list,
+        description="Also log to these (each an optional extra): tensorboard, mlflow, trackio.",
+    )
+    tracker_dir: str | None = Field(
+        None,
+        description="Where the trackers write (TensorBoard logdir, MLflow file store, trackio's folder); "
+                    "relative to the working directory. Default: the run directory's trackers/ folder "
+                    "(a sweep's own folder, shared by its runs).",
+    )
+
+
+class SweepConfig(Section):
+    """`loops train sweep CONFIG` with no --grid: what to sweep (the command line's options win)."""
+
+    grid: dict[str, list[Any]] = Field(..., description="key.path: [value, value, ...] (the product is swept).")
+    random: int | None = Field(None, ge=1, description="Draw this many points of the grid instead of all.")
+    seed: int | None = None
+    parallel: int | None = Field(None, ge=1)
+    max_runs: int | None = Field(None, ge=1)
 
 
 class PricingConfig(Section):
@@ -147,6 +167,7 @@ class CommonConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
     eval: EvalConfig | None = Field(None, description="Evaluate the final checkpoint when training ends.")
+    sweep: SweepConfig | None = Field(None, description="What `loops train sweep` varies (ignored by `train run`).")
     EVAL_SUPPORTED: ClassVar[bool] = True  # the loop ends with final_eval.evaluate_final()
     # Sections whose keys may all be commented out (`logging:` alone means the defaults).
     SECTIONS: ClassVar[tuple[str, ...]] = ("optimizer", "checkpointing", "logging", "pricing", "eval")

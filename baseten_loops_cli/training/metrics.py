@@ -10,6 +10,9 @@ The loops call a :class:`MetricsSink` and never know which of these are on:
 - ``samples(records)``: RL rollouts -> samples.jsonl;
 - ``message(text)``: a human line on stderr (or the live view).
 
+TensorBoard, MLflow and trackio (``logging.trackers``) get the same records through
+training/trackers.py (``trackers=``).
+
 W&B is optional: when the config asks for it and the package is missing, the run says so once
 and carries on with metrics.jsonl. The W&B run id is kept in state.json, so ``loops train
 resume`` continues the same W&B run instead of starting a second one.
@@ -104,10 +107,14 @@ def open_wandb(config: Any, rundir: RunDir, *, run_id: str, raw_config: dict | N
         except Exception:  # noqa: BLE001 - an old or stub wandb
             wandb_id = f"loops-{run_id}"
         rundir.update_state(wandb_id=wandb_id)
+    from baseten_loops_cli.training.trackers import sweep_of
+
+    sweep = sweep_of(rundir)  # a sweep's runs are one W&B group, named after its folder
     try:
         run = wandb.init(
             project=project,
-            name=config.logging.wandb_name or config.name,
+            name=config.logging.wandb_name or (rundir.path.resolve().name if sweep else config.name),
+            group=sweep.name if sweep else None,
             id=wandb_id,
             resume="allow",
             config=raw_config or {},
@@ -122,10 +129,11 @@ class MetricsSink:
     """Fan-out of a loop's records; see the module docstring."""
 
     def __init__(self, rundir: RunDir, view: TrainingView | None = None, *, wandb: WandbLogger | None = None,
-                 step_fields: Sequence[Any] = ()) -> None:
+                 trackers: Any = None, step_fields: Sequence[Any] = ()) -> None:
         self.rundir = rundir
         self.view = view or _NoView()
         self.wandb = wandb
+        self.trackers = trackers  # training.trackers.Trackers: TensorBoard, MLflow, trackio
         self.step_fields = tuple(step_fields)  # the kind's (training.kinds.Kind.step_fields)
         self.records: list[dict] = []
 
@@ -140,12 +148,16 @@ class MetricsSink:
         self.view.step(record)
         if self.wandb is not None:
             self.wandb.log(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def final(self, record: dict) -> None:
         record = {**record, "final": True}
         self.rundir.append_metrics(record)
         if self.wandb is not None:
             self.wandb.log(record)
+        if self.trackers is not None:
+            self.trackers.final(record)
 
     def samples(self, records: list[dict]) -> None:
         self.rundir.append_samples(records)
@@ -162,3 +174,6 @@ class MetricsSink:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        if self.trackers is not None:
+            self.trackers.finish()
+            self.trackers = None

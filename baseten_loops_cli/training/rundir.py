@@ -6,6 +6,12 @@
     checkpoints.jsonl  one record per saved trainer state: the resume points (appended, fsynced)
     samples.jsonl      RL rollouts with their rewards
     reference_logprobs.jsonl  DPO: the reference policy's logprobs of each sequence, scored once
+    eval.json, eval.txt  the config's `eval:` table of the final checkpoint (training/final_eval.py)
+    .lock              held (flock) by the one process training in it (`train run|resume`)
+
+A sweep folder (training/sweep.py) holds ``sweep.json`` (its index) and one run directory per
+point. :func:`read_run` and :func:`run_dirs` are the one reader of run directories: `loops train
+plot` and `loops train compare` both go through them.
 
 Resume rule: the last line of checkpoints.jsonl is the truth. Steps after it are replayed, so
 their metrics are trimmed first; nothing is repeated or skipped.
@@ -19,6 +25,7 @@ than a small model's step) to keep records that resume trims anyway.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -76,9 +83,22 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+SWEEP_INDEX = "sweep.json"
+
+
+class RunDirBusy(Exception):
+    """Another process trains in this run directory (it holds the lock)."""
+
+    def __init__(self, path: Path, pid: int | None):
+        super().__init__(f"{path} is in use by another loops process" + (f" (pid {pid})" if pid else ""))
+        self.path = path
+        self.pid = pid
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._lock_fd: int | None = None
 
     # ---------------------------------------------------------------- files
     @property
@@ -107,6 +127,60 @@ class RunDir:
 
     def exists(self) -> bool:
         return self.state_file.exists()
+
+    # ---------------------------------------------------------------- one writer at a time
+    @property
+    def lock_file(self) -> Path:
+        return self.path / ".lock"
+
+    def acquire(self) -> None:
+        """Take the run directory for this process (``flock`` on .lock, released by the kernel
+        when the process ends, however it ends). Raises :class:`RunDirBusy` when another process
+        holds it: two processes training one run directory would each replay the other's steps.
+        Where ``fcntl`` does not exist (Windows) nothing is locked."""
+        try:
+            import fcntl
+        except ImportError:
+            return
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunDirBusy(self.path, self.lock_holder()) from None
+            return  # a file system without flock (some network mounts): train unlocked, as before
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def lock_holder(self) -> int | None:
+        """The pid of the process that trains here now, or None when none does."""
+        try:
+            import fcntl
+        except ImportError:
+            return None
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                text = os.read(fd, 32).decode(errors="replace").strip()
+                return int(text) if text.isdigit() else -1
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
 
     # ---------------------------------------------------------------- create
     def check_target(self) -> None:
@@ -212,3 +286,118 @@ class RunDir:
                 continue
             kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
             atomic_write(path, "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in kept))
+
+
+# -------------------------------------------------------------------- the reader
+class RunRecord:
+    """What one run directory says about its run, read once: `train plot` and `train compare`
+    both see runs through this (and :func:`run_dirs`)."""
+
+    def __init__(self, path: Path) -> None:
+        import yaml
+
+        self.rundir = RunDir(path)
+        self.path = self.rundir.path
+        self.state: dict = self.rundir.read_state()
+        try:
+            raw = yaml.safe_load(self.rundir.config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError):
+            raw = None
+        self.config: dict = raw if isinstance(raw, dict) else {}
+        records = self.rundir.metrics()
+        self.metrics: list[dict] = [r for r in records if not r.get("final")]  # one per step
+        self.final: dict = {}  # the end-of-run eval record(s), merged
+        for r in records:
+            if r.get("final"):
+                self.final.update({k: v for k, v in r.items() if k != "final"})
+        try:
+            doc = json.loads((self.path / "eval.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = None
+        self.eval: dict | None = doc if isinstance(doc, dict) else None
+
+    @property
+    def label(self) -> str:
+        return str(self.path).rstrip("/") or str(self.path)
+
+    @property
+    def kind(self) -> str | None:
+        kind = self.config.get("kind")
+        return kind if isinstance(kind, str) else None
+
+    @property
+    def status(self) -> str:
+        return str(self.state.get("status") or "created")
+
+    @property
+    def steps(self) -> int:
+        return int(self.metrics[-1]["step"]) if self.metrics else 0
+
+    def numeric_names(self) -> list[str]:
+        """Every numeric metric the step records carry (``step`` aside), sorted."""
+        return sorted({k for r in self.metrics for k, v in r.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "final")})
+
+    def values(self, name: str) -> list[float]:
+        import math
+
+        return [float(r[name]) for r in self.metrics
+                if isinstance(r.get(name), (int, float)) and not isinstance(r.get(name), bool)
+                and not math.isnan(float(r[name]))]
+
+    def wall_seconds(self) -> float | None:
+        """Training time: the sum of the steps' wall times (resumes add only their own steps)."""
+        times = self.values("step_time_s")
+        return sum(times) if times else None
+
+    def tokens(self) -> int | None:
+        counts = self.values("tokens")
+        return int(sum(counts)) if counts else None
+
+    def eval_figures(self) -> dict[str, float]:
+        """The `eval:` table's figures of the trained checkpoint (eval.json), ``eval.METRIC``."""
+        if not self.eval:
+            return {}
+        rows = [r for r in self.eval.get("results") or [] if isinstance(r, dict) and not r.get("base")]
+        figures = {}
+        for key, value in ((rows[-1].get("metrics") or {}) if rows else {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                figures[f"eval.{key}"] = float(value)
+        return figures
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return (Path(path) / SWEEP_INDEX).is_file()
+
+
+def sweep_run_paths(sweep_dir: Path) -> list[Path]:
+    """The run directories a sweep's index lists, in its order."""
+    from baseten_loops_cli.errors import ConfigError
+
+    index_file = Path(sweep_dir) / SWEEP_INDEX
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+        return [Path(sweep_dir) / str(run["dir"]) for run in index["runs"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{index_file}: not a sweep index ({type(exc).__name__})",
+                          hint="`loops train sweep` writes this file: undo the edit to it.") from None
+
+
+def run_dirs(paths: list[Path], *, started_only: bool = False) -> list[Path]:
+    """Run directories from the command line: a run directory stands for itself, a sweep folder
+    for its runs (those that started, with ``started_only``). Anything else is a usage error."""
+    from baseten_loops_cli.errors import UsageError
+
+    found: list[Path] = []
+    for path in paths:
+        path = Path(path)
+        if RunDir(path).exists():
+            found.append(path)
+        elif is_sweep_dir(path):
+            runs = sweep_run_paths(path)
+            found += [p for p in runs if RunDir(p).exists()] if started_only else runs
+        else:
+            what = "no such folder" if not path.exists() else ("a file" if not path.is_dir() else "no state.json or sweep.json")
+            raise UsageError(f"{path} is neither a run directory nor a sweep folder ({what})",
+                             hint="Pass the --run-dir of `loops train run` or the folder of `loops train sweep`.")
+    return found

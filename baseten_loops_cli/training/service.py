@@ -100,8 +100,11 @@ class ResumeTarget:
 def load(config: Path, overrides: list[str] | None = None) -> LoadedConfig:
     """Load and validate a config, including that its data files exist."""
     from baseten_loops_cli.training.config import load_config
+    from baseten_loops_cli.training.trackers import check_installed
 
-    return load_config(config, overrides or [], check_files=True)
+    loaded = load_config(config, overrides or [], check_files=True)
+    check_installed(loaded.config.logging.trackers)
+    return loaded
 
 
 def check_on_backend(client: Any, loaded: LoadedConfig) -> list[str]:
@@ -204,7 +207,11 @@ def open_run_dir(run_dir: Path) -> ResumeTarget:
         what = "no state.json" if run_dir.is_dir() else ("a file" if run_dir.exists() else "no such folder")
         raise UsageError(f"{run_dir} is not a run directory ({what})", hint="Pass the --run-dir of `loops train run`.")
     state = rundir.read_state()
-    return ResumeTarget(rundir, load_config(rundir.config_file), state)
+    loaded = load_config(rundir.config_file)
+    from baseten_loops_cli.training.trackers import check_installed
+
+    check_installed(loaded.config.logging.trackers)
+    return ResumeTarget(rundir, loaded, state)
 
 
 def load_data(loaded: LoadedConfig) -> LoadedData:
@@ -242,18 +249,11 @@ def summary_of(rundir: RunDir, run_id: str | None, kind: str, status: str, *, de
     )
 
 
-def main_metric_of(rundir: RunDir) -> str:
-    """The main metric of the kind that wrote a run directory (its saved config says which;
-    ``loss`` when that cannot be read or names no registered kind): `train plot`'s default."""
-    import yaml
-
+def main_metric(kind: str | None) -> str:
+    """The main metric of the kind a run directory's config names (``loss`` when it names no
+    registered kind): `train plot`'s default, the train metric `train compare` shows."""
     from baseten_loops_cli.training import kinds
 
-    try:
-        raw = yaml.safe_load(rundir.config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
-        raw = None
-    kind = raw.get("kind") if isinstance(raw, dict) else None
     return kinds.get(kind).main_metric if isinstance(kind, str) and kind in kinds.names() else "loss"
 
 
@@ -285,8 +285,24 @@ def absolute_raw(loaded: LoadedConfig) -> dict:
     return raw
 
 
-def _execute(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir, *, resume: bool, keep_run: bool,
-             view: Any, announce: Announce) -> TrainingSummary:
+def _execute(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir, **options: Any) -> TrainingSummary:
+    """:func:`_train` with the run directory held by this process (its .lock): a second `train
+    resume` of the same directory (a sweep's resume while a killed sweep's run still stops) is
+    refused instead of replaying the other's steps."""
+    from baseten_loops_cli.training.rundir import RunDirBusy
+
+    try:
+        rundir.acquire()
+    except RunDirBusy as busy:
+        raise UsageError(str(busy), hint="Wait for that process to stop (or stop it), then run this again.") from None
+    try:
+        return _train(backend, loaded, data, rundir, **options)
+    finally:
+        rundir.release()
+
+
+def _train(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir, *, resume: bool, keep_run: bool,
+           view: Any, announce: Announce) -> TrainingSummary:
     """Connect, train, and leave the run directory and the backend in a clean state.
 
     Whatever ends the loop (done, Ctrl-C, a broken reward, a backend error, a bug), state.json
@@ -297,6 +313,7 @@ def _execute(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDi
     from baseten_loops_cli.training.metrics import MetricsSink, open_wandb
     from baseten_loops_cli.training.rewards import RewardError
     from baseten_loops_cli.training.session import StopRequested, open_session, save_checkpoint
+    from baseten_loops_cli.training.trackers import open_trackers
 
     kind = kinds.of(loaded.config)
     resume_cmd = f"loops train resume {rundir.path}"
@@ -326,7 +343,11 @@ def _execute(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDi
             wandb, note = open_wandb(loaded.config, rundir, run_id=session.run_id, raw_config=loaded.raw)
             if note:
                 announce(note)
-            sink = MetricsSink(rundir, view, wandb=wandb, step_fields=kind.step_fields)
+            trackers, notes = open_trackers(loaded.config, rundir, raw_config=absolute_raw(loaded),
+                                            start_step=session.start_step)  # the config as config.yaml keeps it
+            for note in notes:
+                announce(note)
+            sink = MetricsSink(rundir, view, wandb=wandb, trackers=trackers, step_fields=kind.step_fields)
             try:
                 status = kind.run(session, data, sink, stop)
             except RewardError:
