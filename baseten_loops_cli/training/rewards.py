@@ -100,25 +100,41 @@ def build_reward(spec: Any, base_dir: Path) -> tuple[str, RewardFn]:
 
 
 def _load_file_reward(spec: str, base_dir: Path) -> RewardFn:
-    file_part, func_name = spec.rsplit(":", 1)
+    return load_from_file(spec, base_dir, "reward", callable_hint="a function")
+
+
+def load_from_file(spec: str, base_dir: Path, what: str, *, callable_hint: str = "a function") -> Any:
+    """The object ``NAME`` of ``path/to/file.py:NAME`` (relative to ``base_dir``), loaded from that
+    file only: never through the import system, so a same-named module on PYTHONPATH or in the
+    working directory is never run instead. ``what`` names it in errors (reward, env)."""
+    file_part, attr = spec.rsplit(":", 1)
     path = Path(file_part)
     path = path if path.is_absolute() else base_dir / path
     if not path.is_file():
-        raise ConfigError(f"reward file {path} not found", hint="Paths are relative to the config file.")
-    module_spec = importlib.util.spec_from_file_location(f"loops_reward_{abs(hash(str(path)))}", path)
+        raise ConfigError(f"{what} file {path} not found", hint="Paths are relative to the config file.")
+    module_spec = importlib.util.spec_from_file_location(f"loops_{what}_{abs(hash(str(path)))}", path)
     if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"cannot load reward file {path}")
+        raise ConfigError(f"cannot load {what} file {path}")
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:  # the user's code: report it, don't crash
-        raise ConfigError(f"reward file {path} failed to import: {type(exc).__name__}: {exc}",
+        raise ConfigError(f"{what} file {path} failed to import: {type(exc).__name__}: {exc}",
                           hint=f"Fix the error, then check with `python {path}`.") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise ConfigError(f"reward file {path} has no function {func_name!r}",
-                          hint="Name a function the file defines: reward: path/to/file.py:function.")
-    return fn
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise ConfigError(f"{what} file {path} has no {callable_hint} {attr!r}",
+                          hint=f"Name {callable_hint} the file defines: {what}: path/to/file.py:NAME.")
+    return obj
+
+
+def reward_value(value: Any) -> float | None:
+    """A reward as a float, or None when it is not a finite number (bool counts as 0/1)."""
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+        return None
+    return float(value)
 
 
 def score(name: str, fn: RewardFn, completion: str, row: dict, source: str) -> float:
@@ -129,11 +145,10 @@ def score(name: str, fn: RewardFn, completion: str, row: dict, source: str) -> f
         raise
     except Exception as exc:
         raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} (prompt {source})") from None
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+    number = reward_value(value)
+    if number is None:
         raise RewardError(f"reward {name!r} returned {value!r}, not a finite number (prompt {source})")
-    return float(value)
+    return number
 
 
 def completion_text(tokenizer: Any, tokens: list[int], stop: list[str]) -> str:
