@@ -35,7 +35,7 @@ STEP_KEYS = ("reward", "done", "messages", "info")
 
 def load_env(spec: str, base_dir: Path) -> Any:
     """The environment class named by ``path/to/file.py:ClassName`` (relative to the config)."""
-    return load_from_file(spec, base_dir, "env", callable_hint="a class")
+    return load_from_file(spec, base_dir, "env", callable_hint="class")
 
 
 @dataclass

@@ -100,10 +100,10 @@ def build_reward(spec: Any, base_dir: Path) -> tuple[str, RewardFn]:
 
 
 def _load_file_reward(spec: str, base_dir: Path) -> RewardFn:
-    return load_from_file(spec, base_dir, "reward", callable_hint="a function")
+    return load_from_file(spec, base_dir, "reward", callable_hint="function")
 
 
-def load_from_file(spec: str, base_dir: Path, what: str, *, callable_hint: str = "a function") -> Any:
+def load_from_file(spec: str, base_dir: Path, what: str, *, callable_hint: str = "function") -> Any:
     """The object ``NAME`` of ``path/to/file.py:NAME`` (relative to ``base_dir``), loaded from that
     file only: never through the import system, so a same-named module on PYTHONPATH or in the
     working directory is never run instead. ``what`` names it in errors (reward, env)."""
@@ -124,7 +124,7 @@ def load_from_file(spec: str, base_dir: Path, what: str, *, callable_hint: str =
     obj = getattr(module, attr, None)
     if not callable(obj):
         raise ConfigError(f"{what} file {path} has no {callable_hint} {attr!r}",
-                          hint=f"Name {callable_hint} the file defines: {what}: path/to/file.py:NAME.")
+                          hint=f"Name a {callable_hint} the file defines: {what}: path/to/file.py:NAME.")
     return obj
 
 

@@ -47,7 +47,7 @@ class RLConfig(CommonConfig):
     SECTIONS = CommonConfig.SECTIONS + ("loss", "sampling")
     kind: Literal["rl"]
     data: RLData
-    reward: RewardConfig | None = None
+    reward: RewardConfig | None  # required unless `env:` is given (see _reward_optional_with_env)
     env: str | None = Field(None, description="path/to/file.py:ClassName: a multi-turn environment, one episode per row.")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor.")
     max_turns: int = Field(8, ge=1, description="An episode ends after this many replies (truncated) if the env has not ended it.")
@@ -67,6 +67,15 @@ class RLConfig(CommonConfig):
     @classmethod
     def _reward_shorthand(cls, value: Any) -> Any:
         return {"fn": value} if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_optional_with_env(cls, data: Any) -> Any:
+        # Required, so a config with neither reports "missing required key 'reward'" at once,
+        # beside its other problems; an environment may score the episode alone.
+        if isinstance(data, dict) and data.get("env") is not None and "reward" not in data:
+            data = {**data, "reward": None}
+        return data
 
     @model_validator(mode="after")
     def _reward_or_env(self) -> "RLConfig":
