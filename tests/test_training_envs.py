@@ -146,3 +146,53 @@ def test_sigkill_mid_episode_resumes_to_the_same_run(local_server, tmp_path):
     # importance weights' denominators) in the last bits, which Adam can grow. Measured: 1e-6 to 1e-5; one
     # step of lr 2e-3 moves a weight by ~2e-3, so 1e-4 still catches a repeated or skipped step.
     kill_once_then_resume(local_server, tmp_path / "guess.yaml", tmp_path, steps=4, kill_after=2, atol=1e-4)
+
+
+def test_a_list_of_weighted_rewards_is_summed_and_each_logged(local_server, tmp_path):
+    config = (EXAMPLES / "tiny-rl.yaml").read_text().replace("data/", f"{EXAMPLES}/data/").replace(
+        "reward: rewards.py:digit_fraction",
+        "reward:\n  - rewards.py:digit_fraction\n  - {fn: length, max_chars: 4, weight: 0.5}\n"
+        "  - {fn: format, pattern: '\\d+', name: digits_only, weight: 0.25}\n")
+    config = config.replace("rewards.py:digit_fraction", f"{EXAMPLES}/rewards.py:digit_fraction")
+    (tmp_path / "multi.yaml").write_text(config)
+    run_dir = tmp_path / "run"
+    result = loops(local_server, "train", "run", str(tmp_path / "multi.yaml"), "--run-dir", str(run_dir),
+                   "--set", "max_steps=2", "--set", "data.eval_prompts=null")
+    assert result.returncode == 0, result.stderr
+    record = [r for r in metrics(run_dir) if not r.get("final")][-1]
+    assert {"reward/digit_fraction", "reward/length", "reward/digits_only", "reward_std/length"} <= set(record)
+    assert -1 <= record["reward/length"] <= 0
+    for row in samples(run_dir)[:20]:
+        parts = row["rewards"]
+        expected = parts["digit_fraction"] + 0.5 * parts["length"] + 0.25 * parts["digits_only"]
+        assert abs(row["reward"] - expected) < 1e-9
+
+
+def test_builtin_penalties_and_format():
+    from types import SimpleNamespace
+
+    from baseten_loops_cli.training.rewards import BUILDERS
+
+    def spec(fn, **kw):
+        return SimpleNamespace(fn=fn, pattern=None, case_sensitive=False, partial_credit=False, max_chars=None,
+                               ngram=3, **kw) if "pattern" not in kw else SimpleNamespace(
+            fn=fn, case_sensitive=False, partial_credit=False, max_chars=None, ngram=3, **kw)
+
+    length = BUILDERS["length"](SimpleNamespace(fn="length", max_chars=10))
+    assert length("short", {}) == 0.0 and length("x" * 15, {}) == -0.5 and length("x" * 100, {}) == -1.0
+    repetition = BUILDERS["repetition"](spec("repetition"))
+    assert repetition("a b c d e", {}) == 0.0 and repetition("a b c a b c a b c", {}) < -0.5
+    fmt = BUILDERS["format"](spec("format", pattern=r"ANSWER: \d+"))
+    assert fmt(" ANSWER: 12 ", {}) == 1.0 and fmt("so ANSWER: 12", {}) == 0.0
+
+
+def test_health_warnings_fire_once_per_episode_of_trouble():
+    from baseten_loops_cli.training.kinds.rl import HealthWarnings
+
+    warn = HealthWarnings(0.5)
+    assert warn.check({"step": 1, "zero_variance_groups": 0.5, "logprob_diff": 0.01}) == []
+    first = warn.check({"step": 2, "zero_variance_groups": 1.0, "logprob_diff": 0.9})
+    assert len(first) == 2 and "variance collapsed" in first[0] and "0.900" in first[1]
+    assert warn.check({"step": 3, "zero_variance_groups": 1.0, "logprob_diff": 0.9}) == []
+    assert warn.check({"step": 4, "zero_variance_groups": 0.0}) == []
+    assert "collapsed" in warn.check({"step": 5, "zero_variance_groups": 1.0})[0]

@@ -16,9 +16,6 @@ from baseten_loops_cli.errors import ConfigError, LoopsError
 
 RewardFn = Callable[[str, dict], float]
 
-BUILTINS = ("exact_match", "numeric_match", "regex", "contains", "starts_with")
-
-
 class RewardError(LoopsError):
     """A reward function raised or returned a non-number."""
 
@@ -49,45 +46,103 @@ def _prefix_credit(completion: str, answer: str) -> float:
     return n / len(answer)
 
 
+def _exact_match(spec: Any) -> RewardFn:
+    cs = spec.case_sensitive
+    return lambda c, row: float(_norm(c, cs) == _norm(_answer(row, spec.fn), cs))
+
+
+def _contains(spec: Any) -> RewardFn:
+    cs, name = spec.case_sensitive, spec.fn
+    if spec.partial_credit:
+        def contains_partial(c: str, row: dict) -> float:
+            answer, text = _norm(_answer(row, name), cs), _norm(c, cs)
+            if answer in text:
+                return 1.0
+            return max((_prefix_credit(text[i:], answer) for i in range(len(text))), default=0.0) * 0.5
+
+        return contains_partial
+    return lambda c, row: float(_norm(_answer(row, name), cs) in _norm(c, cs))
+
+
+def _starts_with(spec: Any) -> RewardFn:
+    cs, name = spec.case_sensitive, spec.fn
+    if spec.partial_credit:
+        return lambda c, row: _prefix_credit(_norm(c, cs), _norm(_answer(row, name), cs))
+    return lambda c, row: float(_norm(c, cs).startswith(_norm(_answer(row, name), cs)))
+
+
+def _numeric_match(spec: Any) -> RewardFn:
+    def numeric(c: str, row: dict) -> float:
+        match = _NUMBER.search(c)
+        if not match:
+            return 0.0
+        try:
+            return float(math.isclose(float(match.group()), float(_answer(row, spec.fn)), rel_tol=1e-9, abs_tol=1e-9))
+        except ValueError:
+            return 0.0
+
+    return numeric
+
+
+def _pattern(spec: Any) -> re.Pattern:
+    if not spec.pattern:
+        raise ConfigError(f"reward.fn {spec.fn!r} needs reward.pattern")
+    try:
+        return re.compile(spec.pattern, 0 if spec.case_sensitive else re.IGNORECASE)
+    except re.error as exc:
+        raise ConfigError(f"reward.pattern is not a valid regex: {exc}") from None
+
+
+def _regex(spec: Any) -> RewardFn:
+    pattern = _pattern(spec)
+    return lambda c, row: float(bool(pattern.search(c)))
+
+
+def _format(spec: Any) -> RewardFn:
+    """1 when the whole (stripped) reply matches ``pattern``, else 0."""
+    pattern = _pattern(spec)
+    return lambda c, row: float(bool(pattern.fullmatch(c.strip())))
+
+
+def _length(spec: Any) -> RewardFn:
+    """A penalty: 0 up to ``max_chars``, then -(excess / max_chars), at most -1."""
+    if spec.max_chars is None:
+        raise ConfigError("reward.fn 'length' needs reward.max_chars", hint="e.g. {fn: length, max_chars: 200, weight: 0.5}")
+    limit = spec.max_chars
+    return lambda c, row: -min(1.0, max(0, len(c.strip()) - limit) / limit)
+
+
+def _repetition(spec: Any) -> RewardFn:
+    """A penalty: minus the share of the reply's word n-grams that repeat an earlier one."""
+    n = spec.ngram
+
+    def repetition(c: str, row: dict) -> float:
+        words = c.split()
+        grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+        return -(1.0 - len(set(grams)) / len(grams)) if grams else 0.0
+
+    return repetition
+
+
+# The builtins: name -> builder(RewardConfig) -> RewardFn. A new builtin is one entry here.
+BUILDERS: dict[str, Callable[[Any], RewardFn]] = {
+    "exact_match": _exact_match,
+    "numeric_match": _numeric_match,
+    "regex": _regex,
+    "contains": _contains,
+    "starts_with": _starts_with,
+    "format": _format,
+    "length": _length,
+    "repetition": _repetition,
+}
+BUILTINS = tuple(BUILDERS)
+
+
 def build_reward(spec: Any, base_dir: Path) -> tuple[str, RewardFn]:
     """Return (display name, function) for a RewardConfig."""
     name = spec.fn
-    cs = spec.case_sensitive
-    if name == "exact_match":
-        return name, lambda c, row: float(_norm(c, cs) == _norm(_answer(row, name), cs))
-    if name == "contains":
-        if spec.partial_credit:
-            def contains_partial(c: str, row: dict) -> float:
-                answer, text = _norm(_answer(row, name), cs), _norm(c, cs)
-                if answer in text:
-                    return 1.0
-                return max((_prefix_credit(text[i:], answer) for i in range(len(text))), default=0.0) * 0.5
-
-            return name, contains_partial
-        return name, lambda c, row: float(_norm(_answer(row, name), cs) in _norm(c, cs))
-    if name == "starts_with":
-        if spec.partial_credit:
-            return name, lambda c, row: _prefix_credit(_norm(c, cs), _norm(_answer(row, name), cs))
-        return name, lambda c, row: float(_norm(c, cs).startswith(_norm(_answer(row, name), cs)))
-    if name == "numeric_match":
-        def numeric(c: str, row: dict) -> float:
-            match = _NUMBER.search(c)
-            if not match:
-                return 0.0
-            try:
-                return float(math.isclose(float(match.group()), float(_answer(row, name)), rel_tol=1e-9, abs_tol=1e-9))
-            except ValueError:
-                return 0.0
-
-        return name, numeric
-    if name == "regex":
-        if not spec.pattern:
-            raise ConfigError("reward.fn 'regex' needs reward.pattern")
-        try:
-            pattern = re.compile(spec.pattern, 0 if cs else re.IGNORECASE)
-        except re.error as exc:
-            raise ConfigError(f"reward.pattern is not a valid regex: {exc}") from None
-        return name, lambda c, row: float(bool(pattern.search(c)))
+    if name in BUILDERS:
+        return name, BUILDERS[name](spec)
     if ":" in name and name.split(":", 1)[0].endswith(".py"):
         return name, _load_file_reward(name, base_dir)
     import difflib
@@ -97,6 +152,24 @@ def build_reward(spec: Any, base_dir: Path) -> tuple[str, RewardFn]:
         f"unknown reward {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""),
         hint=f"Use one of {', '.join(BUILTINS)} or path/to/file.py:function.",
     )
+
+
+def reward_label(spec: Any) -> str:
+    """A reward's metric name in a list of rewards: its ``name``, else the builtin or function name."""
+    return spec.name or spec.fn.rsplit(":", 1)[-1]
+
+
+def build_rewards(specs: Any, base_dir: Path) -> list[tuple[str, RewardFn, float]]:
+    """(metric name, function, weight) of each reward of a list (or of the one reward)."""
+    specs = specs if isinstance(specs, list) else [specs]
+    out, seen = [], set()
+    for spec in specs:
+        label = reward_label(spec)
+        if label in seen:
+            raise ConfigError(f"two rewards are named {label!r}", hint="Give one a name: {fn: ..., name: NAME}.")
+        seen.add(label)
+        out.append((label, build_reward(spec, base_dir)[1], spec.weight))
+    return out
 
 
 def _load_file_reward(spec: str, base_dir: Path) -> RewardFn:

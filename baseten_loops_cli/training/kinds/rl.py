@@ -47,13 +47,14 @@ class RLConfig(CommonConfig):
     SECTIONS = CommonConfig.SECTIONS + ("loss", "sampling")
     kind: Literal["rl"]
     data: RLData
-    reward: RewardConfig | None  # required unless `env:` is given (see _reward_optional_with_env)
+    reward: RewardConfig | list[RewardConfig] | None  # required unless `env:` is given (see _reward_optional_with_env)
     env: str | None = Field(None, description="path/to/file.py:ClassName: a multi-turn environment, one episode per row.")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor.")
     max_turns: int = Field(8, ge=1, description="An episode ends after this many replies (truncated) if the env has not ended it.")
     turn_discount: float = Field(1.0, gt=0, le=1, description="Episode reward = sum of turn rewards * turn_discount**turn.")
     reward_timeout_s: float = Field(60.0, gt=0, description="Per call of a reward or environment; past it the rollout fails.")
     reward_workers: int = Field(8, ge=1, description="Reward/environment calls running at once (threads).")
+    warn_logprob_diff: float = Field(0.5, gt=0, description="Warn when logprob_diff (sampler vs trainer) passes this.")
     max_failed_fraction: float = Field(0.1, ge=0, le=1, description="The run stops when more of a batch's rollouts fail.")
     group_size: int = Field(4, ge=2)
     groups_per_batch: int = Field(8, ge=1)
@@ -66,6 +67,8 @@ class RLConfig(CommonConfig):
     @field_validator("reward", mode="before")
     @classmethod
     def _reward_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"fn": v} if isinstance(v, str) else v for v in value]
         return {"fn": value} if isinstance(value, str) else value
 
     @model_validator(mode="before")
@@ -88,24 +91,26 @@ class RLConfig(CommonConfig):
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     from baseten_loops_cli.training.data import load_prompts
-    from baseten_loops_cli.training.rewards import build_reward
+    from baseten_loops_cli.training.rewards import build_rewards
 
     config = loaded.config
     kwargs = {"max_seq_len": config.max_seq_len, "max_tokens": config.sampling.max_tokens}
     load = load_env_rows if config.env else load_prompts
     train = load(loaded.resolve_path(config.data.prompts), tokenizer, **kwargs)
     evals = load(loaded.resolve_path(config.data.eval_prompts), tokenizer, **kwargs) if config.data.eval_prompts else None
-    reward = build_reward(config.reward, loaded.base_dir) if config.reward is not None else None
+    reward = build_rewards(config.reward, loaded.base_dir) if config.reward is not None else None
     if config.env:
         from baseten_loops_cli.training.envs import load_env
 
         load_env(config.env, loaded.base_dir)  # a missing file or class fails now, before provisioning
-    if config.reward is not None and config.reward.fn in ANSWER_REWARDS:
+    specs = config.reward if isinstance(config.reward, list) else [config.reward] if config.reward else []
+    needs_answer = next((spec.fn for spec in specs if spec.fn in ANSWER_REWARDS), None)
+    if needs_answer:
         # Catch a missing answer now, not after capacity is provisioned.
         for prompt in train + (evals or []):
             if "answer" not in prompt.row:
                 raise ConfigError(
-                    f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row",
+                    f"{prompt.source}: reward {needs_answer!r} needs an 'answer' field in each prompt row",
                     hint='Add "answer" to every row ({"prompt": ..., "answer": ...}) or use a reward file.',
                 )
     return LoadedData(tokenizer, train, evals, reward)
@@ -142,10 +147,11 @@ def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> A
     from baseten_loops_cli.training.evaluation import RLTask
 
     config = loaded.config
-    if config.env:
+    if config.env or isinstance(config.reward, list):
         from baseten_loops_cli.errors import UsageError
 
-        raise UsageError(f"{loaded.path}: `loops eval` does not run environments yet",
+        what = "environments" if config.env else "a list of rewards"
+        raise UsageError(f"{loaded.path}: `loops eval` does not score {what} yet",
                          hint="Set data.eval_prompts to evaluate during training (eval_reward_mean).")
     return RLTask(
         data, config.reward, loaded.base_dir, config.sampling, samples or config.group_size, k,
@@ -162,6 +168,7 @@ class Rollout:
     reward: float
     stop_reason: str
     base_logprobs: list[float] | None = None  # the base model's, when a KL penalty is on
+    components: dict[str, float] | None = None  # each reward of a list of rewards, unweighted
     error: str | None = None  # the rollout failed (its reward or environment): the reason
     traceback: str | None = None
     episode: Any = None  # envs.Episode, for an environment's rollouts
@@ -174,6 +181,8 @@ class Rollout:
         """Its line of samples.jsonl: the prompt and reply, or the whole transcript of an episode."""
         out: dict[str, Any] = {"step": step, "prompt": self.prompt.text, "completion": self.text, "reward": self.reward,
                                "policy_version": version, "stop_reason": self.stop_reason}
+        if self.components:
+            out["rewards"] = self.components
         if self.episode is not None:
             from baseten_loops_cli.training.envs import transcript
 
@@ -217,31 +226,43 @@ def prompts_for_step(prompts: list[Prompt], step: int, config) -> list[Prompt]:
 class Rollouts:
     """Samples groups through the sampler (async, all requests in flight) and scores them."""
 
-    def __init__(self, session: TrainingSession, tokenizer: Any, reward: tuple[str, Any] | None):
+    def __init__(self, session: TrainingSession, tokenizer: Any, rewards: list[tuple[str, Any, float]] | None):
         from baseten_loops_cli.training.envs import load_env
 
         config = session.config
         self.session = session
         self.tokenizer = tokenizer
-        self.reward_name, self.reward_fn = reward if reward is not None else (None, None)
+        self.rewards = rewards or []
+        self.reward_fn = self.rewards or None  # truthy when the config has a reward
+        self.listed = isinstance(config.reward, list)
+        self.reward_name = config.reward.fn if config.reward is not None and not self.listed else None
         self.kl = config.kl_penalty_coef > 0
         self.env_cls = load_env(config.env, session.loaded.base_dir) if config.env else None
         self.timeout_s, self.workers = config.reward_timeout_s, config.reward_workers
 
-    async def _score(self, isolated, prompt: Prompt, text: str) -> tuple[float, str | None, str | None]:
-        """(reward, error, traceback): the reward of one reply, run isolated."""
+    async def _score(self, isolated, prompt: Prompt, text: str) -> tuple[float, str | None, str | None, dict | None]:
+        """(weighted sum, error, traceback, each reward): the rewards of one reply, each run isolated."""
         from baseten_loops_cli.training.isolation import RolloutFailed
         from baseten_loops_cli.training.rewards import reward_value
 
-        what = f"reward {self.reward_name!r}"
-        try:
-            value = await isolated.call(what, self.reward_fn, text, prompt.row)
-        except RolloutFailed as failed:
-            return 0.0, f"{failed} (prompt {prompt.source})", failed.detail
-        number = reward_value(value)
-        if number is None:
-            return 0.0, f"{what} returned {value!r:.100}, not a finite number (prompt {prompt.source})", None
-        return number, None, None
+        async def one(label: str, fn: Any) -> tuple[float | None, str | None, str | None]:
+            what = f"reward {self.reward_name or label!r}"
+            try:
+                value = await isolated.call(what, fn, text, prompt.row)
+            except RolloutFailed as failed:
+                return None, f"{failed} (prompt {prompt.source})", failed.detail
+            number = reward_value(value)
+            if number is None:
+                return None, f"{what} returned {value!r:.100}, not a finite number (prompt {prompt.source})", None
+            return number, None, None
+
+        results = await asyncio.gather(*(one(label, fn) for label, fn, _ in self.rewards))
+        for _, error, trace in results:
+            if error is not None:
+                return 0.0, error, trace, None
+        total = sum(weight * value for (_, _, weight), (value, _, _) in zip(self.rewards, results))
+        components = {label: value for (label, _, _), (value, _, _) in zip(self.rewards, results)} if self.listed else None
+        return total, None, None, components
 
     async def _episodes(self, sampler, isolated, prompt: Prompt, *, n: int, seed: int, version: int,
                         sampling) -> tuple[list[Rollout], int]:
@@ -279,7 +300,7 @@ class Rollouts:
                               ep.total(config.turn_discount), last.stop_reason if last else "none",
                               error=ep.error, traceback=ep.traceback, episode=ep)
             if rollout.error is None and self.reward_fn is not None and last is not None:
-                extra, rollout.error, rollout.traceback = await self._score(isolated, prompt, last.text)
+                extra, rollout.error, rollout.traceback, rollout.components = await self._score(isolated, prompt, last.text)
                 rollout.reward += extra * config.turn_discount ** (len(ep.turns) - 1)
             rollouts.append(rollout)
         served = min((ep.version for ep in episodes if ep.turns), default=version)
@@ -313,8 +334,8 @@ class Rollouts:
         scores = await asyncio.gather(*(self._score(isolated, prompt, text) for text in texts))
         rollouts = [
             Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, value, seq.stop_reason,
-                    error=error, traceback=trace)
-            for seq, text, (value, error, trace) in zip(result.sequences, texts, scores)
+                    components=components, error=error, traceback=trace)
+            for seq, text, (value, error, trace, components) in zip(result.sequences, texts, scores)
         ]
         served = result.policy_version if result.policy_version is not None else version
         return rollouts, int(served)
@@ -415,6 +436,10 @@ def health(batch: Batch, config, fb_result: dict | None, datums: list[dict]) -> 
         "entropy": -statistics.fmean(tokens) if tokens else None,
         "failed_rollouts": (len(rollouts) - len(ok)) / len(rollouts) if rollouts else 0.0,
     }
+    for label in {k for r in ok for k in (r.components or {})}:
+        values = [r.components[label] for r in ok if r.components and label in r.components]
+        out[f"reward/{label}"] = statistics.fmean(values)
+        out[f"reward_std/{label}"] = statistics.pstdev(values) if len(values) > 1 else 0.0
     outputs = (fb_result or {}).get("loss_fn_outputs") or []
     diffs = []
     for datum, output in zip(datums, outputs):
@@ -426,6 +451,33 @@ def health(batch: Batch, config, fb_result: dict | None, datums: list[dict]) -> 
     if diffs:
         out["logprob_diff"] = statistics.fmean(diffs)
     return out
+
+
+class HealthWarnings:
+    """The warnings the live view shows: once when a condition starts, again only after it
+    cleared (a run with no signal for 50 steps warns once, not 50 times)."""
+
+    def __init__(self, drift_bound: float) -> None:
+        self.drift_bound = drift_bound
+        self.active: set[str] = set()
+
+    def check(self, record: dict) -> list[str]:
+        step = record["step"]
+        conditions = {
+            "collapse": (record.get("zero_variance_groups") == 1.0,
+                         f"warning: step {step}: reward variance collapsed (every group scored alike; nothing to "
+                         "learn from): raise sampling.temperature or group_size, or give the reward partial credit"),
+            "drift": ((record.get("logprob_diff") or 0.0) > self.drift_bound,
+                      f"warning: step {step}: sampler and trainer logprobs differ by {record.get('logprob_diff', 0):.3f} "
+                      f"on average (bound warn_logprob_diff {self.drift_bound:g}): stale samples or numerical drift; "
+                      "lower max_steps_off_policy or the learning rate"),
+        }
+        out = []
+        for key, (on, text) in conditions.items():
+            if on and key not in self.active:
+                out.append(text)
+            (self.active.add if on else self.active.discard)(key)
+        return out
 
 
 def check_failures(batch: Batch, config) -> None:
@@ -469,6 +521,7 @@ def run_rl(
     opt = config.optimizer
     bound = config.max_steps_off_policy
     rollouts = Rollouts(session, tokenizer, reward)
+    warnings = HealthWarnings(config.warn_logprob_diff)
     sink.start(steps, session.start_step, "reward")
     started = time.monotonic()
 
@@ -569,6 +622,8 @@ def run_rl(
         if kl_estimate is not None:
             record["kl_policy_base"] = kl_estimate
         record.update(health(batch, config, fb_result, datums))
+        for warning in warnings.check(record):
+            sink.message(warning)
         sink.samples([r.record(step, v) for g, v in zip(batch.groups, batch.versions) for r in g])
         try:
             if eval_prompts and config.eval_every and step % config.eval_every == 0:
@@ -640,7 +695,7 @@ KIND = Kind(
     metric_names=("reward", "pass_rate", "groups_trained", "groups", "loss", "sampled_tokens", "sample_time_s",
                   "sampled_with_version", "staleness", "kl_policy_base", "eval_reward_mean", "eval_pass_rate",
                   "reward_std", "zero_variance_groups", "completion_tokens", "max_tokens_share", "entropy",
-                  "logprob_diff", "failed_rollouts"),
+                  "logprob_diff", "failed_rollouts"),  # plus reward/NAME and reward_std/NAME for a list of rewards
     step_fields=(
         StepField("reward", "reward", ".3f"), StepField("pass_rate", "pass", ".0%"),
         StepField("groups_trained", "groups", of="groups"),
@@ -653,6 +708,7 @@ KIND = Kind(
     run=_run,
     eval_data_key=("data", "eval_prompts"),
     eval_task=eval_task,
-    code_keys=(("reward",), ("reward", "fn"), ("env",)),  # `reward: file.py:fn`, `reward: {fn: ...}`, `env: file.py:Class`
+    # `reward: file.py:fn`, `reward: {fn: ...}`, a list of either, `env: file.py:Class` ("*": each list item)
+    code_keys=(("reward",), ("reward", "fn"), ("reward", "*"), ("reward", "*", "fn"), ("env",)),
     capabilities_use_case="rl",
 )
