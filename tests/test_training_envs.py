@@ -120,6 +120,16 @@ def test_an_env_that_raises_hangs_returns_a_non_number_or_never_ends_costs_only_
     assert all(not r.get("failed") for r in by_mode["ok"])
     assert json.loads((run_dir / "state.json").read_text())["status"] == "completed"
 
+    # `loops train samples`: the worst rollouts of a step are the failed ones, with their errors.
+    shown = loops(local_server, "train", "samples", str(run_dir), "--step", "1", "--worst", "3")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.count("FAILED:") == 3 and "ZeroDivisionError" in shown.stdout
+    as_json = loops(local_server, "train", "samples", str(run_dir), "-o", "json")
+    assert as_json.returncode == 0 and len(json.loads(as_json.stdout)) == 64
+    assert all(r["step"] == 2 for r in json.loads(as_json.stdout))  # default: the last step
+    missing = loops(local_server, "train", "samples", str(run_dir), "--step", "9")
+    assert missing.returncode != 0 and "no samples of step 9" in missing.stderr and "Traceback" not in missing.stderr
+
 
 def test_more_failures_than_allowed_stop_the_run_resumably(local_server, tmp_path):
     run_dir = tmp_path / "run"
@@ -196,3 +206,16 @@ def test_health_warnings_fire_once_per_episode_of_trouble():
     assert warn.check({"step": 3, "zero_variance_groups": 1.0, "logprob_diff": 0.9}) == []
     assert warn.check({"step": 4, "zero_variance_groups": 0.0}) == []
     assert "collapsed" in warn.check({"step": 5, "zero_variance_groups": 1.0})[0]
+
+
+def test_reward_test_scores_base_model_samples_and_reports_failures(local_server, tmp_path):
+    ok = loops(local_server, "reward", "test", str(EXAMPLES / "tiny-guess.yaml"), "--rows", "2", "-o", "json")
+    assert ok.returncode == 0, ok.stderr
+    rows = json.loads(ok.stdout)["rows"]
+    assert len(rows) == 2 and all(r["transcript"][0]["role"] == "user" and "turn_rewards" in r for r in rows)
+    text = loops(local_server, "reward", "test", str(EXAMPLES / "tiny-rl.yaml"), "--rows", "3")
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.count("reward ") == 3 and "completion:" in text.stdout
+    bad = loops(local_server, "reward", "test", str(faulty_config(tmp_path, max_failed_fraction=0.5)), "--rows", "1")
+    assert bad.returncode == 1 and "ZeroDivisionError" in bad.stdout and "1 of 1 rows failed" in bad.stderr
+    assert "Traceback" not in bad.stderr

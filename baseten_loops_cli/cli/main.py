@@ -26,6 +26,7 @@ from baseten_loops_cli.cli import (
     completion,
     config,
     deploy,
+    reward,
     eval as eval_,
     runs,
     sample,
@@ -81,6 +82,7 @@ app.add_typer(checkpoints.app, name="checkpoints", rich_help_panel=CHECKPOINTS)
 app.add_typer(deploy.app, name="deploy", rich_help_panel=CHECKPOINTS)
 app.command("eval", rich_help_panel=CHECKPOINTS)(eval_.eval_command)
 app.add_typer(train.app, name="train", rich_help_panel=TRAINING)
+app.add_typer(reward.app, name="reward", rich_help_panel=TRAINING)
 app.add_typer(auth.app, name="auth", rich_help_panel=SETUP)
 app.add_typer(config.app, name="config", rich_help_panel=SETUP)
 app.add_typer(server.app, name="server", rich_help_panel=SETUP)

@@ -5,6 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from baseten_loops_cli.cli import train_samples
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(
@@ -258,3 +259,6 @@ def plot(
     color = state.output.streams.stdout_color
     width = max(40, min(120, shutil.get_terminal_size((80, 24)).columns - 2))
     typer.echo(plot_terminal(runs, names, width=width, color=color))
+
+
+app.command("samples")(train_samples.samples)

@@ -90,6 +90,7 @@ class Kind:
     code_keys: tuple[tuple[str, ...], ...] = ()  # keys whose value may be path/to/file.py:function (RL: reward)
     capabilities_use_case: str = "sft"  # the backend's model list that must offer base_model (sft, rl)
     check: Callable[[Any, "LoadedConfig"], None] | None = None  # (client, loaded): before provisioning
+    reward_test: Callable[..., list[dict]] | None = None  # (loaded, data, new_sampler, rows): `loops reward test`
     title: str = ""  # how plans name it (default: NAME in capitals)
 
     @property

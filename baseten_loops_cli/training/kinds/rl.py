@@ -651,6 +651,20 @@ def run_rl(
     return "completed"
 
 
+def reward_test(loaded, data: LoadedData, new_sampler, rows: int) -> list[dict]:
+    """`loops reward test`: one reply (or episode) per row for the first ``rows`` rows, sampled
+    from the base model, scored as training scores them (isolated); their samples.jsonl records."""
+    from types import SimpleNamespace
+
+    config = loaded.config
+    shim = SimpleNamespace(config=config, loaded=loaded, new_sampler_client=new_sampler,
+                           new_base_sampler_client=new_sampler)  # fmt: skip
+    rollouts = Rollouts(shim, data.tokenizer, data.reward)
+    rollouts.kl = False
+    batch = rollouts.sample(data.train[:rows], step=0, version=0, n=1, sampling=config.sampling, seed=config.seed)
+    return [r.record(0, 0) for g in batch.groups for r in g]
+
+
 def _run(session: TrainingSession, data: LoadedData, sink, stop: StopRequested) -> str:
     return run_rl(session, data.train, data.eval, data.tokenizer, data.reward, sink, stop)
 
@@ -711,4 +725,5 @@ KIND = Kind(
     # `reward: file.py:fn`, `reward: {fn: ...}`, a list of either, `env: file.py:Class` ("*": each list item)
     code_keys=(("reward",), ("reward", "fn"), ("reward", "*"), ("reward", "*", "fn"), ("env",)),
     capabilities_use_case="rl",
+    reward_test=reward_test,
 )
