@@ -219,3 +219,13 @@ def test_reward_test_scores_base_model_samples_and_reports_failures(local_server
     bad = loops(local_server, "reward", "test", str(faulty_config(tmp_path, max_failed_fraction=0.5)), "--rows", "1")
     assert bad.returncode == 1 and "ZeroDivisionError" in bad.stdout and "1 of 1 rows failed" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_episodes_with_max_steps_off_policy(local_server, tmp_path):
+    run_dir = tmp_path / "async"
+    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-guess.yaml"), "--run-dir", str(run_dir),
+                   "--set", "max_steps=3", "--set", "max_steps_off_policy=1")
+    assert result.returncode == 0, result.stderr
+    records = [r for r in metrics(run_dir) if not r.get("final")]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["staleness"] <= 1 for r in records) and any(r["staleness"] == 1 for r in records)

@@ -133,8 +133,7 @@ async def run_episode(env_cls: Any, env_args: dict, row: dict, *, tokenizer: Any
 
     episode = Episode(opening=[])
     try:
-        env = await isolated.call("env __init__", env_cls, row, **{}) if not env_args else \
-            await isolated.call("env __init__", lambda: env_cls(row, **env_args))
+        env = await isolated.call("env __init__", lambda: env_cls(row, **env_args))
         episode.opening = _messages(await isolated.call("env reset", env.reset), "env reset")
         history = list(episode.opening)
         tokens = list(render_generation_prompt(tokenizer, history))

@@ -80,5 +80,8 @@ class Isolated:
             try:
                 return await asyncio.wait_for(asyncio.shield(done), self.timeout_s)
             except asyncio.TimeoutError:
+                # Whatever the abandoned call ends with later is nobody's: mark it retrieved, so
+                # asyncio does not log "exception was never retrieved".
+                done.add_done_callback(lambda f: f.cancelled() or f.exception())
                 raise RolloutFailed(f"{what} did not return within reward_timeout_s={self.timeout_s:g}s",
                                     f"{what} timed out after {self.timeout_s:g}s (reward_timeout_s)") from None

@@ -54,7 +54,7 @@ class LoadedData:
     tokenizer: Any
     train: list
     eval: list | None
-    reward: tuple[str, Any] | None = None
+    reward: Any = None  # RL: [(metric name, fn, weight)] of its reward(s), or None with only an env
 
 
 @dataclass
