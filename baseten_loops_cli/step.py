@@ -6,6 +6,8 @@ pays for it. A plain dict with the same keys is accepted too.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,3 +22,31 @@ class Step:
     done: bool = False
     messages: list[dict[str, Any]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(reply: str) -> list[dict[str, Any]]:
+    """The tool calls of a reply in the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    format that Hermes-style chat templates (Qwen, SmolLM2 and others) teach their models; a call
+    whose JSON does not parse is skipped. For an environment's ``step``:
+
+        for call in parse_tool_calls(reply):
+            if call["name"] == "calc": ...
+    """
+    calls = []
+    for body in _TOOL_CALL.findall(reply):
+        try:
+            call = json.loads(body)
+        except ValueError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    pass
+            calls.append({"name": call["name"], "arguments": arguments if arguments is not None else {}})
+    return calls

@@ -229,3 +229,71 @@ def test_episodes_with_max_steps_off_policy(local_server, tmp_path):
     records = [r for r in metrics(run_dir) if not r.get("final")]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["staleness"] <= 1 for r in records) and any(r["staleness"] == 1 for r in records)
+
+
+def test_parse_tool_calls_reads_hermes_style_calls():
+    from baseten_loops_cli import Step, parse_tool_calls
+
+    reply = 'ok <tool_call>{"name": "calc", "arguments": {"expr": "2+3"}}</tool_call> and <tool_call>{bad</tool_call>'
+    assert parse_tool_calls(reply) == [{"name": "calc", "arguments": {"expr": "2+3"}}]
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')[0]["arguments"] == {"x": 1}
+    assert Step().reward == 0.0 and Step(1.0, True).done
+
+
+def test_a_hanging_call_blocks_neither_other_calls_nor_the_loop():
+    import asyncio
+    import threading
+    import time
+
+    from baseten_loops_cli.training.isolation import Isolated, RolloutFailed
+
+    release = threading.Event()
+
+    async def main():
+        isolated = Isolated(timeout_s=0.5, workers=2)
+        started = time.monotonic()
+
+        async def hang():
+            with pytest.raises(RolloutFailed, match="reward_timeout_s=0.5"):
+                await isolated.call("env step", release.wait)
+            return time.monotonic() - started
+
+        async def fast():
+            value = await isolated.call("reward", lambda: 1.0)
+            return value, time.monotonic() - started
+
+        async def async_fn():
+            async def coro():
+                await asyncio.sleep(0.01)
+                return 2.0
+
+            return await isolated.call("env reset", coro)
+
+        hung, (value, fast_at), from_async = await asyncio.gather(hang(), fast(), async_fn())
+        with pytest.raises(RolloutFailed) as failed:
+            await isolated.call("reward", lambda: 1 / 0)
+        return hung, value, fast_at, from_async, failed.value
+
+    hung, value, fast_at, from_async, failed = asyncio.run(main())
+    release.set()
+    assert value == 1.0 and fast_at < 0.4 and 0.5 <= hung < 2.0 and from_async == 2.0
+    assert "ZeroDivisionError" in str(failed) and "Traceback" in failed.detail
+
+
+def test_validate_names_a_missing_env_file_or_class(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "env.py").write_text("class Other:\n    pass\n")
+    (tmp_path / "rows.jsonl").write_text('{"secret": 1}\n')
+    base = "kind: rl\nname: x\nbase_model: loops-local/tiny\ndata:\n  prompts: rows.jsonl\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPS_")}
+    env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", LOOPS_CONFIG_DIR=str(tmp_path / "cfg"),
+               PYTHONPATH=str(EXAMPLES.parent))
+    for line, expected in (("env: nope.py:Env\n", "env file"), ("env: env.py:Env\n", "has no class 'Env'"),
+                           ("env: env\n", "path/to/file.py:ClassName")):
+        (tmp_path / "c.yaml").write_text(base + line)
+        proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "train", "validate", str(tmp_path / "c.yaml"),
+                               "--offline"], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
