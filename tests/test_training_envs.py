@@ -292,7 +292,8 @@ def test_validate_names_a_missing_env_file_or_class(tmp_path):
     env.update(LOOPS_NO_AUTOSTART="1", NO_COLOR="1", LOOPS_CONFIG_DIR=str(tmp_path / "cfg"),
                PYTHONPATH=str(EXAMPLES.parent))
     for line, expected in (("env: nope.py:Env\n", "env file"), ("env: env.py:Env\n", "has no class 'Env'"),
-                           ("env: env\n", "path/to/file.py:ClassName")):
+                           ("env: env\n", "path/to/file.py:ClassName"),
+                           ("env: env.py:Other\nkl_penalty_coef: 0.1\n", "kl_penalty_coef is not supported with env")):
         (tmp_path / "c.yaml").write_text(base + line)
         proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "train", "validate", str(tmp_path / "c.yaml"),
                                "--offline"], env=env, capture_output=True, text=True, timeout=60)

@@ -86,6 +86,8 @@ class RLConfig(CommonConfig):
             raise ValueError("an rl config needs a reward (reward: NAME) or an environment (env: path/to/file.py:ClassName)")
         if self.env is not None and not (":" in self.env and self.env.split(":", 1)[0].endswith(".py")):
             raise ValueError(f"env must be path/to/file.py:ClassName, got {self.env!r}")
+        if self.env is not None and self.kl_penalty_coef:
+            raise ValueError("kl_penalty_coef is not supported with env: yet (episodes are scored as one sequence); set it to 0")
         return self
 
 
