@@ -683,10 +683,18 @@ data:
   prompts: data/prompts.jsonl   # JSONL: {{"prompt": "...", "answer": "..."}} (or "messages")
   # eval_prompts: data/eval_prompts.jsonl
 
-reward: exact_match             # exact_match | numeric_match | contains | starts_with | regex | path/to/file.py:function
+reward: exact_match             # exact_match | numeric_match | contains | starts_with | regex | format | length | repetition | path/to/file.py:function
 # reward:
 #   fn: regex
 #   pattern: "^ANSWER: \\\\d+$"
+# reward:                       # or a weighted list, each logged as reward/NAME
+#   - {{fn: exact_match}}
+#   - {{fn: length, max_chars: 200, weight: 0.5}}
+# env: envs/my_env.py:MyEnv     # multi-turn: an environment plays one episode per row (README "Environments")
+# env_args: {{}}
+# max_turns: 8
+# reward_timeout_s: 60          # per reward/env call; past it (or on a raise) the rollout fails
+# max_failed_fraction: 0.1      # the run stops (resumable) when more of a batch fails
 
 loss:
   name: importance_sampling     # importance_sampling | ppo | cispo | dro
