@@ -27,6 +27,7 @@ from baseten_loops_cli.cli import (
     config,
     data,
     deploy,
+    reward,
     eval as eval_,
     runs,
     sample,
@@ -83,6 +84,7 @@ app.add_typer(deploy.app, name="deploy", rich_help_panel=CHECKPOINTS)
 app.command("eval", rich_help_panel=CHECKPOINTS)(eval_.eval_command)
 app.add_typer(train.app, name="train", rich_help_panel=TRAINING)
 app.add_typer(data.app, name="data", rich_help_panel=TRAINING)
+app.add_typer(reward.app, name="reward", rich_help_panel=TRAINING)
 app.add_typer(auth.app, name="auth", rich_help_panel=SETUP)
 app.add_typer(config.app, name="config", rich_help_panel=SETUP)
 app.add_typer(server.app, name="server", rich_help_panel=SETUP)

@@ -5,6 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from baseten_loops_cli.cli import train_samples
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(
@@ -483,3 +484,6 @@ def compare(
              hint="* marks the best value of a column." if result.best else None)
     if plot_metric:
         _plot(state, records, plot_metric, out_file)
+
+
+app.command("samples")(train_samples.samples)

@@ -98,7 +98,7 @@ class PricingConfig(Section):
 
 class RewardConfig(Section):
     """A builtin reward (``exact_match``, ``numeric_match``, ``regex``, ``contains``,
-    ``starts_with``) or ``path/to/file.py:function``."""
+    ``starts_with``, ``format``, ``length``, ``repetition``) or ``path/to/file.py:function``."""
 
     fn: str
     pattern: str | None = None
@@ -106,6 +106,10 @@ class RewardConfig(Section):
     partial_credit: bool = Field(
         False, description="contains/starts_with: score the longest matched prefix of the answer."
     )
+    weight: float = Field(1.0, description="In a list of rewards: this one's weight in the sum.")
+    name: str | None = Field(None, description="In a list of rewards: its metric name (reward/NAME); default from fn.")
+    max_chars: int | None = Field(None, ge=1, description="length: replies longer than this are penalised.")
+    ngram: int = Field(3, ge=1, description="repetition: the n of the repeated word n-grams counted.")
 
 
 class LossConfig(Section):

@@ -16,9 +16,6 @@ from baseten_loops_cli.errors import ConfigError, LoopsError
 
 RewardFn = Callable[[str, dict], float]
 
-BUILTINS = ("exact_match", "numeric_match", "regex", "contains", "starts_with")
-
-
 class RewardError(LoopsError):
     """A reward function raised or returned a non-number."""
 
@@ -49,45 +46,103 @@ def _prefix_credit(completion: str, answer: str) -> float:
     return n / len(answer)
 
 
+def _exact_match(spec: Any) -> RewardFn:
+    cs = spec.case_sensitive
+    return lambda c, row: float(_norm(c, cs) == _norm(_answer(row, spec.fn), cs))
+
+
+def _contains(spec: Any) -> RewardFn:
+    cs, name = spec.case_sensitive, spec.fn
+    if spec.partial_credit:
+        def contains_partial(c: str, row: dict) -> float:
+            answer, text = _norm(_answer(row, name), cs), _norm(c, cs)
+            if answer in text:
+                return 1.0
+            return max((_prefix_credit(text[i:], answer) for i in range(len(text))), default=0.0) * 0.5
+
+        return contains_partial
+    return lambda c, row: float(_norm(_answer(row, name), cs) in _norm(c, cs))
+
+
+def _starts_with(spec: Any) -> RewardFn:
+    cs, name = spec.case_sensitive, spec.fn
+    if spec.partial_credit:
+        return lambda c, row: _prefix_credit(_norm(c, cs), _norm(_answer(row, name), cs))
+    return lambda c, row: float(_norm(c, cs).startswith(_norm(_answer(row, name), cs)))
+
+
+def _numeric_match(spec: Any) -> RewardFn:
+    def numeric(c: str, row: dict) -> float:
+        match = _NUMBER.search(c)
+        if not match:
+            return 0.0
+        try:
+            return float(math.isclose(float(match.group()), float(_answer(row, spec.fn)), rel_tol=1e-9, abs_tol=1e-9))
+        except ValueError:
+            return 0.0
+
+    return numeric
+
+
+def _pattern(spec: Any) -> re.Pattern:
+    if not spec.pattern:
+        raise ConfigError(f"reward.fn {spec.fn!r} needs reward.pattern")
+    try:
+        return re.compile(spec.pattern, 0 if spec.case_sensitive else re.IGNORECASE)
+    except re.error as exc:
+        raise ConfigError(f"reward.pattern is not a valid regex: {exc}") from None
+
+
+def _regex(spec: Any) -> RewardFn:
+    pattern = _pattern(spec)
+    return lambda c, row: float(bool(pattern.search(c)))
+
+
+def _format(spec: Any) -> RewardFn:
+    """1 when the whole (stripped) reply matches ``pattern``, else 0."""
+    pattern = _pattern(spec)
+    return lambda c, row: float(bool(pattern.fullmatch(c.strip())))
+
+
+def _length(spec: Any) -> RewardFn:
+    """A penalty: 0 up to ``max_chars``, then -(excess / max_chars), at most -1."""
+    if spec.max_chars is None:
+        raise ConfigError("reward.fn 'length' needs reward.max_chars", hint="e.g. {fn: length, max_chars: 200, weight: 0.5}")
+    limit = spec.max_chars
+    return lambda c, row: -min(1.0, max(0, len(c.strip()) - limit) / limit)
+
+
+def _repetition(spec: Any) -> RewardFn:
+    """A penalty: minus the share of the reply's word n-grams that repeat an earlier one."""
+    n = spec.ngram
+
+    def repetition(c: str, row: dict) -> float:
+        words = c.split()
+        grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+        return -(1.0 - len(set(grams)) / len(grams)) if grams else 0.0
+
+    return repetition
+
+
+# The builtins: name -> builder(RewardConfig) -> RewardFn. A new builtin is one entry here.
+BUILDERS: dict[str, Callable[[Any], RewardFn]] = {
+    "exact_match": _exact_match,
+    "numeric_match": _numeric_match,
+    "regex": _regex,
+    "contains": _contains,
+    "starts_with": _starts_with,
+    "format": _format,
+    "length": _length,
+    "repetition": _repetition,
+}
+BUILTINS = tuple(BUILDERS)
+
+
 def build_reward(spec: Any, base_dir: Path) -> tuple[str, RewardFn]:
     """Return (display name, function) for a RewardConfig."""
     name = spec.fn
-    cs = spec.case_sensitive
-    if name == "exact_match":
-        return name, lambda c, row: float(_norm(c, cs) == _norm(_answer(row, name), cs))
-    if name == "contains":
-        if spec.partial_credit:
-            def contains_partial(c: str, row: dict) -> float:
-                answer, text = _norm(_answer(row, name), cs), _norm(c, cs)
-                if answer in text:
-                    return 1.0
-                return max((_prefix_credit(text[i:], answer) for i in range(len(text))), default=0.0) * 0.5
-
-            return name, contains_partial
-        return name, lambda c, row: float(_norm(_answer(row, name), cs) in _norm(c, cs))
-    if name == "starts_with":
-        if spec.partial_credit:
-            return name, lambda c, row: _prefix_credit(_norm(c, cs), _norm(_answer(row, name), cs))
-        return name, lambda c, row: float(_norm(c, cs).startswith(_norm(_answer(row, name), cs)))
-    if name == "numeric_match":
-        def numeric(c: str, row: dict) -> float:
-            match = _NUMBER.search(c)
-            if not match:
-                return 0.0
-            try:
-                return float(math.isclose(float(match.group()), float(_answer(row, name)), rel_tol=1e-9, abs_tol=1e-9))
-            except ValueError:
-                return 0.0
-
-        return name, numeric
-    if name == "regex":
-        if not spec.pattern:
-            raise ConfigError("reward.fn 'regex' needs reward.pattern")
-        try:
-            pattern = re.compile(spec.pattern, 0 if cs else re.IGNORECASE)
-        except re.error as exc:
-            raise ConfigError(f"reward.pattern is not a valid regex: {exc}") from None
-        return name, lambda c, row: float(bool(pattern.search(c)))
+    if name in BUILDERS:
+        return name, BUILDERS[name](spec)
     if ":" in name and name.split(":", 1)[0].endswith(".py"):
         return name, _load_file_reward(name, base_dir)
     import difflib
@@ -99,26 +154,60 @@ def build_reward(spec: Any, base_dir: Path) -> tuple[str, RewardFn]:
     )
 
 
+def reward_label(spec: Any) -> str:
+    """A reward's metric name in a list of rewards: its ``name``, else the builtin or function name."""
+    return spec.name or spec.fn.rsplit(":", 1)[-1]
+
+
+def build_rewards(specs: Any, base_dir: Path) -> list[tuple[str, RewardFn, float]]:
+    """(metric name, function, weight) of each reward of a list (or of the one reward)."""
+    specs = specs if isinstance(specs, list) else [specs]
+    out, seen = [], set()
+    for spec in specs:
+        label = reward_label(spec)
+        if label in seen:
+            raise ConfigError(f"two rewards are named {label!r}", hint="Give one a name: {fn: ..., name: NAME}.")
+        seen.add(label)
+        out.append((label, build_reward(spec, base_dir)[1], spec.weight))
+    return out
+
+
 def _load_file_reward(spec: str, base_dir: Path) -> RewardFn:
-    file_part, func_name = spec.rsplit(":", 1)
+    return load_from_file(spec, base_dir, "reward", callable_hint="function")
+
+
+def load_from_file(spec: str, base_dir: Path, what: str, *, callable_hint: str = "function") -> Any:
+    """The object ``NAME`` of ``path/to/file.py:NAME`` (relative to ``base_dir``), loaded from that
+    file only: never through the import system, so a same-named module on PYTHONPATH or in the
+    working directory is never run instead. ``what`` names it in errors (reward, env)."""
+    file_part, attr = spec.rsplit(":", 1)
     path = Path(file_part)
     path = path if path.is_absolute() else base_dir / path
     if not path.is_file():
-        raise ConfigError(f"reward file {path} not found", hint="Paths are relative to the config file.")
-    module_spec = importlib.util.spec_from_file_location(f"loops_reward_{abs(hash(str(path)))}", path)
+        raise ConfigError(f"{what} file {path} not found", hint="Paths are relative to the config file.")
+    module_spec = importlib.util.spec_from_file_location(f"loops_{what}_{abs(hash(str(path)))}", path)
     if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"cannot load reward file {path}")
+        raise ConfigError(f"cannot load {what} file {path}")
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:  # the user's code: report it, don't crash
-        raise ConfigError(f"reward file {path} failed to import: {type(exc).__name__}: {exc}",
+        raise ConfigError(f"{what} file {path} failed to import: {type(exc).__name__}: {exc}",
                           hint=f"Fix the error, then check with `python {path}`.") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise ConfigError(f"reward file {path} has no function {func_name!r}",
-                          hint="Name a function the file defines: reward: path/to/file.py:function.")
-    return fn
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise ConfigError(f"{what} file {path} has no {callable_hint} {attr!r}",
+                          hint=f"Name a {callable_hint} the file defines: {what}: path/to/file.py:NAME.")
+    return obj
+
+
+def reward_value(value: Any) -> float | None:
+    """A reward as a float, or None when it is not a finite number (bool counts as 0/1)."""
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+        return None
+    return float(value)
 
 
 def score(name: str, fn: RewardFn, completion: str, row: dict, source: str) -> float:
@@ -129,11 +218,10 @@ def score(name: str, fn: RewardFn, completion: str, row: dict, source: str) -> f
         raise
     except Exception as exc:
         raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} (prompt {source})") from None
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+    number = reward_value(value)
+    if number is None:
         raise RewardError(f"reward {name!r} returned {value!r}, not a finite number (prompt {source})")
-    return float(value)
+    return number
 
 
 def completion_text(tokenizer: Any, tokens: list[int], stop: list[str]) -> str:

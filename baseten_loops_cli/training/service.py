@@ -264,7 +264,6 @@ def absolute_raw(loaded: LoadedConfig) -> dict:
 
     from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.config import data_path_keys
-
     from baseten_loops_cli.training.formats.spec import absolute_sources
 
     raw = copy.deepcopy(loaded.raw)
@@ -274,14 +273,24 @@ def absolute_raw(loaded: LoadedConfig) -> dict:
             raw[section][key] = absolute_sources(value, loaded.resolve_path)
     if loaded.config.base_model != raw.get("base_model") and Path(loaded.config.base_model).is_absolute():
         raw["base_model"] = loaded.config.base_model  # a model folder, made absolute by load_config
-    for keys in kinds.of(loaded.config).code_keys:
-        parent = raw
-        for part in keys[:-1]:
-            parent = parent.get(part) if isinstance(parent, dict) else None
-        value = parent.get(keys[-1]) if isinstance(parent, dict) else None
+
+    def absolute(parent: Any, keys: tuple) -> None:
+        """Make the code reference at ``keys`` under ``parent`` absolute ("*": every list item)."""
+        head, rest = keys[0], keys[1:]
+        if head == "*":
+            for index in range(len(parent) if isinstance(parent, list) else 0):
+                (absolute(parent[index], rest) if rest else set_absolute(parent, index))
+        elif isinstance(parent, dict) and head in parent:
+            absolute(parent[head], rest) if rest else set_absolute(parent, head)
+
+    def set_absolute(parent: Any, key: Any) -> None:
+        value = parent[key]
         if isinstance(value, str) and ":" in value and value.split(":", 1)[0].endswith(".py"):
             file_part, func = value.rsplit(":", 1)
-            parent[keys[-1]] = f"{loaded.resolve_path(file_part).resolve()}:{func}"
+            parent[key] = f"{loaded.resolve_path(file_part).resolve()}:{func}"
+
+    for keys in kinds.of(loaded.config).code_keys:
+        absolute(raw, keys)
     return raw
 
 

@@ -76,6 +76,9 @@ def _source_rows(source: Source, purpose: str) -> tuple[list[tuple[str, dict]], 
     records = [(where, _map_columns(row, source.columns)) for where, row in source.records()]
     if not records:
         return [], "empty", 0
+    if purpose == rows_mod.ENV_ROWS:  # an environment reads its rows itself: any JSON object, as it is
+        kept = records[: source.max_rows] if source.max_rows is not None else records
+        return kept, "environment rows", len(records)
     fmt, row_formats = rows_mod.detect(records, source.name, source.format, source.columns)
     described = rows_mod.describe(fmt, records)
     total = len(records)

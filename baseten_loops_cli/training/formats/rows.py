@@ -30,7 +30,9 @@ from typing import Any
 
 from baseten_loops_cli.errors import ConfigError
 
-PURPOSES = ("sft", "prompts", "preference")
+# "env": an environment's rows, passed as they are (no format detection: the environment reads them).
+ENV_ROWS = "env"
+PURPOSES = ("sft", "prompts", "preference", ENV_ROWS)
 # The field each format cannot do without (named when a row of another format is found).
 KEY_FIELD = {
     "messages": "messages", "sharegpt": "conversations", "alpaca": "instruction", "preference": "chosen",

@@ -55,7 +55,7 @@ class LoadedData:
     tokenizer: Any
     train: list
     eval: list | None
-    reward: tuple[str, Any] | None = None
+    reward: Any = None  # RL: [(metric name, fn, weight)] of its reward(s), or None with only an env
     notes: list[str] = field(default_factory=list)  # what the data layer found: formats, rows, overlaps
 
 
@@ -98,6 +98,7 @@ class Kind:
     row_formats: tuple[str, ...] = ()  # row formats `loops data` takes as this kind's when --kind is not given
     row_sides: tuple[str | None, ...] = (None,)  # what each rendered sequence of a row is (DPO: chosen, rejected)
     render_rows: Callable[..., list[list[Any]]] | None = None  # (spec, tokenizer, *, max_seq_len, train_on) -> each row's sequences (.tokens, .weights)
+    reward_test: Callable[..., list[dict]] | None = None  # (loaded, data, new_sampler, rows): `loops reward test`
     title: str = ""  # how plans name it (default: NAME in capitals)
 
     @property

@@ -21,14 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.config import CommonConfig, LossConfig, RewardConfig, SamplingConfig, Section
 from baseten_loops_cli.training.data import Prompt, rl_datum
 from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.rewards import completion_text, score
+from baseten_loops_cli.training.rewards import completion_text
 from baseten_loops_cli.training.session import (
     StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped,
 )  # fmt: skip
@@ -48,7 +48,15 @@ class RLConfig(CommonConfig):
     SECTIONS = CommonConfig.SECTIONS + ("loss", "sampling")
     kind: Literal["rl"]
     data: RLData
-    reward: RewardConfig
+    reward: RewardConfig | list[RewardConfig] | None  # required unless `env:` is given (see _reward_optional_with_env)
+    env: str | None = Field(None, description="path/to/file.py:ClassName: a multi-turn environment, one episode per row.")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor.")
+    max_turns: int = Field(8, ge=1, description="An episode ends after this many replies (truncated) if the env has not ended it.")
+    turn_discount: float = Field(1.0, gt=0, le=1, description="Episode reward = sum of turn rewards * turn_discount**turn.")
+    reward_timeout_s: float = Field(60.0, gt=0, description="Per call of a reward or environment; past it the rollout fails.")
+    reward_workers: int = Field(8, ge=1, description="Reward/environment calls running at once (threads).")
+    warn_logprob_diff: float = Field(0.5, gt=0, description="Warn when logprob_diff (sampler vs trainer) passes this.")
+    max_failed_fraction: float = Field(0.1, ge=0, le=1, description="The run stops when more of a batch's rollouts fail.")
     group_size: int = Field(4, ge=2)
     groups_per_batch: int = Field(8, ge=1)
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -60,27 +68,55 @@ class RLConfig(CommonConfig):
     @field_validator("reward", mode="before")
     @classmethod
     def _reward_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"fn": v} if isinstance(v, str) else v for v in value]
         return {"fn": value} if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_optional_with_env(cls, data: Any) -> Any:
+        # Required, so a config with neither reports "missing required key 'reward'" at once,
+        # beside its other problems; an environment may score the episode alone.
+        if isinstance(data, dict) and data.get("env") is not None and "reward" not in data:
+            data = {**data, "reward": None}
+        return data
+
+    @model_validator(mode="after")
+    def _reward_or_env(self) -> "RLConfig":
+        if self.reward is None and self.env is None:
+            raise ValueError("an rl config needs a reward (reward: NAME) or an environment (env: path/to/file.py:ClassName)")
+        if self.env is not None and not (":" in self.env and self.env.split(":", 1)[0].endswith(".py")):
+            raise ValueError(f"env must be path/to/file.py:ClassName, got {self.env!r}")
+        if self.env is not None and self.kl_penalty_coef:
+            raise ValueError("kl_penalty_coef is not supported with env: yet (episodes are scored as one sequence); set it to 0")
+        return self
 
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.data import load_prompts
     from baseten_loops_cli.training.formats import data_notes
-    from baseten_loops_cli.training.rewards import build_reward
+    from baseten_loops_cli.training.rewards import build_rewards
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)  # any format and source, read by the data layer
     kwargs = {"max_seq_len": config.max_seq_len, "max_tokens": config.sampling.max_tokens}
-    train = load_prompts(train_spec, tokenizer, **kwargs)
-    evals = load_prompts(eval_spec, tokenizer, **kwargs) if eval_spec else None
-    reward = build_reward(config.reward, loaded.base_dir)
-    if config.reward.fn in ANSWER_REWARDS:
+    load = load_env_rows if config.env else load_prompts
+    train = load(train_spec, tokenizer, **kwargs)
+    evals = load(eval_spec, tokenizer, **kwargs) if eval_spec else None
+    reward = build_rewards(config.reward, loaded.base_dir) if config.reward is not None else None
+    if config.env:
+        from baseten_loops_cli.training.envs import load_env
+
+        load_env(config.env, loaded.base_dir)  # a missing file or class fails now, before provisioning
+    specs = config.reward if isinstance(config.reward, list) else [config.reward] if config.reward else []
+    needs_answer = next((spec.fn for spec in specs if spec.fn in ANSWER_REWARDS), None)
+    if needs_answer:
         # Catch a missing answer now, not after capacity is provisioned.
         for prompt in train + (evals or []):
             if "answer" not in prompt.row:
                 raise ConfigError(
-                    f"{prompt.source}: reward {config.reward.fn!r} needs an 'answer' field in each prompt row",
+                    f"{prompt.source}: reward {needs_answer!r} needs an 'answer' field in each prompt row",
                     hint='Add "answer" to every row ({"prompt": ..., "answer": ...}) or use a reward file.',
                 )
     return LoadedData(tokenizer, train, evals, reward, data_notes(train_spec, eval_spec))
@@ -93,15 +129,32 @@ def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None 
     return [[p] for p in load_prompts(spec, tokenizer, max_seq_len=max_seq_len, max_tokens=0)]
 
 
+def load_env_rows(data, tokenizer: Any, **_: Any) -> list[Prompt]:
+    """Environment rows: any JSON object each, from any source the data layer reads (the
+    environment reads the row); the prompt comes from the environment's ``reset``."""
+    from baseten_loops_cli.training.data import JSONL_HINT
+    from baseten_loops_cli.training.formats import read_rows
+    from baseten_loops_cli.training.formats.rows import ENV_ROWS
+
+    rows = [Prompt([], row, where, str(row.get("prompt", ""))) for where, row in read_rows(data, ENV_ROWS)]
+    if not rows:
+        raise ConfigError(f"{data}: no rows (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
+    return rows
+
+
 def estimate(config, data: LoadedData) -> Estimate:
     """Each step's real prompts and ``sampling.max_tokens`` per completion: upper bounds
     (completions may stop early; groups without signal are not trained)."""
     steps = total_steps(len(data.train), config)
     completions = config.groups_per_batch * config.group_size
     prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in prompts_for_step(data.train, step, config))
-    sample_tokens = steps * completions * config.sampling.max_tokens
+    turns = config.max_turns if config.env else 1
+    sample_tokens = steps * completions * config.sampling.max_tokens * turns
+    notes = ["RL token counts are upper bounds (every completion at sampling.max_tokens)"]
+    if config.env:
+        notes.append(f"environment episodes: up to max_turns={turns} replies each; opening prompts not counted")
     return Estimate(steps, prompt_tokens * config.group_size + sample_tokens - steps * completions, sample_tokens,
-                    notes=["RL token counts are upper bounds (every completion at sampling.max_tokens)"])
+                    notes=notes)
 
 
 def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> Any:
@@ -109,6 +162,12 @@ def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> A
     from baseten_loops_cli.training.evaluation import RLTask
 
     config = loaded.config
+    if config.env or isinstance(config.reward, list):
+        from baseten_loops_cli.errors import UsageError
+
+        what = "environments" if config.env else "a list of rewards"
+        raise UsageError(f"{loaded.path}: `loops eval` does not score {what} yet",
+                         hint="Set data.eval_prompts to evaluate during training (eval_reward_mean).")
     return RLTask(
         data, config.reward, loaded.base_dir, config.sampling, samples or config.group_size, k,
         config.pass_threshold, config.seed if seed is None else seed, config.max_seq_len, limit,
@@ -124,6 +183,30 @@ class Rollout:
     reward: float
     stop_reason: str
     base_logprobs: list[float] | None = None  # the base model's, when a KL penalty is on
+    components: dict[str, float] | None = None  # each reward of a list of rewards, unweighted
+    error: str | None = None  # the rollout failed (its reward or environment): the reason
+    traceback: str | None = None
+    episode: Any = None  # envs.Episode, for an environment's rollouts
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def record(self, step: int, version: int) -> dict:
+        """Its line of samples.jsonl: the prompt and reply, or the whole transcript of an episode."""
+        out: dict[str, Any] = {"step": step, "prompt": self.prompt.text, "completion": self.text, "reward": self.reward,
+                               "policy_version": version, "stop_reason": self.stop_reason}
+        if self.components:
+            out["rewards"] = self.components
+        if self.episode is not None:
+            from baseten_loops_cli.training.envs import transcript
+
+            out.update(source=self.prompt.source, transcript=transcript(self.episode),
+                       turn_rewards=[t.reward for t in self.episode.turns], turns=len(self.episode.turns),
+                       done=self.episode.done)
+        if self.error is not None:
+            out.update(failed=True, error=self.error, traceback=self.traceback)
+        return out
 
 
 @dataclass
@@ -158,11 +241,85 @@ def prompts_for_step(prompts: list[Prompt], step: int, config) -> list[Prompt]:
 class Rollouts:
     """Samples groups through the sampler (async, all requests in flight) and scores them."""
 
-    def __init__(self, session: TrainingSession, tokenizer: Any, reward: tuple[str, Any]):
+    def __init__(self, session: TrainingSession, tokenizer: Any, rewards: list[tuple[str, Any, float]] | None):
+        from baseten_loops_cli.training.envs import load_env
+
+        config = session.config
         self.session = session
         self.tokenizer = tokenizer
-        self.reward_name, self.reward_fn = reward
-        self.kl = session.config.kl_penalty_coef > 0
+        self.rewards = rewards or []
+        self.reward_fn = self.rewards or None  # truthy when the config has a reward
+        self.listed = isinstance(config.reward, list)
+        self.reward_name = config.reward.fn if config.reward is not None and not self.listed else None
+        self.kl = config.kl_penalty_coef > 0
+        self.env_cls = load_env(config.env, session.loaded.base_dir) if config.env else None
+        self.timeout_s, self.workers = config.reward_timeout_s, config.reward_workers
+
+    async def _score(self, isolated, prompt: Prompt, text: str) -> tuple[float, str | None, str | None, dict | None]:
+        """(weighted sum, error, traceback, each reward): the rewards of one reply, each run isolated."""
+        from baseten_loops_cli.training.isolation import RolloutFailed
+        from baseten_loops_cli.training.rewards import reward_value
+
+        async def one(label: str, fn: Any) -> tuple[float | None, str | None, str | None]:
+            what = f"reward {self.reward_name or label!r}"
+            try:
+                value = await isolated.call(what, fn, text, prompt.row)
+            except RolloutFailed as failed:
+                return None, f"{failed} (prompt {prompt.source})", failed.detail
+            number = reward_value(value)
+            if number is None:
+                return None, f"{what} returned {value!r:.100}, not a finite number (prompt {prompt.source})", None
+            return number, None, None
+
+        results = await asyncio.gather(*(one(label, fn) for label, fn, _ in self.rewards))
+        for _, error, trace in results:
+            if error is not None:
+                return 0.0, error, trace, None
+        total = sum(weight * value for (_, _, weight), (value, _, _) in zip(self.rewards, results))
+        components = {label: value for (label, _, _), (value, _, _) in zip(self.rewards, results)} if self.listed else None
+        return total, None, None, components
+
+    async def _episodes(self, sampler, isolated, prompt: Prompt, *, n: int, seed: int, version: int,
+                        sampling) -> tuple[list[Rollout], int]:
+        """``n`` episodes of the environment on one row, every turn's request in flight together."""
+        from baseten_loops_cli.training.envs import run_episode
+
+        config = self.session.config
+        stop = list(self.tokenizer.stop_token_ids)
+
+        async def sample(tokens: list[int], max_tokens: int, turn_seed: int):
+            result = await sampler.asample(
+                tokens, n=1, max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k, seed=turn_seed, stop=stop, min_policy_version=version or None,
+            )  # fmt: skip
+            seq = result.sequences[0]
+            served = result.policy_version if result.policy_version is not None else version
+            return list(seq.tokens), list(seq.logprobs or []), seq.stop_reason, int(served)
+
+        def reply(tokens: list[int]) -> str:
+            return completion_text(self.tokenizer, tokens, sampling.stop)
+
+        episodes = await asyncio.gather(*(
+            run_episode(self.env_cls, config.env_args, prompt.row, tokenizer=self.tokenizer, isolated=isolated,
+                        sample=sample, seed=seed * 1009 + j, max_turns=config.max_turns,
+                        max_tokens=sampling.max_tokens, max_seq_len=config.max_seq_len, reply_text=reply)
+            for j in range(n)
+        ))  # fmt: skip
+        rollouts = []
+        for ep in episodes:
+            last = ep.turns[-1] if ep.turns else None
+            opening = prompt if prompt.text else Prompt([], prompt.row, prompt.source,
+                                                        ep.opening[-1]["content"] if ep.opening else "")
+            rollout = Rollout(opening, [t for turn in ep.turns for t in turn.tokens],
+                              [lp for turn in ep.turns for lp in turn.logprobs], last.text if last else "",
+                              ep.total(config.turn_discount), last.stop_reason if last else "none",
+                              error=ep.error, traceback=ep.traceback, episode=ep)
+            if rollout.error is None and self.reward_fn is not None and last is not None:
+                extra, rollout.error, rollout.traceback, rollout.components = await self._score(isolated, prompt, last.text)
+                rollout.reward += extra * config.turn_discount ** (len(ep.turns) - 1)
+            rollouts.append(rollout)
+        served = min((ep.version for ep in episodes if ep.turns), default=version)
+        return rollouts, served
 
     async def _base_logprobs(self, base_sampler, rollout: Rollout) -> None:
         """Score the completion under the frozen base model (prompt logprobs of prompt+completion)."""
@@ -173,8 +330,10 @@ class Rollouts:
         rollout.base_logprobs = [float(x) if x is not None else 0.0 for x in tail]
 
     async def _group(
-        self, sampler, prompt: Prompt, *, n: int, seed: int, version: int, sampling
+        self, sampler, isolated, prompt: Prompt, *, n: int, seed: int, version: int, sampling
     ) -> tuple[list[Rollout], int]:
+        if self.env_cls is not None:
+            return await self._episodes(sampler, isolated, prompt, n=n, seed=seed, version=version, sampling=sampling)
         result = await sampler.asample(
             prompt.tokens,
             n=n,
@@ -186,11 +345,13 @@ class Rollouts:
             stop=list(self.tokenizer.stop_token_ids),
             min_policy_version=version or None,
         )
-        rollouts = []
-        for seq in result.sequences:
-            text = completion_text(self.tokenizer, seq.tokens, sampling.stop)
-            value = score(self.reward_name, self.reward_fn, text, prompt.row, prompt.source)
-            rollouts.append(Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, value, seq.stop_reason))
+        texts = [completion_text(self.tokenizer, seq.tokens, sampling.stop) for seq in result.sequences]
+        scores = await asyncio.gather(*(self._score(isolated, prompt, text) for text in texts))
+        rollouts = [
+            Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, value, seq.stop_reason,
+                    components=components, error=error, traceback=trace)
+            for seq, text, (value, error, trace, components) in zip(result.sequences, texts, scores)
+        ]
         served = result.policy_version if result.policy_version is not None else version
         return rollouts, int(served)
 
@@ -203,14 +364,18 @@ class Rollouts:
         base_sampler = self.session.new_base_sampler_client() if self.kl else None
 
         async def gather() -> list[tuple[list[Rollout], int]]:
+            from baseten_loops_cli.training.isolation import Isolated
+
+            isolated = Isolated(timeout_s=self.timeout_s, workers=self.workers)
             try:
                 tagged = await asyncio.gather(
-                    *(self._group(sampler, p, n=n, seed=seed * 1_000_003 + step * 1009 + i, version=version, sampling=sampling)
+                    *(self._group(sampler, isolated, p, n=n, seed=seed * 1_000_003 + step * 1009 + i, version=version, sampling=sampling)
                       for i, p in enumerate(prompts))
                 )  # fmt: skip
                 if base_sampler is not None:
                     await asyncio.gather(
-                        *(self._base_logprobs(base_sampler, r) for g, _ in tagged for r in g if r.tokens)
+                        *(self._base_logprobs(base_sampler, r) for g, _ in tagged for r in g
+                          if r.tokens and r.episode is None)
                     )
                 return tagged
             finally:
@@ -231,14 +396,22 @@ def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0) -> tuple[list[dic
     ``(reward - group mean) - kl_coef * (logp_policy - logp_base)``: the per-token k1 estimate of
     KL(policy || base), as in the Tinker cookbook's ``kl_penalty_coef``.
     """
+    from baseten_loops_cli.training.envs import episode_datum
+
     datums, kept, kl_terms = [], 0, []
     for group in groups:
+        group = [r for r in group if not r.failed]  # a failed rollout has no reward: not trained
         rewards = [r.reward for r in group]
-        if max(rewards) - min(rewards) < 1e-12 and not kl_coef:
+        if len(rewards) < 2 or (max(rewards) - min(rewards) < 1e-12 and not kl_coef):
             continue  # every rollout scored the same: no learning signal
         kept += 1
         mean = statistics.fmean(rewards)
         for r in group:
+            if r.episode is not None:
+                datum = episode_datum(r.episode, r.reward - mean)
+                if datum is not None:
+                    datums.append(datum)
+                continue
             if not r.tokens or len(r.logprobs) != len(r.tokens):
                 continue
             advantage: float | list[float] = r.reward - mean
@@ -250,9 +423,96 @@ def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0) -> tuple[list[dic
     return datums, kept, (statistics.fmean(kl_terms) if kl_terms else None)
 
 
+def health(batch: Batch, config, fb_result: dict | None, datums: list[dict]) -> dict:
+    """RL health of one step (README "Rewards"):
+
+    - ``reward_std``: std of the rewards of the batch's rollouts (failed ones left out);
+    - ``zero_variance_groups``: share of groups whose rewards were all equal (skipped: no signal);
+    - ``completion_tokens``: mean reply tokens per rollout (all turns of an episode);
+    - ``max_tokens_share``: share of replies that stopped at sampling.max_tokens;
+    - ``entropy``: mean negative sampler logprob of the sampled tokens, a Monte Carlo estimate of
+      the per-token entropy of the sampling distribution (no top logprobs needed);
+    - ``logprob_diff``: mean |sampler logprob - trainer logprob| over the trained tokens, from
+      ``forward_backward``'s per-token logprobs (staleness plus numerical drift);
+    - ``failed_rollouts``: share of rollouts whose reward or environment failed.
+    """
+    rollouts = [r for g in batch.groups for r in g]
+    ok = [r for r in rollouts if not r.failed]
+    rewards = [r.reward for r in ok]
+    replies = [t for r in ok for t in (r.episode.turns if r.episode is not None else [r])]
+    tokens = [lp for r in ok for lp in r.logprobs]
+    zero = sum(1 for g in batch.groups
+               if len({round(r.reward, 12) for r in g if not r.failed}) <= 1)  # fmt: skip
+    out: dict[str, Any] = {
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "zero_variance_groups": zero / len(batch.groups) if batch.groups else 0.0,
+        "completion_tokens": statistics.fmean(len(r.tokens) for r in ok) if ok else 0.0,
+        "max_tokens_share": (sum(1 for t in replies if t.stop_reason == "length") / len(replies)) if replies else 0.0,
+        "entropy": -statistics.fmean(tokens) if tokens else None,
+        "failed_rollouts": (len(rollouts) - len(ok)) / len(rollouts) if rollouts else 0.0,
+    }
+    for label in {k for r in ok for k in (r.components or {})}:
+        values = [r.components[label] for r in ok if r.components and label in r.components]
+        out[f"reward/{label}"] = statistics.fmean(values)
+        out[f"reward_std/{label}"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+    outputs = (fb_result or {}).get("loss_fn_outputs") or []
+    diffs = []
+    for datum, output in zip(datums, outputs):
+        trainer = ((output or {}).get("logprobs") or {}).get("data") or []
+        inputs = datum["loss_fn_inputs"]
+        for lp, sampler, m in zip(trainer, inputs["logprobs"]["data"], inputs["mask"]["data"]):
+            if m and lp is not None:
+                diffs.append(abs(sampler - lp))
+    if diffs:
+        out["logprob_diff"] = statistics.fmean(diffs)
+    return out
+
+
+class HealthWarnings:
+    """The warnings the live view shows: once when a condition starts, again only after it
+    cleared (a run with no signal for 50 steps warns once, not 50 times)."""
+
+    def __init__(self, drift_bound: float) -> None:
+        self.drift_bound = drift_bound
+        self.active: set[str] = set()
+
+    def check(self, record: dict) -> list[str]:
+        step = record["step"]
+        conditions = {
+            "collapse": (record.get("zero_variance_groups") == 1.0,
+                         f"warning: step {step}: reward variance collapsed (every group scored alike; nothing to "
+                         "learn from): raise sampling.temperature or group_size, or give the reward partial credit"),
+            "drift": ((record.get("logprob_diff") or 0.0) > self.drift_bound,
+                      f"warning: step {step}: sampler and trainer logprobs differ by {record.get('logprob_diff', 0):.3f} "
+                      f"on average (bound warn_logprob_diff {self.drift_bound:g}): stale samples or numerical drift; "
+                      "lower max_steps_off_policy or the learning rate"),
+        }
+        out = []
+        for key, (on, text) in conditions.items():
+            if on and key not in self.active:
+                out.append(text)
+            (self.active.add if on else self.active.discard)(key)
+        return out
+
+
+def check_failures(batch: Batch, config) -> None:
+    """Stop the run (RewardError: state saved, resumable) when more than max_failed_fraction of
+    the batch's rollouts failed; below that, failed rollouts are only left out of training."""
+    from baseten_loops_cli.training.rewards import RewardError
+
+    rollouts = [r for g in batch.groups for r in g]
+    failed = [r for r in rollouts if r.failed]
+    if failed and len(failed) / len(rollouts) > config.max_failed_fraction:
+        raise RewardError(
+            f"{len(failed)} of {len(rollouts)} rollouts of step {batch.step + 1} failed (more than "
+            f"max_failed_fraction {config.max_failed_fraction:g}); the first: {failed[0].error}",
+            hint="Fix the reward or environment (tracebacks are in samples.jsonl; try `loops reward test CONFIG`).",
+        )
+
+
 def evaluate(rollouts: Rollouts, prompts: list[Prompt], config, version: int) -> dict:
     batch = rollouts.sample(prompts, step=0, version=version, n=1, sampling=config.sampling, seed=config.seed + 7)
-    rewards = [r.reward for g in batch.groups for r in g]
+    rewards = [r.reward for g in batch.groups for r in g if not r.failed]
     return {
         "eval_reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
         "eval_pass_rate": sum(r >= config.pass_threshold for r in rewards) / len(rewards) if rewards else float("nan"),
@@ -276,6 +536,7 @@ def run_rl(
     opt = config.optimizer
     bound = config.max_steps_off_policy
     rollouts = Rollouts(session, tokenizer, reward)
+    warnings = HealthWarnings(config.warn_logprob_diff)
     sink.start(steps, session.start_step, "reward")
     started = time.monotonic()
 
@@ -325,6 +586,11 @@ def run_rl(
         else:
             batch = sample(step, version)  # synchronous, or the prefetched batch was too stale
         stale = step - batch.version
+        try:
+            check_failures(batch, config)
+        except Exception:
+            sink.samples([r.record(step + 1, v) for g, v in zip(batch.groups, batch.versions) for r in g])
+            raise
         # Overlap: keep the next `bound` steps sampling with the weights published so far.
         for next_step in range(step + 1, min(step + bound, steps - 1) + 1):
             if next_step not in ahead:
@@ -342,11 +608,12 @@ def run_rl(
         # Submitted behind the optim_step (the trainer runs them in seq_id order), awaited together.
         published = (session.trainer.save_weights_for_sampler(f"rl-{step:06d}", bump_version=True)
                      if step < steps or eval_prompts else None)
-        metrics_out = (fb.result().get("metrics") or {}) if fb is not None else {}
+        fb_result = fb.result() if fb is not None else None
+        metrics_out = (fb_result.get("metrics") or {}) if fb_result is not None else {}
         optim.result()
         if published is not None:
             version = int(published.result().get("version") or step)
-        rewards = [r.reward for g in batch.groups for r in g]
+        rewards = [r.reward for g in batch.groups for r in g if not r.failed]
         sampled_tokens = sum(len(r.tokens) for g in batch.groups for r in g)
         elapsed = time.monotonic() - step_started
         record = {
@@ -369,13 +636,10 @@ def run_rl(
         }
         if kl_estimate is not None:
             record["kl_policy_base"] = kl_estimate
-        sink.samples(
-            [
-                {"step": step, "prompt": r.prompt.text, "completion": r.text, "reward": r.reward,
-                 "policy_version": v, "stop_reason": r.stop_reason}
-                for g, v in zip(batch.groups, batch.versions) for r in g
-            ]
-        )  # fmt: skip
+        record.update(health(batch, config, fb_result, datums))
+        for warning in warnings.check(record):
+            sink.message(warning)
+        sink.samples([r.record(step, v) for g, v in zip(batch.groups, batch.versions) for r in g])
         try:
             if eval_prompts and config.eval_every and step % config.eval_every == 0:
                 record.update(evaluate(rollouts, eval_prompts, config, version))
@@ -402,6 +666,20 @@ def run_rl(
     return "completed"
 
 
+def reward_test(loaded, data: LoadedData, new_sampler, rows: int) -> list[dict]:
+    """`loops reward test`: one reply (or episode) per row for the first ``rows`` rows, sampled
+    from the base model, scored as training scores them (isolated); their samples.jsonl records."""
+    from types import SimpleNamespace
+
+    config = loaded.config
+    shim = SimpleNamespace(config=config, loaded=loaded, new_sampler_client=new_sampler,
+                           new_base_sampler_client=new_sampler)  # fmt: skip
+    rollouts = Rollouts(shim, data.tokenizer, data.reward)
+    rollouts.kl = False
+    batch = rollouts.sample(data.train[:rows], step=0, version=0, n=1, sampling=config.sampling, seed=config.seed)
+    return [r.record(0, 0) for g in batch.groups for r in g]
+
+
 def _run(session: TrainingSession, data: LoadedData, sink, stop: StopRequested) -> str:
     return run_rl(session, data.train, data.eval, data.tokenizer, data.reward, sink, stop)
 
@@ -418,10 +696,18 @@ data:
   prompts: data/prompts.jsonl   # JSONL: {{"prompt": "...", "answer": "..."}} (or "messages")
   # eval_prompts: data/eval_prompts.jsonl
 
-reward: exact_match             # exact_match | numeric_match | contains | starts_with | regex | path/to/file.py:function
+reward: exact_match             # exact_match | numeric_match | contains | starts_with | regex | format | length | repetition | path/to/file.py:function
 # reward:
 #   fn: regex
 #   pattern: "^ANSWER: \\\\d+$"
+# reward:                       # or a weighted list, each logged as reward/NAME
+#   - {{fn: exact_match}}
+#   - {{fn: length, max_chars: 200, weight: 0.5}}
+# env: envs/my_env.py:MyEnv     # multi-turn: an environment plays one episode per row (README "Environments")
+# env_args: {{}}
+# max_turns: 8
+# reward_timeout_s: 60          # per reward/env call; past it (or on a raise) the rollout fails
+# max_failed_fraction: 0.1      # the run stops (resumable) when more of a batch fails
 
 loss:
   name: importance_sampling     # importance_sampling | ppo | cispo | dro
@@ -444,7 +730,9 @@ KIND = Kind(
     noun="prompts",
     main_metric="reward",
     metric_names=("reward", "pass_rate", "groups_trained", "groups", "loss", "sampled_tokens", "sample_time_s",
-                  "sampled_with_version", "staleness", "kl_policy_base", "eval_reward_mean", "eval_pass_rate"),
+                  "sampled_with_version", "staleness", "kl_policy_base", "eval_reward_mean", "eval_pass_rate",
+                  "reward_std", "zero_variance_groups", "completion_tokens", "max_tokens_share", "entropy",
+                  "logprob_diff", "failed_rollouts"),  # plus reward/NAME and reward_std/NAME for a list of rewards
     step_fields=(
         StepField("reward", "reward", ".3f"), StepField("pass_rate", "pass", ".0%"),
         StepField("groups_trained", "groups", of="groups"),
@@ -458,9 +746,11 @@ KIND = Kind(
     eval_data_key=("data", "eval_prompts"),
     train_data_key=("data", "prompts"),
     eval_task=eval_task,
-    code_keys=(("reward",), ("reward", "fn")),  # `reward: file.py:fn` or `reward: {fn: file.py:fn}`
+    # `reward: file.py:fn`, `reward: {fn: ...}`, a list of either, `env: file.py:Class` ("*": each list item)
+    code_keys=(("reward",), ("reward", "fn"), ("reward", "*"), ("reward", "*", "fn"), ("env",)),
     capabilities_use_case="rl",
     row_purpose="prompts",
     row_formats=("prompt_only",),
     render_rows=render_rows,
+    reward_test=reward_test,
 )

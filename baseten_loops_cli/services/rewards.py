@@ -1,0 +1,27 @@
+"""`loops reward test`: a config's reward or environment on real samples of the base model, so a
+broken reward is found before a run (nothing is trained; the samplers it starts are stopped)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from baseten_loops_cli.errors import UsageError
+
+
+def test_rewards(backend: Any, loaded: Any, *, rows: int,
+                 on_started: Callable[[str, str], None] | None = None) -> list[dict]:
+    """One reply or episode per row (the first ``rows`` rows), each as samples.jsonl records it:
+    reward, per-reward values, transcript and per-turn rewards, or the failure and traceback."""
+    from baseten_loops_cli.services.evaluation import SamplerPool
+    from baseten_loops_cli.training import kinds, service
+
+    kind = kinds.of(loaded.config)
+    if kind.reward_test is None:
+        raise UsageError(f"{loaded.path}: a {kind.name} config has no reward or environment to test",
+                         hint="Pass an RL config (kind: rl, with reward: or env:).")
+    data = service.load_data(loaded)
+    pool = SamplerPool(backend.client, backend.api_key, on_started)
+    try:
+        return kind.reward_test(loaded, data, lambda: pool.for_base(loaded.config.base_model), rows)
+    finally:
+        pool.close()
