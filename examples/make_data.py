@@ -41,6 +41,12 @@ def main() -> None:
     ]  # fmt: skip
     write("tiny_sft_train.jsonl", [row for _ in range(5) for row in table])
     write("tiny_sft_eval.jsonl", table)
+    # Distillation (tiny): the SFT'd tiny model (examples/tiny-sft.yaml, RUN:final) teaches the
+    # tiny base the same table; four sums are held out of the prompts to measure agreement on.
+    held_out = {"What is 3+1?", "What is 0+2?", "What is 2+3?", "What is 1+1?"}
+    questions = sorted((row["messages"][0]["content"], row["messages"][1]["content"]) for row in table)
+    write("tiny_distill_prompts.jsonl", [{"prompt": q, "answer": a} for q, a in questions if q not in held_out])
+    write("tiny_distill_eval.jsonl", [{"prompt": q, "answer": a} for q, a in questions if q in held_out])
     # RL (tiny): reply with digits only; the reward is the fraction of digit characters.
     prompts = [{"prompt": f"Say a number like {a}{b}.", "answer": f"{a}{b}"} for a, b in pairs]
     write("tiny_rl_prompts.jsonl", prompts[:64])

@@ -29,6 +29,7 @@ _BUILTIN = {
     "sft": "baseten_loops_cli.training.kinds.sft",
     "rl": "baseten_loops_cli.training.kinds.rl",
     "dpo": "baseten_loops_cli.training.kinds.dpo",
+    "distill": "baseten_loops_cli.training.kinds.distill",
 }
 _REGISTRY: dict[str, "Kind | str"] = dict(_BUILTIN)
 
