@@ -121,7 +121,8 @@ def check(client: Any, loaded: Any) -> None:
     teacher = config.teacher
     student = get_tokenizer(config.base_model)
     if teacher.url:
-        Endpoint(teacher.url, teacher.model, teacher.api_key_env, where=loaded.where("teacher")).check(student, config.base_model)
+        where = f"{loaded.where('teacher', 'url')}: teacher.url"
+        Endpoint(teacher.url, teacher.model, teacher.api_key_env, where=where).check(student, config.base_model)
         return
     if not is_checkpoint_ref(teacher.model):
         return  # a base model: checked in load_data
