@@ -16,7 +16,7 @@ from baseten_loops_cli.errors import ConfigError, LoopsError
 
 RewardFn = Callable[[str, dict], float]
 
-BUILTINS = ("exact_match", "numeric_match", "regex", "contains", "starts_with")
+BUILTINS = ("exact_match", "numeric_match", "regex", "contains", "starts_with", "math_answer")
 
 
 class RewardError(LoopsError):
@@ -88,6 +88,10 @@ def build_reward(spec: Any, base_dir: Path) -> tuple[str, RewardFn]:
         except re.error as exc:
             raise ConfigError(f"reward.pattern is not a valid regex: {exc}") from None
         return name, lambda c, row: float(bool(pattern.search(c)))
+    if name == "math_answer":  # math-verify, the optional [math] extra (training/math_reward.py)
+        from baseten_loops_cli.training import math_reward
+
+        return name, math_reward.build()
     if ":" in name and name.split(":", 1)[0].endswith(".py"):
         return name, _load_file_reward(name, base_dir)
     import difflib
