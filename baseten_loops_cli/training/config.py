@@ -76,6 +76,30 @@ class PricingConfig(Section):
 
 
 
+class JudgeConfig(Section):
+    """``reward: {fn: judge, judge: {...}}``: a grader model scores replies (training/judge.py)."""
+
+    url: str = Field(..., description="OpenAI-compatible base URL of the grader (.../v1; a `loops deploy` URL too).")
+    model: str | None = Field(None, description="The grader's model name on that endpoint.")
+    api_key_env: str | None = Field(None, description="The environment variable holding the grader's key (never written anywhere).")
+    rubric: str = Field(..., description="jinja2 template over prompt, reply (group: replies) and row.FIELD.")
+    scale: tuple[float, float] = (0.0, 10.0)
+    labels: dict[str, float] | None = Field(None, description="Labels the grader answers with, mapped to rewards.")
+    mode: Literal["single", "group"] = "single"
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    timeout_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _rubric_fields(self) -> "JudgeConfig":
+        from baseten_loops_cli.training.judge import check_rubric
+
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, not {self.url!r}")
+        check_rubric(self.rubric, self.mode)
+        return self
+
+
 class RewardConfig(Section):
     """A builtin reward (``exact_match``, ``numeric_match``, ``regex``, ``contains``,
     ``starts_with``) or ``path/to/file.py:function``."""
@@ -86,6 +110,7 @@ class RewardConfig(Section):
     partial_credit: bool = Field(
         False, description="contains/starts_with: score the longest matched prefix of the answer."
     )
+    judge: JudgeConfig | None = Field(None, description="fn: judge: the grader, its rubric and how to read its score.")
 
 
 class LossConfig(Section):

@@ -16,7 +16,7 @@ from baseten_loops_cli.errors import ConfigError, LoopsError
 
 RewardFn = Callable[[str, dict], float]
 
-BUILTINS = ("exact_match", "numeric_match", "regex", "contains", "starts_with", "math_answer")
+BUILTINS = ("exact_match", "numeric_match", "regex", "contains", "starts_with", "math_answer", "judge")
 
 
 class RewardError(LoopsError):
@@ -92,6 +92,13 @@ def build_reward(spec: Any, base_dir: Path) -> tuple[str, RewardFn]:
         from baseten_loops_cli.training import math_reward
 
         return name, math_reward.build()
+    if name == "judge":  # a grader model (training/judge.py)
+        if spec.judge is None:
+            raise ConfigError("reward.fn 'judge' needs reward.judge (url, rubric)", hint="See README, Judge rewards.")
+        from baseten_loops_cli.training.judge import Judge
+
+        judge = Judge(spec.judge)
+        return name, (judge.score if spec.judge.mode == "single" else judge.group_reward())
     if ":" in name and name.split(":", 1)[0].endswith(".py"):
         return name, _load_file_reward(name, base_dir)
     import difflib

@@ -260,11 +260,15 @@ def sample_and_score(session: TrainingSession, teacher: Teacher, tokenizer: Any,
                     top_p=sampling.top_p, top_k=sampling.top_k, seed=seed + i, stop=list(tokenizer.stop_token_ids),
                     min_policy_version=version or None,
                 )  # fmt: skip
-                rollouts = []
-                for seq in result.sequences:
-                    text = completion_text(tokenizer, seq.tokens, sampling.stop)
-                    value = score(reward[0], reward[1], text, prompt.row, prompt.source) if reward else None
-                    rollouts.append(Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, seq.stop_reason, reward=value))
+                texts = [completion_text(tokenizer, seq.tokens, sampling.stop) for seq in result.sequences]
+                if reward is None:
+                    values: list = [None] * len(texts)
+                elif hasattr(reward[1], "score_group"):  # a judge in mode: group grades the group at once
+                    values = await asyncio.to_thread(reward[1].score_group, texts, prompt.row)
+                else:
+                    values = [score(reward[0], reward[1], text, prompt.row, prompt.source) for text in texts]
+                rollouts = [Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, seq.stop_reason, reward=value)
+                            for seq, text, value in zip(result.sequences, texts, values)]
                 async def teach(r: Rollout) -> None:
                     r.teacher = await teacher.ascore(scorer, pin, r.prompt.tokens + r.tokens, len(r.prompt.tokens))
                 await asyncio.gather(*(teach(r) for r in rollouts if r.tokens))
