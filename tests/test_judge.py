@@ -119,3 +119,21 @@ def test_parse_labels_and_groups():
     assert parse_group("Ranking: 2 > 3 > 1", 3, (0, 10)) == [0.0, 1.0, 0.5]
     assert parse_group("1: 10\n2: 5", 2, (0, 10)) == [1.0, 0.5]
     assert parse_group('{"scores": [{"trajectory_id": "1", "score": 4}]}', 2, (0, 10)) is None  # one missing
+
+
+def test_the_judge_example_reward_rises(local_server, grader_url, tmp_path):
+    """examples/tiny-judge.yaml: RL on the tiny model graded by the example grader over HTTP."""
+    import json
+
+    from tests.cli_support import loops
+
+    run_dir = tmp_path / "run"
+    result = loops(local_server, "train", "run", str(ROOT / "examples" / "tiny-judge.yaml"), "--run-dir", str(run_dir),
+                   "--set", f"reward.judge.url={grader_url}", "--set", "max_steps=7", "--set", "eval_every=0",
+                   "--set", "data.eval_prompts=null", "--yes")  # fmt: skip
+    assert result.code == 0, result
+    rewards = [json.loads(line)["reward"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    assert last > first + 0.3, rewards
+    saved = (run_dir / "config.yaml").read_text()
+    assert "judge" in saved and "Bearer" not in saved
