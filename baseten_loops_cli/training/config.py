@@ -82,22 +82,28 @@ class JudgeConfig(Section):
     url: str = Field(..., description="OpenAI-compatible base URL of the grader (.../v1; a `loops deploy` URL too).")
     model: str | None = Field(None, description="The grader's model name on that endpoint.")
     api_key_env: str | None = Field(None, description="The environment variable holding the grader's key (never written anywhere).")
+    mode: Literal["single", "group"] = "single"
     rubric: str = Field(..., description="jinja2 template over prompt, reply (group: replies) and row.FIELD.")
     scale: tuple[float, float] = (0.0, 10.0)
     labels: dict[str, float] | None = Field(None, description="Labels the grader answers with, mapped to rewards.")
-    mode: Literal["single", "group"] = "single"
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0)
     timeout_s: float = Field(60.0, gt=0)
 
-    @model_validator(mode="after")
-    def _rubric_fields(self) -> "JudgeConfig":
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, not {value!r}")
+        return value
+
+    @field_validator("rubric")
+    @classmethod
+    def _rubric_fields(cls, value: str, info: Any) -> str:
         from baseten_loops_cli.training.judge import check_rubric
 
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, not {self.url!r}")
-        check_rubric(self.rubric, self.mode)
-        return self
+        check_rubric(value, info.data.get("mode", "single"))
+        return value
 
 
 class RewardConfig(Section):
