@@ -63,6 +63,13 @@ def main() -> None:
     ]  # fmt: skip
     write("smol_sft_train.jsonl", smol_chat[:192])
     write("smol_sft_eval.jsonl", smol_chat[192:])
+    # Distillation (SmolLM2): smol-sft's final checkpoint teaches the base model the same format;
+    # prompts from its training questions, held-out eval prompts from its eval questions.
+    def distill_rows(rows: list) -> list:
+        return [{"prompt": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in rows]
+
+    write("smol_distill_prompts.jsonl", distill_rows(smol_chat[:64]))
+    write("smol_distill_eval.jsonl", distill_rows(smol_chat[192:224]))
     # RL (SmolLM2): one-digit additions; the base model often answers "3 + 4 = 7" or rambles, and
     # the reward (rewards.py:number_answer) pays most for a reply that starts with the sum.
     small = arithmetic_pairs(random.Random(2), 10)

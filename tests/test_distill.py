@@ -122,8 +122,100 @@ def test_a_teacher_of_another_tokenizer_is_refused_before_provisioning(local_ser
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "What": 1, "is": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(other / "tokenizer.json"))
+    (other / "config.json").write_text('{"model_type": "llama"}')
     config = tmp_path / "distill.yaml"
     shutil.copy(EXAMPLES / "tiny-distill.yaml", config)
     shutil.copytree(EXAMPLES / "data", tmp_path / "data", ignore=shutil.ignore_patterns("*smol*", "*dpo*"))
     result = loops(local_server, "train", "validate", str(config), "--offline", "--set", f"teacher.model={other}")
     one_line_error(result, 1, "another tokenizer than the student loops-local/tiny", "teacher")
+
+
+@pytest.fixture(scope="module")
+def teacher_endpoint(local_server, teacher_ref) -> dict:
+    """The teacher checkpoint behind `loops deploy`: an OpenAI-compatible endpoint with echo + logprobs."""
+    result = loops(local_server, "deploy", teacher_ref, "--model-name", "teacher", "-o", "json")
+    assert result.code == 0, result
+    return result.json()
+
+
+def test_an_endpoint_teacher_scores_as_the_checkpoints_sampler_does(local_server, teacher_ref, teacher_endpoint, tmp_path, monkeypatch):
+    import asyncio
+
+    from baseten_loops_cli.services.sampling import resolve_source
+    from baseten_loops_cli.tokenization import get_tokenizer
+    from baseten_loops_cli.training.teacher import Endpoint, ascore_with_sampler
+    from baseten_loops_cli.workers.sampler import SamplerClient
+
+    monkeypatch.setenv("TEACHER_KEY", local_server.token)
+    tokens = get_tokenizer(TINY).encode("What is 2+3? ANSWER: 5")
+    endpoint = Endpoint(teacher_endpoint["url"], "teacher", "TEACHER_KEY")
+    from baseten_loops_cli.api.client import LoopsClient
+
+    client = LoopsClient(local_server.url, api_key=local_server.token)
+    source = resolve_source(client, teacher_ref)
+
+    async def both():
+        http = endpoint._client()
+        sampler = SamplerClient(source.sampler.base_url, api_key=local_server.token, run_id=source.run_header,
+                                sampler_id=None if source.run_header else source.sampler.id)
+        try:
+            return (await endpoint.ascore(http, "teacher", tokens, 4),
+                    await ascore_with_sampler(sampler, tokens, 4, source.pin))
+        finally:
+            await sampler.aclose()
+            sampler.close()
+            http.close()
+
+    by_endpoint, by_sampler = asyncio.run(both())
+    assert len(by_endpoint.logprobs) == len(tokens) - 4
+    assert all(abs(a - b) < 1e-4 for a, b in zip(by_endpoint.logprobs, by_sampler.logprobs)), (by_endpoint, by_sampler)
+    assert by_endpoint.agrees == by_sampler.agrees and by_sampler.agrees is not None
+
+    # The same endpoint as a run's teacher: two steps, the key named by api_key_env and written nowhere.
+    config = tmp_path / "distill.yaml"
+    shutil.copy(EXAMPLES / "tiny-distill.yaml", config)
+    shutil.copytree(EXAMPLES / "data", tmp_path / "data", ignore=shutil.ignore_patterns("*smol*", "*dpo*"))
+    run_dir = tmp_path / "run"
+    result = loops(local_server, "train", "run", str(config), "--run-dir", str(run_dir), "--set", "teacher.model=teacher",
+                   "--set", f"teacher.url={teacher_endpoint['url']}", "--set", "teacher.api_key_env=TEACHER_KEY",
+                   "--set", "max_steps=2", "--set", "eval_every=0", "--yes", "-o", "json", env={"TEACHER_KEY": local_server.token})  # fmt: skip
+    assert result.code == 0, result
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reverse_kl" in r] == [1, 2]
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert local_server.token not in path.read_text(errors="replace"), path
+
+
+def test_an_endpoint_without_prompt_logprobs_is_refused_before_provisioning(local_server, tmp_path):
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def completions(request):  # answers, but never echoes the prompt's logprobs
+        return JSONResponse({"choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}]})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        config = tmp_path / "distill.yaml"
+        shutil.copy(EXAMPLES / "tiny-distill.yaml", config)
+        shutil.copytree(EXAMPLES / "data", tmp_path / "data", ignore=shutil.ignore_patterns("*smol*", "*dpo*"))
+        result = loops(local_server, "train", "validate", str(config), "--set", f"teacher.url=http://127.0.0.1:{port}/v1",
+                       "--set", "teacher.model=m")  # fmt: skip
+        one_line_error(result, 1, "teacher.url", "returned no prompt logprobs")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
