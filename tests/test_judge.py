@@ -16,7 +16,7 @@ import pytest
 
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.judge import Judge, check_rubric, parse_group, parse_score
-from baseten_loops_cli.training.rewards import RewardError
+from baseten_loops_cli.training.rewards import RewardError, build_reward
 
 ROOT = Path(__file__).resolve().parent.parent
 RUBRIC = "Question: {{ prompt }}\nExpected: {{ row.answer }}\n<reply>{{ reply }}</reply>\nScore 0-10."
@@ -137,3 +137,18 @@ def test_the_judge_example_reward_rises(local_server, grader_url, tmp_path):
     assert last > first + 0.3, rewards
     saved = (run_dir / "config.yaml").read_text()
     assert "judge" in saved and "Bearer" not in saved
+
+
+def test_a_built_judge_reward_reaches_its_token_counts(grader_url):
+    from baseten_loops_cli.training.config import JudgeConfig, RewardConfig
+    from baseten_loops_cli.training.judge import judge_of
+
+    spec = RewardConfig(fn="judge", judge=JudgeConfig(url=grader_url, model="grader", rubric=RUBRIC))
+    name, fn = build_reward(spec, ROOT)
+    assert fn("12", {"prompt": "p", "answer": "1"}) == 1.0
+    assert judge_of(fn).usage["requests"] == 1
+    group = RewardConfig(fn="judge", judge=JudgeConfig(url=grader_url, rubric=GROUP_RUBRIC, mode="group"))
+    _, group_fn = build_reward(group, ROOT)
+    assert group_fn.score_group(["1", "x"], {"prompt": "p"}) == [1.0, 0.0] and judge_of(group_fn) is not None
+    with pytest.raises(RewardError, match="mode: group scores whole groups"):
+        group_fn("1", {"prompt": "p"})

@@ -243,9 +243,17 @@ class Judge:
                                 "at a time (use mode: single)")
 
         one_at_a_time.score_group = self.score_group  # type: ignore[attr-defined]
+        one_at_a_time.judge = self  # type: ignore[attr-defined]
         return one_at_a_time
 
     def close(self) -> None:
         if self._http is not None:
             self._http.close()
             self._http = None
+
+
+def judge_of(fn: Any) -> Judge | None:
+    """The Judge behind a reward function built by ``rewards.build_reward`` (None for others):
+    how a loop reaches its token counts."""
+    owner = getattr(fn, "__self__", None) or getattr(fn, "judge", None)
+    return owner if isinstance(owner, Judge) else None

@@ -310,13 +310,18 @@ def run_distill(session: TrainingSession, prompts: list[Prompt], eval_prompts: l
     opt = config.optimizer
     sink.start(steps, session.start_step, "reverse_kl")
     teacher = Teacher(session)
+    from baseten_loops_cli.training.judge import judge_of
+
+    judge = judge_of(reward[1]) if reward else None
     started = time.monotonic()
     try:
         step = session.start_step
         published = session.trainer.save_weights_for_sampler(f"distill-{step:06d}", bump_version=True).result()
         version = int(published.get("version") or step)
         if step == 0 and eval_prompts:
+            # Where the student starts: a step-0 record (as DPO's) for the before/after comparison.
             before = evaluate(session, teacher, tokenizer, reward, eval_prompts, config, version)
+            sink.step({"step": 0, **before})
             sink.message("Before training: teacher agreement {:.1%}, reverse KL {:.3f}".format(
                 before["eval_teacher_agreement"], before["eval_reverse_kl"]))
         while step < steps:
@@ -353,6 +358,8 @@ def run_distill(session: TrainingSession, prompts: list[Prompt], eval_prompts: l
             rewards = [r.reward for g in groups for r in g if r.reward is not None]
             if rewards:
                 record["reward"] = statistics.fmean(rewards)
+            if judge is not None:  # the grader's tokens so far (this process): what it costs
+                record["judge_tokens"] = judge.usage["prompt_tokens"] + judge.usage["completion_tokens"]
             sink.samples([
                 {"step": step, "prompt": r.prompt.text, "completion": r.text, "stop_reason": r.stop_reason,
                  "reverse_kl": statistics.fmean(s - t for s, t in zip(r.logprobs, r.teacher.logprobs)) if r.teacher and r.tokens else None,
@@ -417,7 +424,7 @@ KIND = Kind(
     config_model=DistillConfig,
     noun="prompts",
     main_metric="reverse_kl",
-    metric_names=("reverse_kl", "loss", "reward", "sampled_tokens", "sample_time_s", "eval_reverse_kl",
+    metric_names=("reverse_kl", "loss", "reward", "judge_tokens", "sampled_tokens", "sample_time_s", "eval_reverse_kl",
                   "eval_teacher_agreement", "eval_reward_mean", "eval_pass_rate"),
     step_fields=(
         StepField("reverse_kl", "kl", ".4f"),
