@@ -162,6 +162,11 @@ def estimate(config, data: LoadedData) -> Estimate:
     where = config.teacher.url or config.teacher.model
     notes = ["distill token counts are upper bounds (every completion at sampling.max_tokens)",
              f"the teacher ({where}) scores every sampled sequence: ~{sequences + evals:,} tokens"]
+    judge = config.reward.judge if config.reward is not None else None
+    if judge is not None:
+        requests = steps * (config.groups_per_batch if judge.mode == "group" else completions)
+        notes.append(f"the judge ({judge.url}) grades {requests:,} requests, up to {judge.max_tokens} answer tokens each "
+                     "(billed by its provider; counted per step as judge_tokens)")
     return Estimate(steps, sequences - steps * completions, sample_tokens + evals, scored_tokens=sequences + evals, notes=notes)
 
 
