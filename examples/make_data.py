@@ -41,6 +41,12 @@ def main() -> None:
     ]  # fmt: skip
     write("tiny_sft_train.jsonl", [row for _ in range(5) for row in table])
     write("tiny_sft_eval.jsonl", table)
+    # Distillation (tiny): the SFT'd tiny model (examples/tiny-sft.yaml, RUN:final) teaches the
+    # tiny base the same table; four sums are held out of the prompts to measure agreement on.
+    held_out = {"What is 3+1?", "What is 0+2?", "What is 2+3?", "What is 1+1?"}
+    questions = sorted((row["messages"][0]["content"], row["messages"][1]["content"]) for row in table)
+    write("tiny_distill_prompts.jsonl", [{"prompt": q, "answer": a} for q, a in questions if q not in held_out])
+    write("tiny_distill_eval.jsonl", [{"prompt": q, "answer": a} for q, a in questions if q in held_out])
     # RL (tiny): reply with digits only; the reward is the fraction of digit characters.
     prompts = [{"prompt": f"Say a number like {a}{b}.", "answer": f"{a}{b}"} for a, b in pairs]
     write("tiny_rl_prompts.jsonl", prompts[:64])
@@ -57,6 +63,13 @@ def main() -> None:
     ]  # fmt: skip
     write("smol_sft_train.jsonl", smol_chat[:192])
     write("smol_sft_eval.jsonl", smol_chat[192:])
+    # Distillation (SmolLM2): smol-sft's final checkpoint teaches the base model the same format;
+    # prompts from its training questions, held-out eval prompts from its eval questions.
+    def distill_rows(rows: list) -> list:
+        return [{"prompt": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in rows]
+
+    write("smol_distill_prompts.jsonl", distill_rows(smol_chat[:64]))
+    write("smol_distill_eval.jsonl", distill_rows(smol_chat[192:224]))
     # RL (SmolLM2): one-digit additions; the base model often answers "3 + 4 = 7" or rambles, and
     # the reward (rewards.py:number_answer) pays most for a reply that starts with the sum.
     small = arithmetic_pairs(random.Random(2), 10)

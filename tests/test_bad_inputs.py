@@ -184,6 +184,8 @@ def _setup(name: str, tmp: Path, ctx: _Ctx, server, case: dict | None = None) ->
     """Returns extra placeholders."""
     if name == "run":
         return {"run_id": ctx.value("run_id")}
+    if name == "deployment_url":  # the OpenAI base URL of a `loops deploy` of the corpus checkpoint
+        return {"deployment_url": f"{server.url}/deployments/{ctx.value('inference_deployment_id')}/v1"}
     if name == "damaged_checkpoint":
         return _damaged_checkpoint(ctx, server, (case or {})["damage"], tmp)
     raise KeyError(f"unknown setup {name!r}")

@@ -109,7 +109,7 @@ def test_set_problems_name_the_set_item_not_the_file(tmp_path):
         "learnin_rate=1": "--set 'learnin_rate=1': unknown key 'learnin_rate'",
         "optimizer.nope.x=1": "--set 'optimizer.nope.x=1': unknown key 'optimizer.nope'",
         "name.first=1": "--set 'name.first=1': name: Input should be a valid string",
-        "kind=ppo": "--set 'kind=ppo': kind must be 'sft', 'rl', 'dpo' or 'kto', not 'ppo'",
+        "kind=ppo": "--set 'kind=ppo': kind must be 'sft', 'rl', 'dpo', 'kto' or 'distill', not 'ppo'",
     }
     for item, message in cases.items():
         with pytest.raises(ConfigError) as info:
@@ -147,7 +147,7 @@ def test_data_path_that_is_a_folder(tmp_path):
 def test_missing_and_bad_kind(tmp_path):
     with pytest.raises(ConfigError, match="missing required key 'kind'"):
         load_config(write(tmp_path, "name: x\n"))
-    with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft', 'rl', 'dpo' or 'kto'"):
+    with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft', 'rl', 'dpo', 'kto' or 'distill'"):
         load_config(write(tmp_path, "kind: ppo\nname: x\n"))
     with pytest.raises(ConfigError, match="missing required key 'base_model'"):
         load_config(write(tmp_path, "kind: sft\nname: x\ndata: {train: a}\n"))

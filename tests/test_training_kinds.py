@@ -161,14 +161,14 @@ def test_a_registered_kind_has_its_template_and_its_errors(local_server, tmp_pat
     assert "bad.yaml:4: repeat:" in err.value.message and "unknown key 'data.txts'; did you mean 'data.texts'?" in err.value.message
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("name: x\nkind: ppo\n")
-    with pytest.raises(ConfigError, match=r"unknown.yaml:2: kind must be 'sft', 'rl', 'dpo', 'kto' or 'toy', not 'ppo'"):
+    with pytest.raises(ConfigError, match=r"unknown.yaml:2: kind must be 'sft', 'rl', 'dpo', 'kto', 'distill' or 'toy', not 'ppo'"):
         load_config(unknown)
 
 
 def test_without_registration_the_kind_is_unknown(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("kind: toy\nname: x\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft', 'rl', 'dpo' or 'kto', not 'toy'"):
+    with pytest.raises(ConfigError, match=r"c.yaml:1: kind must be 'sft', 'rl', 'dpo', 'kto' or 'distill', not 'toy'"):
         load_config(config)
 
 

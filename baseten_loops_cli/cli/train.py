@@ -44,7 +44,7 @@ def _plan_lines(plan, loaded, backend_desc: str) -> list[str]:
 @app.command("init")
 def init(
     ctx: typer.Context,
-    kind: Annotated[str, typer.Option("--kind", help="sft, rl, dpo or kto.")] = "sft",
+    kind: Annotated[str, typer.Option("--kind", help="sft, rl, dpo, kto or distill.")] = "sft",
     output_file: Annotated[
         Optional[Path], typer.Option("-O", "--output-file", help="Write here instead of stdout.")
     ] = None,

@@ -96,6 +96,37 @@ class PricingConfig(Section):
     usd_per_hour: float | None = Field(None, ge=0)
 
 
+
+class JudgeConfig(Section):
+    """``reward: {fn: judge, judge: {...}}``: a grader model scores replies (training/judge.py)."""
+
+    url: str = Field(..., description="OpenAI-compatible base URL of the grader (.../v1; a `loops deploy` URL too).")
+    model: str | None = Field(None, description="The grader's model name on that endpoint.")
+    api_key_env: str | None = Field(None, description="The environment variable holding the grader's key (never written anywhere).")
+    mode: Literal["single", "group"] = "single"
+    rubric: str = Field(..., description="jinja2 template over prompt, reply (group: replies) and row.FIELD.")
+    scale: tuple[float, float] = (0.0, 10.0)
+    labels: dict[str, float] | None = Field(None, description="Labels the grader answers with, mapped to rewards.")
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    timeout_s: float = Field(60.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, not {value!r}")
+        return value
+
+    @field_validator("rubric")
+    @classmethod
+    def _rubric_fields(cls, value: str, info: Any) -> str:
+        from baseten_loops_cli.training.judge import check_rubric
+
+        check_rubric(value, info.data.get("mode", "single"))
+        return value
+
+
 class RewardConfig(Section):
     """A builtin reward (``exact_match``, ``numeric_match``, ``regex``, ``contains``,
     ``starts_with``, ``format``, ``length``, ``repetition``) or ``path/to/file.py:function``."""
@@ -110,6 +141,7 @@ class RewardConfig(Section):
     name: str | None = Field(None, description="In a list of rewards: its metric name (reward/NAME); default from fn.")
     max_chars: int | None = Field(None, ge=1, description="length: replies longer than this are penalised.")
     ngram: int = Field(3, ge=1, description="repetition: the n of the repeated word n-grams counted.")
+    judge: JudgeConfig | None = Field(None, description="fn: judge: the grader, its rubric and how to read its score.")
 
 
 class LossConfig(Section):

@@ -16,6 +16,7 @@ from baseten_loops_cli.errors import ConfigError, LoopsError
 
 RewardFn = Callable[[str, dict], float]
 
+
 class RewardError(LoopsError):
     """A reward function raised or returned a non-number."""
 
@@ -125,6 +126,23 @@ def _repetition(spec: Any) -> RewardFn:
 
 
 # The builtins: name -> builder(RewardConfig) -> RewardFn. A new builtin is one entry here.
+def _math_answer(spec: Any) -> RewardFn:
+    """math-verify, the optional [math] extra (training/math_reward.py)."""
+    from baseten_loops_cli.training import math_reward
+
+    return math_reward.build()
+
+
+def _judge(spec: Any) -> RewardFn:
+    """A grader model (training/judge.py); ``mode: group`` scores a whole group in one request."""
+    if spec.judge is None:
+        raise ConfigError("reward.fn 'judge' needs reward.judge (url, rubric)", hint="See README, Judge rewards.")
+    from baseten_loops_cli.training.judge import Judge
+
+    judge = Judge(spec.judge)
+    return judge.score if spec.judge.mode == "single" else judge.group_reward()
+
+
 BUILDERS: dict[str, Callable[[Any], RewardFn]] = {
     "exact_match": _exact_match,
     "numeric_match": _numeric_match,
@@ -134,6 +152,8 @@ BUILDERS: dict[str, Callable[[Any], RewardFn]] = {
     "format": _format,
     "length": _length,
     "repetition": _repetition,
+    "math_answer": _math_answer,
+    "judge": _judge,
 }
 BUILTINS = tuple(BUILDERS)
 

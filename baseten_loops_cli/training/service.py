@@ -118,6 +118,12 @@ def check_on_backend(client: Any, loaded: LoadedConfig) -> list[str]:
     kind = kinds.of(loaded.config)
     if kind.check is not None:
         kind.check(client, loaded)
+    reward = getattr(loaded.config, "reward", None)
+    if getattr(reward, "judge", None) is not None:
+        # A grader must answer, and take its key, before capacity is provisioned.
+        from baseten_loops_cli.training.judge import Judge
+
+        Judge(reward.judge, where=f"{loaded.where('reward', 'judge')}: reward.judge").check()
     return notes
 
 

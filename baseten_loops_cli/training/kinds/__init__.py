@@ -30,6 +30,7 @@ _BUILTIN = {
     "rl": "baseten_loops_cli.training.kinds.rl",
     "dpo": "baseten_loops_cli.training.kinds.dpo",
     "kto": "baseten_loops_cli.training.kinds.kto",
+    "distill": "baseten_loops_cli.training.kinds.distill",
 }
 _REGISTRY: dict[str, "Kind | str"] = dict(_BUILTIN)
 

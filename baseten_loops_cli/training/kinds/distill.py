@@ -1,0 +1,454 @@
+"""On-policy distillation (``kind: distill``): the student samples, a teacher scores its tokens.
+
+Per step: publish the student's weights to its sampler, sample ``group_size`` completions for
+each of ``groups_per_batch`` prompts (with the sampler's logprobs), have the teacher score every
+completion (its prompt logprobs over prompt + completion, training/teacher.py), and train with
+the ``importance_sampling`` loss on the per-token advantage
+
+    A_t = kl_coef * (logp_teacher(t) - logp_student(t))  [+ reward_weight * (reward - group mean)]
+
+the negative reverse KL of Thinking Machines' "On-Policy Distillation" (and the Tinker cookbook's
+distillation recipe), optionally mixed with a task reward. Only protocol routes are used (sampler
+prompt logprobs, ``forward_backward`` with a built-in loss), so it runs on Baseten unchanged.
+
+Metrics: ``reverse_kl`` (mean over sampled tokens of logp_student - logp_teacher), and on the eval
+prompts ``eval_reverse_kl`` and ``eval_teacher_agreement`` (the fraction of the student's greedy
+tokens that are the teacher's top-1 choice), plus ``eval_reward_mean`` with a reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from baseten_loops_cli.training.config import CommonConfig, RewardConfig, SamplingConfig, Section
+from baseten_loops_cli.training.data import Prompt, rl_datum
+from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
+from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped
+from baseten_loops_cli.training.templates import COMMON
+from baseten_loops_cli.training.teacher import (
+    Endpoint, TeacherScores, ascore_with_sampler, check_same_tokenizer, is_checkpoint_ref,
+)  # fmt: skip
+
+LOSS = "importance_sampling"
+
+
+class DistillData(Section, FormatOptions):
+    prompts: Sources
+    eval_prompts: EvalSources | None = None
+    shuffle: bool = True
+
+
+class TeacherConfig(Section):
+    """``teacher: RUN:final`` (shorthand for ``model:``), or ``model:`` a sampler checkpoint
+    (``RUN:NAME``, ``bt://...``) or a base model; or ``url:`` an OpenAI-compatible endpoint
+    (``model:`` then names the endpoint's model) with ``api_key_env:`` naming the variable
+    holding its key (the key itself is never written anywhere)."""
+
+    model: str | None = Field(None, description="RUN:NAME or bt:// sampler checkpoint, or a base model name.")
+    url: str | None = Field(None, description="OpenAI-compatible base URL (.../v1) returning prompt logprobs.")
+    api_key_env: str | None = Field(None, description="The environment variable holding the endpoint's key.")
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> "TeacherConfig":
+        if not self.model and not self.url:
+            raise ValueError("name the teacher: model (RUN:NAME, bt:// URI or a base model) or url (an OpenAI-compatible endpoint)")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, not {self.url!r}")
+        if self.api_key_env and not self.url:
+            raise ValueError("api_key_env goes with url (a checkpoint or base model teacher uses the backend's key)")
+        return self
+
+
+class DistillConfig(CommonConfig):
+    SECTIONS = CommonConfig.SECTIONS + ("sampling",)
+    EVAL_SUPPORTED = False
+    kind: Literal["distill"]
+    data: DistillData
+    teacher: TeacherConfig
+    group_size: int = Field(4, ge=1)
+    groups_per_batch: int = Field(8, ge=1)
+    kl_coef: float = Field(1.0, gt=0, description="Weight of the per-token negative reverse KL advantage.")
+    reward: RewardConfig | None = Field(None, description="Optional task reward mixed into the advantage.")
+    reward_weight: float = Field(1.0, ge=0, description="Weight of (reward - group mean) in the advantage.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    pass_threshold: float = Field(1.0, description="With a reward: a rollout passes when its reward is at least this.")
+
+    @field_validator("teacher", mode="before")
+    @classmethod
+    def _teacher_shorthand(cls, value: Any) -> Any:
+        return {"model": value} if isinstance(value, str) else value
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_shorthand(cls, value: Any) -> Any:
+        return {"fn": value} if isinstance(value, str) else value
+
+
+# ------------------------------------------------------------------ data, checks, estimate
+def load_data(loaded, tokenizer: Any) -> LoadedData:
+    from baseten_loops_cli.training import kinds
+    from baseten_loops_cli.training.data import load_prompts
+
+    config = loaded.config
+    train_spec, eval_spec = kinds.data_specs(loaded)  # any format and source, read by the data layer
+    kwargs = {"max_seq_len": config.max_seq_len, "max_tokens": config.sampling.max_tokens}
+    train = load_prompts(train_spec, tokenizer, **kwargs)
+    evals = load_prompts(eval_spec, tokenizer, **kwargs) if eval_spec else None
+    reward = None
+    if config.reward is not None:
+        from baseten_loops_cli.training.rewards import build_reward
+
+        reward = build_reward(config.reward, loaded.base_dir)
+    teacher = config.teacher
+    if teacher.url is None and not is_checkpoint_ref(teacher.model):
+        # A base model teacher: its tokenizer is known without a backend (validate --offline too).
+        from baseten_loops_cli.tokenization import get_tokenizer
+
+        check_same_tokenizer(tokenizer, get_tokenizer(teacher.model), student_name=config.base_model,
+                             teacher_name=teacher.model, where=loaded.where("teacher"))  # fmt: skip
+    return LoadedData(tokenizer, train, evals, reward)
+
+
+def check(client: Any, loaded: Any) -> None:
+    """Before provisioning: the teacher exists, scores prompts, and tokenizes as the student."""
+    from baseten_loops_cli.tokenization import get_tokenizer
+
+    config = loaded.config
+    teacher = config.teacher
+    student = get_tokenizer(config.base_model)
+    if teacher.url:
+        where = f"{loaded.where('teacher', 'url')}: teacher.url"
+        Endpoint(teacher.url, teacher.model, teacher.api_key_env, where=where).check(student, config.base_model)
+        return
+    if not is_checkpoint_ref(teacher.model):
+        return  # a base model: checked in load_data
+    from baseten_loops_cli.services.resolve import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(client, teacher.model, prefer="sampler")
+    if checkpoint.base_model and checkpoint.base_model != config.base_model:
+        check_same_tokenizer(student, get_tokenizer(checkpoint.base_model), student_name=config.base_model,
+                             teacher_name=f"{teacher.model} ({checkpoint.base_model})", where=loaded.where("teacher"))  # fmt: skip
+
+
+def total_steps(n_prompts: int, config) -> int:
+    per_epoch = max(1, n_prompts // config.groups_per_batch)
+    steps = per_epoch * config.epochs
+    return min(steps, config.max_steps) if config.max_steps else steps
+
+
+def prompts_for_step(prompts: list[Prompt], step: int, config) -> list[Prompt]:
+    from baseten_loops_cli.training.data import batches_for_step
+
+    idx = batches_for_step(len(prompts), config.groups_per_batch, step, seed=config.seed, shuffle=config.data.shuffle)
+    return [prompts[i] for i in idx]
+
+
+def estimate(config, data: LoadedData) -> Estimate:
+    """Upper bounds: every completion at ``sampling.max_tokens``; the teacher scores each
+    prompt + completion once (a forward pass, no backward), and each eval prompt once per eval."""
+    steps = total_steps(len(data.train), config)
+    completions = config.groups_per_batch * config.group_size
+    prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in prompts_for_step(data.train, step, config))
+    sample_tokens = steps * completions * config.sampling.max_tokens
+    sequences = prompt_tokens * config.group_size + sample_tokens
+    evals = 0
+    if data.eval:
+        times = 1 + (steps // config.eval_every if config.eval_every else 0)
+        evals = times * sum(len(p.tokens) + config.sampling.max_tokens for p in data.eval)
+    where = config.teacher.url or config.teacher.model
+    notes = ["distill token counts are upper bounds (every completion at sampling.max_tokens)",
+             f"the teacher ({where}) scores every sampled sequence: ~{sequences + evals:,} tokens"]
+    judge = config.reward.judge if config.reward is not None else None
+    if judge is not None:
+        requests = steps * (config.groups_per_batch if judge.mode == "group" else completions)
+        notes.append(f"the judge ({judge.url}) grades {requests:,} requests, up to {judge.max_tokens} answer tokens each "
+                     "(billed by its provider; counted per step as judge_tokens)")
+    return Estimate(steps, sequences - steps * completions, sample_tokens + evals, scored_tokens=sequences + evals, notes=notes)
+
+
+# ------------------------------------------------------------------ the teacher, as the loop uses it
+class Teacher:
+    """Scores sequences for one run: opened once (a checkpoint's sampler may be started for it),
+    closed at the end (a sampler it started is deactivated)."""
+
+    def __init__(self, session: TrainingSession):
+        self.session = session
+        spec = session.config.teacher
+        self.endpoint = Endpoint(spec.url, spec.model, spec.api_key_env) if spec.url else None
+        self._source = None
+        self._model_name: str | None = None
+        if self.endpoint is None and is_checkpoint_ref(spec.model):
+            from baseten_loops_cli.services.sampling import resolve_source
+
+            self._source = resolve_source(session.client, spec.model)
+
+    def clients(self) -> tuple[Any, Any]:
+        """(client, pin) for one event loop."""
+        if self.endpoint is not None:
+            client = self.endpoint._client()
+            if self._model_name is None:
+                self._model_name = self.endpoint.model_name(client)
+            return client, None
+        if self._source is not None:
+            from baseten_loops_cli.workers.sampler import SamplerClient
+
+            source = self._source
+            client = SamplerClient(source.sampler.base_url, api_key=self.session.api_key, run_id=source.run_header,
+                                   sampler_id=None if source.run_header else source.sampler.id)  # fmt: skip
+            return client, source.pin
+        return self.session.new_model_sampler_client(self.session.config.teacher.model), None
+
+    async def ascore(self, client: Any, pin: str | None, tokens: list[int], prompt_len: int) -> TeacherScores:
+        if self.endpoint is not None:
+            return await self.endpoint.ascore(client, self._model_name or "", tokens, prompt_len)
+        return await ascore_with_sampler(client, tokens, prompt_len, pin)
+
+    def close(self) -> None:
+        if self._source is not None and self._source.started_sampler:
+            from baseten_loops_cli.errors import LoopsError
+
+            try:
+                self.session.client.samplers.deactivate(self._source.sampler.id)
+            except LoopsError:
+                pass
+
+
+# ------------------------------------------------------------------ rollouts and advantages
+@dataclass
+class Rollout:
+    prompt: Prompt
+    tokens: list[int]
+    logprobs: list[float]  # the student's (sampler) logprobs of its tokens
+    text: str
+    stop_reason: str
+    teacher: TeacherScores | None = None
+    reward: float | None = None
+
+
+def advantages(rollout: Rollout, kl_coef: float, reward_term: float = 0.0) -> list[float]:
+    """Per completion token: ``kl_coef * (logp_teacher - logp_student) + reward_term``."""
+    assert rollout.teacher is not None
+    return [kl_coef * (t - s) + reward_term for t, s in zip(rollout.teacher.logprobs, rollout.logprobs)]
+
+
+def datums_of(groups: list[list[Rollout]], config) -> tuple[list[dict], list[float]]:
+    """The importance_sampling datums of a batch, and every token's reverse KL estimate
+    (logp_student - logp_teacher)."""
+    datums, kl_terms = [], []
+    for group in groups:
+        mean = statistics.fmean(r.reward for r in group) if group and group[0].reward is not None else 0.0
+        for r in group:
+            if not r.tokens or r.teacher is None or len(r.logprobs) != len(r.tokens):
+                continue
+            reward_term = config.reward_weight * (r.reward - mean) if r.reward is not None else 0.0
+            kl_terms.extend(s - t for s, t in zip(r.logprobs, r.teacher.logprobs))
+            datums.append(rl_datum(r.prompt.tokens, r.tokens, r.logprobs, advantages(r, config.kl_coef, reward_term)))
+    return datums, kl_terms
+
+
+def sample_and_score(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward: tuple[str, Any] | None,
+                     prompts: list[Prompt], *, n: int, sampling: Any, seed: int, version: int | None) -> list[list[Rollout]]:
+    """Sample ``n`` completions per prompt (all in flight), then have the teacher score each."""
+    from baseten_loops_cli.training.rewards import completion_text, score
+
+    async def gather() -> list[list[Rollout]]:
+        sampler = session.new_sampler_client()
+        scorer, pin = teacher.clients()
+        try:
+            async def group(i: int, prompt: Prompt) -> list[Rollout]:
+                result = await sampler.asample(
+                    prompt.tokens, n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                    top_p=sampling.top_p, top_k=sampling.top_k, seed=seed + i, stop=list(tokenizer.stop_token_ids),
+                    min_policy_version=version or None,
+                )  # fmt: skip
+                texts = [completion_text(tokenizer, seq.tokens, sampling.stop) for seq in result.sequences]
+                if reward is None:
+                    values: list = [None] * len(texts)
+                elif hasattr(reward[1], "score_group"):  # a judge in mode: group grades the group at once
+                    values = await asyncio.to_thread(reward[1].score_group, texts, prompt.row)
+                else:
+                    values = [score(reward[0], reward[1], text, prompt.row, prompt.source) for text in texts]
+                rollouts = [Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, seq.stop_reason, reward=value)
+                            for seq, text, value in zip(result.sequences, texts, values)]
+                async def teach(r: Rollout) -> None:
+                    r.teacher = await teacher.ascore(scorer, pin, r.prompt.tokens + r.tokens, len(r.prompt.tokens))
+                await asyncio.gather(*(teach(r) for r in rollouts if r.tokens))
+                return rollouts
+
+            return list(await asyncio.gather(*(group(i, p) for i, p in enumerate(prompts))))
+        finally:
+            for client in (sampler, scorer):
+                aclose = getattr(client, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                client.close()
+
+    return asyncio.run(gather())
+
+
+def evaluate(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward, prompts: list[Prompt], config,
+             version: int | None) -> dict:
+    """The student's greedy answers to the eval prompts, scored by the teacher."""
+    greedy = config.sampling.model_copy(update={"temperature": 0.0})
+    groups = sample_and_score(session, teacher, tokenizer, reward, prompts, n=1, sampling=greedy,
+                              seed=config.seed + 7, version=version)  # fmt: skip
+    rollouts = [r for g in groups for r in g if r.teacher is not None]
+    kl = [s - t for r in rollouts for s, t in zip(r.logprobs, r.teacher.logprobs)]
+    agree = [a for r in rollouts if r.teacher.agrees is not None for a in r.teacher.agrees]
+    out = {"eval_reverse_kl": statistics.fmean(kl) if kl else float("nan"),
+           "eval_teacher_agreement": statistics.fmean(agree) if agree else float("nan")}
+    rewards = [r.reward for g in groups for r in g if r.reward is not None]
+    if rewards:
+        out["eval_reward_mean"] = statistics.fmean(rewards)
+        out["eval_pass_rate"] = sum(x >= config.pass_threshold for x in rewards) / len(rewards)
+    return out
+
+
+def run_distill(session: TrainingSession, prompts: list[Prompt], eval_prompts: list[Prompt] | None, tokenizer: Any,
+                reward: tuple[str, Any] | None, sink, stop: StopRequested) -> str:
+    config = session.config
+    steps = total_steps(len(prompts), config)
+    opt = config.optimizer
+    sink.start(steps, session.start_step, "reverse_kl")
+    teacher = Teacher(session)
+    from baseten_loops_cli.training.judge import judge_of
+
+    judge = judge_of(reward[1]) if reward else None
+    started = time.monotonic()
+    try:
+        step = session.start_step
+        published = session.trainer.save_weights_for_sampler(f"distill-{step:06d}", bump_version=True).result()
+        version = int(published.get("version") or step)
+        if step == 0 and eval_prompts:
+            # Where the student starts: a step-0 record (as DPO's) for the before/after comparison.
+            before = evaluate(session, teacher, tokenizer, reward, eval_prompts, config, version)
+            sink.step({"step": 0, **before})
+            sink.message("Before training: teacher agreement {:.1%}, reverse KL {:.3f}".format(
+                before["eval_teacher_agreement"], before["eval_reverse_kl"]))
+        while step < steps:
+            if save_if_stopped(session, stop, step):
+                return "interrupted"
+            step_started = time.monotonic()
+            batch_prompts = prompts_for_step(prompts, step, config)
+            groups = sample_and_score(session, teacher, tokenizer, reward, batch_prompts, n=config.group_size,
+                                      sampling=config.sampling, seed=config.seed * 1_000_003 + step * 1009, version=version)  # fmt: skip
+            sample_time = time.monotonic() - step_started
+            datums, kl_terms = datums_of(groups, config)
+            lr = learning_rate(opt, step, steps)
+            fb = session.trainer.forward_backward(datums, LOSS) if datums else None
+            optim = session.trainer.optim_step(adam_params(opt, lr if datums else 0.0))
+            step += 1
+            publish = session.trainer.save_weights_for_sampler(f"distill-{step:06d}", bump_version=True)
+            metrics_out = (fb.result().get("metrics") or {}) if fb is not None else {}
+            optim.result()
+            version = int(publish.result().get("version") or step)
+            sampled = sum(len(r.tokens) for g in groups for r in g)
+            elapsed = time.monotonic() - step_started
+            record = {
+                "step": step,
+                "reverse_kl": statistics.fmean(kl_terms) if kl_terms else float("nan"),
+                "learning_rate": lr,
+                "loss": metrics_out.get("loss:sum"),
+                "sampled_tokens": sampled,
+                "tokens_per_s": sampled / elapsed if elapsed > 0 else None,
+                "sample_time_s": sample_time,
+                "step_time_s": elapsed,
+                "time_s": time.monotonic() - started,
+                "progress": step / steps,
+            }
+            rewards = [r.reward for g in groups for r in g if r.reward is not None]
+            if rewards:
+                record["reward"] = statistics.fmean(rewards)
+            if judge is not None:  # the grader's tokens so far (this process): what it costs
+                record["judge_tokens"] = judge.usage["prompt_tokens"] + judge.usage["completion_tokens"]
+            sink.samples([
+                {"step": step, "prompt": r.prompt.text, "completion": r.text, "stop_reason": r.stop_reason,
+                 "reverse_kl": statistics.fmean(s - t for s, t in zip(r.logprobs, r.teacher.logprobs)) if r.teacher and r.tokens else None,
+                 **({"reward": r.reward} if r.reward is not None else {})}
+                for g in groups for r in g
+            ])  # fmt: skip
+            try:
+                if eval_prompts and config.eval_every and step % config.eval_every == 0:
+                    record.update(evaluate(session, teacher, tokenizer, reward, eval_prompts, config, version))
+            finally:
+                sink.step(record)
+            if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
+                save_checkpoint(session, step)
+        if save_if_stopped(session, stop, step):
+            return "interrupted"
+        if eval_prompts:
+            final = evaluate(session, teacher, tokenizer, reward, eval_prompts, config, version)
+            sink.message("Final eval: teacher agreement {:.1%}, reverse KL {:.3f}".format(
+                final["eval_teacher_agreement"], final["eval_reverse_kl"]))
+            sink.final({"step": steps, **final})
+        record = save_checkpoint(session, steps, final=True)
+        sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
+        return "completed"
+    finally:
+        teacher.close()
+
+
+def _run(session: TrainingSession, data: LoadedData, sink, stop: StopRequested) -> str:
+    return run_distill(session, data.train, data.eval, data.tokenizer, data.reward, sink, stop)
+
+
+TEMPLATE = """\
+# loops on-policy distillation config: the student samples, the teacher scores every token.
+# Check it with `loops train validate FILE`.
+kind: distill
+""" + COMMON + """
+batch_size: 8                   # unused by distill; groups_per_batch sets the batch
+group_size: 4                   # completions sampled per prompt
+groups_per_batch: 8             # prompts per step
+
+data:
+  prompts: data/prompts.jsonl   # JSONL: {{"prompt": "..."}} (or "messages"; "answer" for a reward)
+  # eval_prompts: data/eval_prompts.jsonl   # teacher agreement on held-out prompts
+
+teacher: RUN_ID:final           # a sampler checkpoint (RUN:NAME, bt://...) or a base model of the same tokenizer
+# teacher:
+#   url: https://.../v1         # an OpenAI-compatible endpoint returning prompt logprobs (echo + logprobs)
+#   model: my-teacher
+#   api_key_env: TEACHER_API_KEY  # the variable holding its key (never written anywhere)
+
+kl_coef: 1.0                    # advantage = kl_coef * (logp_teacher - logp_student) per token
+# reward: exact_match           # optional task reward, mixed in as reward_weight * (reward - group mean)
+# reward_weight: 1.0
+
+sampling:
+  max_tokens: 32
+  temperature: 1.0
+"""
+
+KIND = Kind(
+    name="distill",
+    config_model=DistillConfig,
+    noun="prompts",
+    main_metric="reverse_kl",
+    metric_names=("reverse_kl", "loss", "reward", "judge_tokens", "sampled_tokens", "sample_time_s", "eval_reverse_kl",
+                  "eval_teacher_agreement", "eval_reward_mean", "eval_pass_rate"),
+    step_fields=(
+        StepField("reverse_kl", "kl", ".4f"),
+        StepField("reward", "reward", ".3f", optional=True),
+        StepField("eval_teacher_agreement", "agree", ".0%", optional=True),
+    ),
+    data_path_keys=(("data", "prompts"), ("data", "eval_prompts")),
+    train_data_key=("data", "prompts"),
+    eval_data_key=("data", "eval_prompts"),
+    row_purpose="prompts",
+    template=lambda: TEMPLATE.format(name="my-distill", lr="1.0e-4", schedule="constant"),
+    load_data=load_data,
+    estimate=estimate,
+    run=_run,
+    code_keys=(("reward",), ("reward", "fn")),
+    capabilities_use_case="rl",
+    check=check,
+    title="On-policy distillation",
+)

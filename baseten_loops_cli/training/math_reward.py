@@ -1,0 +1,49 @@
+"""The ``math_answer`` reward: is the reply's final answer the row's ``answer``, mathematically?
+
+As TRL's ``accuracy_reward``: `math-verify` parses the gold answer and the reply (LaTeX such as
+``\\boxed{\\frac{1}{2}}`` or plain expressions such as ``0.5``) and checks them for equivalence,
+so ``1/2``, ``0.5`` and ``\\frac12`` all match. math-verify is the optional extra ``[math]``,
+imported only when this reward is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baseten_loops_cli.errors import ConfigError
+
+NAME = "math_answer"
+
+
+def _math_verify() -> Any:
+    try:
+        import math_verify
+    except ImportError:
+        raise ConfigError(
+            f"reward {NAME!r} needs the math-verify package",
+            hint="Install it with: pip install 'baseten-loops-cli[math]'",
+        ) from None
+    return math_verify
+
+
+def build() -> Any:
+    """The reward function (checks now that math-verify is installed)."""
+    mv = _math_verify()
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    # The reply's answer: a boxed / $...$ LaTeX answer first, else the last plain expression
+    # (TRL's accuracy_reward takes LaTeX only; rows with plain numbers need the second).
+    reply_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+
+    def math_answer(completion: str, row: dict) -> float:
+        from baseten_loops_cli.training.rewards import RewardError
+
+        if "answer" not in row:
+            raise RewardError(f"reward {NAME!r} needs an 'answer' field in each prompt row")
+        gold = mv.parse(str(row["answer"]), extraction_mode="first_match")
+        if not gold:
+            raise RewardError(f"reward {NAME!r}: math-verify cannot parse the row's answer {str(row['answer'])[:80]!r}")
+        answer = mv.parse(completion, extraction_config=reply_config, extraction_mode="first_match")
+        return float(bool(answer) and mv.verify(gold, answer))
+
+    return math_answer
