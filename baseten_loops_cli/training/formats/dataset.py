@@ -76,7 +76,7 @@ def _source_rows(source: Source, purpose: str) -> tuple[list[tuple[str, dict]], 
     records = [(where, _map_columns(row, source.columns)) for where, row in source.records()]
     if not records:
         return [], "empty", 0
-    fmt, row_formats = rows_mod.detect(records, source.name, source.format, source.columns)
+    fmt, row_formats = rows_mod.detect(records, source.name, source.format, source.columns, purpose)
     described = rows_mod.describe(fmt, records)
     total = len(records)
     if source.max_rows is not None:
