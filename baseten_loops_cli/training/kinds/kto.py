@@ -215,7 +215,8 @@ def run_kto(session: TrainingSession, train: list[KTOItem], eval_items: list[KTO
 
     def summary(baseline: dict | None, last: dict) -> str:
         margin = "eval_reward_margin"
-        start = f"{baseline[margin]:.3f} -> " if baseline and margin in baseline else ""
+        # round(...) + 0.0: a baseline of float noise (-1e-7) reads 0.000, not -0.000
+        start = f"{round(baseline[margin], 3) + 0.0:.3f} -> " if baseline and margin in baseline else ""
         return (f"Eval: desirable-vs-undesirable reward margin {start}{last.get(margin, float('nan')):.3f}, "
                 f"KL estimate {last['eval_kl_estimate']:.3f}, loss {last['eval_loss']:.4f}")
 
