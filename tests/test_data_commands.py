@@ -99,3 +99,23 @@ def test_preview_marks_trained_tokens_at_a_terminal_and_as_offsets_elsewhere(tmp
     assert "\x1b[" in highlighted and "ANSWER: 0" in highlighted
     before = highlighted[: highlighted.index("ANSWER: 0")]
     assert "\x1b[" in before  # the style starts before the trained reply
+
+
+def test_check_and_preview_take_kto_rows(tmp_path):
+    data = FORMATS / "unpaired_preference.jsonl"
+    out = run(tmp_path, "data", "check", str(data), "--kind", "kto")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == f"{data}: unpaired_preference (standard), 12 rows (kind kto, loops-local/tiny)"
+    # Without --kind the rows' format picks the kind; a Parquet file of conversational rows too.
+    doc = json.loads(run(tmp_path, "data", "check", str(FORMATS / "unpaired_preference_conversational.parquet"),
+                         "-o", "json").stdout)
+    assert (doc["format"], doc["kind"], doc["rows"], doc["problems"]) == ("unpaired_preference (conversational)", "kto", 12, [])
+    preview = run(tmp_path, "data", "preview", str(data), "--rows", "2", "-o", "json")
+    assert preview.returncode == 0, preview.stderr
+    rows = json.loads(preview.stdout)["rows"]
+    assert [r["text"][a:b] for r in rows for a, b in r["trained"]] == ["ANSWER: 0<|im_end|>", "1<|im_end|>"]
+    # Pairs checked as KTO rows: the error names the row and both kinds.
+    paired = run(tmp_path, "data", "check", str(FORMATS / "preference.jsonl"), "--kind", "kto")
+    assert paired.returncode != 0 and "Traceback" not in paired.stderr
+    assert f"{FORMATS / 'preference.jsonl'}:1: a paired row ('chosen'/'rejected') under kind: kto" in paired.stderr
+    assert "kind: dpo" in paired.stderr

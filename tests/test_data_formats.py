@@ -46,6 +46,10 @@ CASES = [
     ("alpaca_preference.json", "preference", "alpaca, 12 rows", {"prompt": [U], "chosen": "ANSWER: 0", "rejected": "0"}),
     ("sharegpt_preference.jsonl", "preference", "sharegpt, 12 rows",
      {"messages": [U], "chosen": [A], "rejected": [{"role": "assistant", "content": "0"}]}),
+    ("unpaired_preference.jsonl", "unpaired", "unpaired_preference (standard), 12 rows",
+     {"prompt": "What is 0+0?", "completion": "ANSWER: 0", "label": True}),
+    ("unpaired_preference_conversational.parquet", "unpaired", "unpaired_preference (conversational), 12 rows",
+     {"prompt": [U], "completion": [A], "label": True}),
     ("prompt_only.csv", "prompts", "prompt_only (standard), 12 rows", {"prompt": "Say a number like 00.", "answer": "00"}),
     ("prompt_only_conversational.jsonl", "prompts", "prompt_only (conversational), 12 rows",
      {"messages": [{"role": "user", "content": "Say a number like 00."}], "answer": "00"}),
@@ -85,6 +89,7 @@ def test_every_fixture_renders_through_the_loaders():
     """The converted rows are what the loaders take: tokens for every SFT, RL and DPO fixture."""
     from baseten_loops_cli.tokenization import get_tokenizer
     from baseten_loops_cli.training import data
+    from baseten_loops_cli.training.kto_data import load_kto_examples
 
     tok = get_tokenizer("loops-local/tiny")
     for name, purpose, _, _ in CASES:
@@ -93,6 +98,8 @@ def test_every_fixture_renders_through_the_loaders():
             assert len(data.load_sft_examples(path, tok, train_on="last_assistant", max_seq_len=256)) == 12
         elif purpose == "prompts":
             assert len(data.load_prompts(path, tok, max_seq_len=256, max_tokens=8)) == 12
+        elif purpose == "unpaired":
+            assert [e.label for e in load_kto_examples(path, tok, max_seq_len=256)] == [True, False] * 6
         else:
             assert len(data.load_preference_pairs(path, tok, max_seq_len=256)) == 12
 
@@ -155,6 +162,52 @@ train: {FORMATS / 'text.parquet'}
 format: prompt_completion
 """)
     with pytest.raises(ConfigError, match=r"text.parquet: row 1: missing key 'prompt' \(prompt_completion rows have it\)"):
+        load_data(load_config(path))
+
+
+KTO_CONFIG = """\
+kind: kto
+name: t
+base_model: loops-local/tiny
+max_seq_len: 128
+batch_size: 4
+seed: 3
+data:
+"""
+
+
+def test_unpaired_rows_read_from_csv_columns_and_parquet_with_a_hold_out(tmp_path):
+    """KTO's rows through the data layer: a CSV with its own column names and labels as text,
+    a conversational Parquet file, a from_train hold-out; pairs under kind: kto name the fix."""
+    path = _write(tmp_path, "k.yaml", KTO_CONFIG + f"""\
+  train:
+    - path: {FORMATS / 'unpaired_preference_mapped.csv'}
+      columns: {{prompt: question, completion: response, label: thumbs_up}}
+    - {FORMATS / 'unpaired_preference_conversational.parquet'}
+  eval: {{from_train: 4}}
+""")
+    data = load_data(load_config(path, check_files=True))
+    assert (len(data.train), len(data.eval)) == (20, 4)
+    assert sum(item.label for item in data.train + data.eval) == 12
+    assert not {i.source for i in data.train} & {i.source for i in data.eval}
+    notes = "\n".join(data.notes)
+    assert "unpaired_preference (standard), 12 rows" in notes and "unpaired_preference (conversational), 12 rows" in notes
+    assert "data.eval: 4 rows held out of the training data (seed 3)" in notes
+    # The mapped CSV's rows (labels "true"/"false" as text) are the JSONL fixture's rows.
+    jsonl = [r for _, r in read_rows(FORMATS / "unpaired_preference.jsonl", "unpaired")]
+    by_source = {i.source: i for i in data.train + data.eval}
+    csv = [by_source[f"{FORMATS / 'unpaired_preference_mapped.csv'}:{n + 2}"] for n in range(12)]
+    assert [i.label for i in csv] == [r["label"] for r in jsonl] == [True, False] * 6
+    # Preference pairs under kind: kto: the row, and both kinds in the fix.
+    path = _write(tmp_path, "p.yaml", KTO_CONFIG + f"  train: {FORMATS / 'preference.jsonl'}\n")
+    with pytest.raises(ConfigError) as info:
+        load_data(load_config(path))
+    assert info.value.message.startswith(f"{FORMATS / 'preference.jsonl'}:1: a paired row ('chosen'/'rejected') under kind: kto")
+    assert "kind: dpo" in info.value.hint and '"label": false' in info.value.hint
+    # SFT rows under kind: kto name what KTO needs.
+    path = _write(tmp_path, "s.yaml", KTO_CONFIG + f"  train: {FORMATS / 'prompt_completion.csv'}\n")
+    with pytest.raises(ConfigError, match=r"prompt_completion.csv:2: prompt_completion rows do not have a 'completion' "
+                                          r"and a 'label', which kind kto needs"):
         load_data(load_config(path))
 
 
@@ -369,6 +422,31 @@ data:
   train: {FORMATS / 'preference_conversational.parquet'}
 """)
     _train(local_server, config, tmp_path / "run")
+
+
+@pytest_local
+def test_tiny_kto_trains_on_mapped_csv_and_parquet_with_a_hold_out(local_server, tmp_path):
+    pytest.importorskip("torch")
+    config = _write(tmp_path, "kto.yaml", f"""\
+kind: kto
+name: formats-kto
+base_model: loops-local/tiny
+lora_rank: 4
+max_seq_len: 128
+batch_size: 4
+max_steps: 2
+eval_every: 2
+data:
+  train:
+    - path: {FORMATS / 'unpaired_preference_mapped.csv'}
+      columns: {{prompt: question, completion: response, label: thumbs_up}}
+    - {FORMATS / 'unpaired_preference_conversational.parquet'}
+  eval: {{from_train: 4}}
+""")
+    run_dir = tmp_path / "run"
+    _train(local_server, config, run_dir)
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    assert any("eval_reward_margin" in r for r in records)
 
 
 @pytest_local

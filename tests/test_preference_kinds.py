@@ -224,19 +224,19 @@ GOOD_KTO = [{"prompt": "What is 2+1?", "completion": "ANSWER: 3", "label": True}
 
 
 @pytest.mark.local
-@pytest.mark.parametrize("kind, rows, where, message", [
+@pytest.mark.parametrize("kind, rows, where, message, hint", [
     ("kto", GOOD_KTO + [{"prompt": "What is 1+1?", "chosen": "ANSWER: 2", "rejected": "2"}], ":3: ",
-     "a paired row ('chosen'/'rejected') under kind: kto"),
-    ("kto", [dict(r, label=True) for r in GOOD_KTO], "", "every row has label true; KTO needs rows labelled false"),
-    ("kto", GOOD_KTO + [{"prompt": "a", "completion": "b", "label": "yes"}], ":3: ", "'label' must be true or false"),
+     "missing key 'completion': this is a paired row ('chosen'/'rejected') under kind: kto", "train with kind: dpo"),
+    ("kto", [dict(r, label=True) for r in GOOD_KTO], "", "every row has label true; KTO needs rows labelled false", ""),
+    ("kto", GOOD_KTO + [{"prompt": "a", "completion": "b", "label": "yes"}], ":3: ", "'label' must be true or false", ""),
     ("dpo", [{"prompt": "What is 2+1?", "chosen": "ANSWER: 3", "rejected": "3"}] + GOOD_KTO[:1], ":2: ",
-     "missing key 'chosen': this is an unpaired row ('completion'/'label')"),
+     "missing key 'chosen': this is an unpaired row ('completion'/'label') under kind: dpo", "with kind: kto"),
 ], ids=["paired-under-kto", "one-label", "label-not-bool", "unpaired-under-dpo"])  # fmt: skip
-def test_bad_preference_data_fails_before_anything_is_provisioned(local_server, tmp_path, kind, rows, where, message):
+def test_bad_preference_data_fails_before_anything_is_provisioned(local_server, tmp_path, kind, rows, where, message, hint):
     train = write_rows(tmp_path / "rows.jsonl", rows)
     before = _run_ids(local_server)
     result = loops_subprocess(local_server, "train", "run", str(config(tmp_path, kind, train)), "--run-dir", str(tmp_path / "r"))
-    one_line_error(result, 1, f"{train}{where}", message)
+    one_line_error(result, 1, f"{train}{where}", message, hint)
     assert _run_ids(local_server) == before and not (tmp_path / "r").exists()
 
 

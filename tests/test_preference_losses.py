@@ -314,7 +314,7 @@ KTO_BAD_ROWS = [
     ({"prompt": "hi", "chosen": "a", "rejected": "b"}, "a paired row ('chosen'/'rejected') under kind: kto"),
     ({"prompt": "hi", "label": True}, "missing key 'completion'"),
     ({"prompt": "hi", "completion": "a"}, "missing key 'label'"),
-    ({"prompt": "hi", "completion": "a", "label": "true"}, "'label' must be true or false, got 'true'"),
+    ({"prompt": "hi", "completion": "a", "label": "yes"}, "'label' must be true or false, not 'yes'"),
     ({"prompt": "hi", "completion": [{"role": "user", "content": "a"}], "label": True}, "'completion' must end with an assistant message"),
     ({"completion": "a", "label": True}, "no prompt"),
     ({"prompt": "hi", "completion": "x" * 80, "label": False}, "over max_seq_len 64"),

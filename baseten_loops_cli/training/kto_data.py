@@ -4,19 +4,20 @@ unpaired data apart.
 A row is ``{"prompt": str | [messages], "completion": str | message | [messages], "label":
 true | false}`` (TRL's unpaired preference format); ``"messages"`` may stand in for
 ``"prompt"``, and without either the completion is a whole conversation ending in the reply.
-The row checks are pure functions of a row and its ``file:line`` (``where``), so they serve
-every data format that yields rows; :func:`load_kto_examples` is the JSONL loader. Every error
+The data layer (``formats.read_rows(spec, "unpaired")``) reads every source and format into
+these rows (a CSV label "true"/"0" already a bool); the row checks here are pure functions of a
+row and its ``file:line`` (``where``), and :func:`load_kto_examples` renders them. Every error
 names the file and line, as ``training/data.py``'s do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training.data import JSONL_HINT, Example, _check_messages, _reply_messages, read_jsonl
+from baseten_loops_cli.training.data import JSONL_HINT, Example, _check_messages, _reply_messages
+from baseten_loops_cli.training.formats import read_rows
 from baseten_loops_cli.training.preference_losses import kto_mismatched_index
 
 KTO_ROW_HINT = 'Write each row as {"prompt": ..., "completion": ..., "label": true} (false for an undesirable completion).'
@@ -89,7 +90,7 @@ def check_paired_row(row: dict, where: str) -> None:
         )
 
 
-def check_kto_labels(labels: Iterable[bool], path: Path | str) -> tuple[int, int]:
+def check_kto_labels(labels: Iterable[bool], path: Any) -> tuple[int, int]:
     """(desirable, undesirable) counts; only one label in the file is an error (KTO needs both)."""
     labels = list(labels)
     desirable = sum(1 for label in labels if label)
@@ -112,25 +113,29 @@ def _render(tokenizer: Any, conversation: list[dict], where: str) -> tuple[list[
     return list(tokens), [float(w) for w in weights]
 
 
-def load_kto_examples(path: Path, tokenizer: Any, *, max_seq_len: int) -> list[KTOExample]:
-    """Every row of a KTO JSONL file, checked and rendered (the reply trained, as DPO's sides)."""
-    examples = []
-    for lineno, row in read_jsonl(path):
-        where = f"{path}:{lineno}"
-        checked = kto_row(row, where)
-        tokens, weights = _render(tokenizer, checked.prompt + checked.completion, where)
-        if len(tokens) > max_seq_len:
-            raise ConfigError(
-                f"{where}: the completion is {len(tokens)} tokens with its prompt, over max_seq_len {max_seq_len}",
-                hint=f"Raise max_seq_len to at least {len(tokens)} (if the model allows) or shorten the row.",
-            )
-        example = Example(tokens, weights, where)
-        if example.trained_tokens == 0:
-            raise ConfigError(f"{where}: nothing to train on (the completion renders to no tokens)")
-        examples.append(KTOExample(example, checked.label, checked))
+def render_kto_row(where: str, row: dict, tokenizer: Any, *, max_seq_len: int) -> KTOExample:
+    """One internal row checked and rendered (the reply trained, as DPO's sides)."""
+    checked = kto_row(row, where)
+    tokens, weights = _render(tokenizer, checked.prompt + checked.completion, where)
+    if len(tokens) > max_seq_len:
+        raise ConfigError(
+            f"{where}: the completion is {len(tokens)} tokens with its prompt, over max_seq_len {max_seq_len}",
+            hint=f"Raise max_seq_len to at least {len(tokens)} (if the model allows) or shorten the row.",
+        )
+    example = Example(tokens, weights, where)
+    if example.trained_tokens == 0:
+        raise ConfigError(f"{where}: nothing to train on (the completion renders to no tokens)")
+    return KTOExample(example, checked.label, checked)
+
+
+def load_kto_examples(spec: Any, tokenizer: Any, *, max_seq_len: int, check_labels: bool = True) -> list[KTOExample]:
+    """Every row of a data spec (or a plain path) in any format, checked and rendered; both
+    labels must occur (``check_labels``: off for `loops data check`, which renders row by row)."""
+    examples = [render_kto_row(where, row, tokenizer, max_seq_len=max_seq_len) for where, row in read_rows(spec, "unpaired")]
     if not examples:
-        raise ConfigError(f"{path}: no rows (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
-    check_kto_labels((e.label for e in examples), path)
+        raise ConfigError(f"{spec}: no rows (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
+    if check_labels:
+        check_kto_labels((e.label for e in examples), spec)
     return examples
 
 

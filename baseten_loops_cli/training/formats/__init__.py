@@ -10,7 +10,8 @@ they come in, read once into the rows the training loops take.
   conversational), detected from every row, and the conversion of each row to the internal row
   of a purpose: ``sft`` (``messages`` or ``prompt``/``completion`` strings), ``prompts`` (RL:
   ``messages`` or ``prompt`` plus the row's other fields, ``answer`` from the reference reply)
-  or ``preference`` (DPO: ``prompt``/``messages`` + ``chosen`` + ``rejected``).
+  ``preference`` (DPO: ``prompt``/``messages`` + ``chosen`` + ``rejected``) or ``unpaired``
+  (KTO: ``prompt``/``messages`` + ``completion`` + a boolean ``label``).
 - ``spec``: the config's schema pieces (``data.train`` as a path, a source or a list of sources
   with ``weight`` / ``max_rows``; ``data.eval: {from_train: 0.05}``; ``data.format``,
   ``data.columns``) and :class:`DataSpec`, what a loader reads.

@@ -79,7 +79,7 @@ def _source_rows(source: Source, purpose: str) -> tuple[list[tuple[str, dict]], 
     if purpose == rows_mod.ENV_ROWS:  # an environment reads its rows itself: any JSON object, as it is
         kept = records[: source.max_rows] if source.max_rows is not None else records
         return kept, "environment rows", len(records)
-    fmt, row_formats = rows_mod.detect(records, source.name, source.format, source.columns)
+    fmt, row_formats = rows_mod.detect(records, source.name, source.format, source.columns, purpose)
     described = rows_mod.describe(fmt, records)
     total = len(records)
     if source.max_rows is not None:

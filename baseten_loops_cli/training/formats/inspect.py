@@ -58,7 +58,8 @@ def _kind_of(spec: DataSpec, kind: str | None) -> tuple[Any, str]:
     records = list(source.records())
     if not records:
         raise ConfigError(f"{spec}: no rows (the file is empty)", hint="Put at least one row in it.")
-    fmt, _ = rows_mod.detect([(w, r) for w, r in records], source.name, source.format, source.columns)
+    purpose = kinds.get(kind).row_purpose if kind is not None else None
+    fmt, _ = rows_mod.detect([(w, r) for w, r in records], source.name, source.format, source.columns, purpose)
     if kind is None:
         kind = next((name for name in kinds.names() if fmt in kinds.get(name).row_formats), kinds.names()[0])
     found = kinds.get(kind)
@@ -77,7 +78,7 @@ def _load_one(kind: Any, where: str, row: dict, tokenizer: Any, max_seq_len: int
 
 def _roles(row: dict) -> list[str]:
     found = []
-    for key in ("messages", "prompt", "chosen", "rejected"):
+    for key in ("messages", "prompt", "chosen", "rejected", "completion"):
         value = row.get(key)
         if isinstance(value, list):
             found += [str(m.get("role")) for m in value if isinstance(m, dict)]

@@ -20,6 +20,9 @@ Purposes (what a loader in ``training/data.py`` takes):
   unless the row has one
 - ``preference`` (DPO): ``{"prompt": str | [...], "chosen", "rejected"}`` or
   ``{"messages": [...], "chosen", "rejected"}``
+- ``unpaired`` (KTO): ``{"prompt": str | [...], "completion": str | [...], "label": bool}`` or
+  ``{"messages": [...], "completion", "label"}`` (or no prompt: the completion is a whole
+  conversation); a label "true"/"false"/1/0 (CSV) is a bool
 """
 
 from __future__ import annotations
@@ -32,12 +35,16 @@ from baseten_loops_cli.errors import ConfigError
 
 # "env": an environment's rows, passed as they are (no format detection: the environment reads them).
 ENV_ROWS = "env"
-PURPOSES = ("sft", "prompts", "preference", ENV_ROWS)
+PURPOSES = ("sft", "prompts", "preference", "unpaired", ENV_ROWS)
 # The field each format cannot do without (named when a row of another format is found).
 KEY_FIELD = {
     "messages": "messages", "sharegpt": "conversations", "alpaca": "instruction", "preference": "chosen",
     "unpaired_preference": "label", "prompt_completion": "completion", "prompt_only": "prompt", "text": "text",
 }
+# The fields a row of a format needs all of (the first missing one is named).
+REQUIRED = {"unpaired_preference": ("completion", "label"), "preference": ("chosen", "rejected")}
+# The kind that reads each purpose's rows (for messages: "a paired row under kind: kto").
+PURPOSE_KIND = {"sft": "sft", "prompts": "rl", "preference": "dpo", "unpaired": "kto"}
 EXPECTED = ("expected a 'messages' list, ShareGPT 'conversations', Alpaca 'instruction'/'output', "
             "'prompt'/'completion', 'chosen'/'rejected' or 'text'")
 FORMATS_HINT = ("Rename the columns with data.columns ({prompt: question, completion: answer}), "
@@ -60,10 +67,10 @@ def classify(row: dict) -> str | None:
         return "alpaca"
     if "chosen" in row or "rejected" in row:  # one side missing is a preference row's mistake
         return "preference"
+    if "completion" in row and "label" in row:  # prompt or messages, a completion and a thumbs up/down
+        return "unpaired_preference"
     if "messages" in row:
         return "messages"
-    if "completion" in row and "label" in row:
-        return "unpaired_preference"
     if "prompt" in row and "completion" in row:
         return "prompt_completion"
     if "text" in row:
@@ -83,10 +90,12 @@ def describe(fmt: str, rows: list[tuple[str, dict]]) -> str:
 
 
 def detect(rows: list[tuple[str, dict]], label: str, forced: str | None = None,
-           mapped: dict[str, str] | None = None) -> tuple[str, list[str]]:
+           mapped: dict[str, str] | None = None, purpose: str | None = None) -> tuple[str, list[str]]:
     """The format of a source's rows, from every row: the most common one, and the format to
     read each row as. A row of another format (or of none) is an error at that row, naming the
-    field it lacks; OpenAI messages rows may mix with prompt/completion (or prompt) rows."""
+    field it lacks (and, given the ``purpose`` it is read for, the kind: a paired row among
+    unpaired ones "under kind: kto"); OpenAI messages rows may mix with prompt/completion (or
+    prompt) rows."""
     kinds = [classify(row) for _, row in rows]
     if forced:
         return forced, [forced] * len(rows)
@@ -98,13 +107,15 @@ def detect(rows: list[tuple[str, dict]], label: str, forced: str | None = None,
     for (where, row), kind in zip(rows, kinds):
         if kind == fmt or frozenset({kind, fmt}) in NATIVE_MIX:
             continue
-        field = KEY_FIELD[fmt]
+        field = next((k for k in REQUIRED.get(fmt, ()) if k not in row), KEY_FIELD[fmt])
         looks = f"this row looks like {kind}" if kind else "this row is in no known format"
         hint = "Fix or remove the row, or set data.format if every row is meant to be read as one format."
         if frozenset({kind, fmt}) == _PAIRED_AND_UNPAIRED:
             # The mistake users make most with preference data: thumbs-up/down rows among pairs.
             looks = ("this is an unpaired row ('completion'/'label')" if kind == "unpaired_preference"
                      else "this is a paired row ('chosen'/'rejected')")
+            if purpose in PURPOSE_KIND:
+                looks += f" under kind: {PURPOSE_KIND[purpose]}"
             hint = ("Pairs (chosen/rejected) train with kind: dpo, unpaired rows (completion + label) "
                     "with kind: kto; keep one kind of row per file.")
         raise ConfigError(
@@ -263,21 +274,53 @@ def _alpaca_prompt(r: _Row) -> list[dict]:
 
 def _wrong_purpose(r: _Row, purpose: str) -> ConfigError:
     needs = {"sft": "a reply to train on (messages, conversations, output or completion)",
-             "prompts": "a prompt", "preference": "a 'chosen' and a 'rejected' reply"}[purpose]
-    kind = {"sft": "sft", "prompts": "rl", "preference": "dpo"}[purpose]
+             "prompts": "a prompt", "preference": "a 'chosen' and a 'rejected' reply",
+             "unpaired": "a 'completion' and a 'label'"}[purpose]
+    kind = PURPOSE_KIND[purpose]
+    paired = r.has("chosen") and r.has("rejected")
+    if purpose == "unpaired" and paired:
+        return r.error(
+            "a paired row ('chosen'/'rejected') under kind: kto, which takes one 'completion' and a 'label' per row",
+            hint="Pairs train with kind: dpo; for kind: kto split each pair into {\"prompt\": ..., \"completion\": "
+                 "<chosen>, \"label\": true} and {\"prompt\": ..., \"completion\": <rejected>, \"label\": false}.",
+        )
     hint = {
-        "unpaired_preference": "Unpaired preference rows (completion + label) are for KTO, which loops does not offer; "
-                               "pair a good and a bad completion per prompt as chosen/rejected for kind: dpo.",
+        "unpaired_preference": "Unpaired preference rows (completion + label) train with kind: kto; for kind: dpo, "
+                               "pair a good and a bad completion per prompt as chosen/rejected.",
         "preference": "Preference pairs train with kind: dpo.",
         "prompt_only": "Prompts without replies train with kind: rl.",
         "text": "Plain text rows train with kind: sft.",
-    }.get("preference" if r.has("chosen") and r.has("rejected") else r.fmt, f"Kind {kind} needs {needs}.")
+    }.get("preference" if paired else r.fmt, f"Kind {kind} needs {needs}.")
+    if purpose == "unpaired" and not paired and r.fmt != "unpaired_preference":
+        hint = ("Give each row a 'completion' and a 'label' (true for a desirable completion, false for an "
+                "undesirable one), or map the columns that hold them with data.columns.")
     return r.error(f"{r.fmt} rows do not have {needs}, which kind {kind} needs", hint=hint)
+
+
+def _unpaired_row(r: _Row) -> dict:
+    """KTO's row: the prompt (a string, messages, or none: the completion is a whole
+    conversation), the completion, and the label as a bool."""
+    label = r.get("label")
+    if isinstance(label, str) and label.strip().lower() in ("true", "false", "1", "0"):
+        label = label.strip().lower() in ("true", "1")
+    if not isinstance(label, bool) and label not in (0, 1):
+        raise r.error(f"field 'label' must be true or false, not {label!r}",
+                      hint="Write true for a desirable completion, false for an undesirable one.")
+    out: dict = {}
+    if r.has("prompt"):
+        out["prompt"] = r.reply("prompt")
+    elif r.has("messages"):
+        out["messages"] = r.messages("messages")
+    out["completion"] = r.reply("completion")
+    out["label"] = bool(label)
+    return r.tools(out)
 
 
 def convert(where: str, row: dict, fmt: str, purpose: str, mapped: dict[str, str] | None = None) -> dict:
     """One row of format ``fmt`` as the internal row of ``purpose``."""
     r = _Row(where, row, fmt, mapped)
+    if purpose == "unpaired" and fmt != "unpaired_preference":
+        raise _wrong_purpose(r, purpose)
     if fmt in ("messages", "sharegpt"):
         if fmt == "sharegpt":
             messages = r.turns("conversations" if "conversations" in row else "messages")
@@ -351,10 +394,8 @@ def convert(where: str, row: dict, fmt: str, purpose: str, mapped: dict[str, str
             return {"messages": r.messages("text")}
         return {"prompt": "", "completion": r.text("text")}
     if fmt == "unpaired_preference":
-        label = r.get("label")
-        if isinstance(label, str) and label.strip().lower() in ("true", "false", "1", "0"):
-            label = label.strip().lower() in ("true", "1")
-        if not isinstance(label, bool) and label not in (0, 1):
-            raise r.error(f"field 'label' must be true or false, not {label!r}")
-        raise _wrong_purpose(r, purpose)
+        row_out = _unpaired_row(r)  # a bad label is named whatever the kind
+        if purpose != "unpaired":
+            raise _wrong_purpose(r, purpose)
+        return row_out
     raise r.error(f"unknown format {fmt!r}")

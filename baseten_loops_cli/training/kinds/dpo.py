@@ -582,7 +582,7 @@ KIND = Kind(
     capabilities_use_case="rl",  # the capabilities API knows sft and rl; DPO needs a sampler as RL does
     check=check_reference,
     row_purpose="preference",
-    row_formats=("preference", "unpaired_preference"),
+    row_formats=("preference",),
     row_sides=("chosen", "rejected"),
     render_rows=render_rows,
 )

@@ -1,8 +1,10 @@
 """Unpaired preference tuning (``kind: kto``): one completion per row with a thumbs up or down
 (``label: true | false``), the KTO loss (Ethayarajh et al. 2024) against a frozen reference.
 
-Rows are read by :func:`read_examples` (the one place this kind reads data: ``kto_data``'s row
-checks, so a data-format layer can sit under it). Each example's KL sequence (its prompt with
+Rows come from the data layer in any format and source it reads (JSONL, JSON, CSV, Parquet,
+Arrow, folders, hub datasets; ``data.columns``, mixtures, ``eval: {from_train: ...}``) as its
+``unpaired`` rows, through :func:`read_examples` (the one place this kind reads data;
+``kto_data``'s row checks). Each example's KL sequence (its prompt with
 another example's completion, ``kto_data.kl_examples``) gives the batch's KL estimate ``z0``.
 
 Before step 1 the reference scores every example and KL sequence of both splits once, as DPO's
@@ -19,7 +21,6 @@ gradient through ``z0``), and ``optim_step``; the loop is the one DPO uses
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -27,6 +28,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from baseten_loops_cli.training import preference_losses as pl
 from baseten_loops_cli.training.config import CommonConfig, Section, config_error
 from baseten_loops_cli.training.data import Example, batches_for_step
+from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.kinds.dpo import (
     StepSubmission, check_reference, param_error, preference_loop, reference_scores, reference_value,
@@ -39,9 +41,9 @@ from baseten_loops_cli.training.templates import COMMON
 __all__ = ["KIND", "KTOConfig", "KTOItem", "read_examples", "run_kto"]
 
 
-class KTOData(Section):
-    train: str
-    eval: str | None = None
+class KTOData(Section, FormatOptions):
+    train: Sources
+    eval: EvalSources | None = None
     shuffle: bool = True
 
 
@@ -106,23 +108,35 @@ class KTOItem:
     source: str
 
 
-def read_examples(path: Path, tokenizer: Any, *, max_seq_len: int) -> list[KTOItem]:
-    """Every row of a KTO data file, checked (file:line: a paired row, a missing or non-boolean
-    label, only one label in the file, too long) and rendered, each with its KL sequence. The one
-    function of this kind that reads data."""
+def read_examples(spec: Any, tokenizer: Any, *, max_seq_len: int) -> list[KTOItem]:
+    """Every row of a KTO data spec (``formats.DataSpec``, or a plain path), in any format the
+    data layer reads, checked (file:line: a paired row, a missing or non-boolean label, only one
+    label in the split, too long) and rendered, each with its KL sequence. The one function of
+    this kind that reads data."""
     from baseten_loops_cli.training.kto_data import kl_examples, load_kto_examples
 
-    examples = load_kto_examples(path, tokenizer, max_seq_len=max_seq_len)
+    examples = load_kto_examples(spec, tokenizer, max_seq_len=max_seq_len)
     kls = kl_examples(examples, tokenizer, max_seq_len=max_seq_len)
     return [KTOItem(e.example, e.label, kl, e.row.source) for e, kl in zip(examples, kls)]
 
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
+    from baseten_loops_cli.training import kinds
+    from baseten_loops_cli.training.formats import data_notes
+
     config = loaded.config
-    train = read_examples(loaded.resolve_path(config.data.train), tokenizer, max_seq_len=config.max_seq_len)
-    evals = (read_examples(loaded.resolve_path(config.data.eval), tokenizer, max_seq_len=config.max_seq_len)
-             if config.data.eval else None)
-    return LoadedData(tokenizer, train, evals)
+    train_spec, eval_spec = kinds.data_specs(loaded)
+    train = read_examples(train_spec, tokenizer, max_seq_len=config.max_seq_len)
+    evals = read_examples(eval_spec, tokenizer, max_seq_len=config.max_seq_len) if eval_spec else None
+    return LoadedData(tokenizer, train, evals, notes=data_notes(train_spec, eval_spec))
+
+
+def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
+    """Each row as the loop trains it (`loops data check|preview`): its completion with its
+    prompt (the KL sequences pair rows with each other, so a row alone has none)."""
+    from baseten_loops_cli.training.kto_data import load_kto_examples
+
+    return [[e.example] for e in load_kto_examples(spec, tokenizer, max_seq_len=max_seq_len, check_labels=False)]
 
 
 def estimate(config, data: LoadedData) -> Estimate:
@@ -201,7 +215,8 @@ def run_kto(session: TrainingSession, train: list[KTOItem], eval_items: list[KTO
 
     def summary(baseline: dict | None, last: dict) -> str:
         margin = "eval_reward_margin"
-        start = f"{baseline[margin]:.3f} -> " if baseline and margin in baseline else ""
+        # round(...) + 0.0: a baseline of float noise (-1e-7) reads 0.000, not -0.000
+        start = f"{round(baseline[margin], 3) + 0.0:.3f} -> " if baseline and margin in baseline else ""
         return (f"Eval: desirable-vs-undesirable reward margin {start}{last.get(margin, float('nan')):.3f}, "
                 f"KL estimate {last['eval_kl_estimate']:.3f}, loss {last['eval_loss']:.4f}")
 
@@ -222,8 +237,10 @@ kind: kto
 batch_size: 8                   # examples per step (mix both labels)
 
 data:
-  train: data/feedback.jsonl    # JSONL: {{"prompt": "...", "completion": "...", "label": true}}  (false = undesirable)
+  train: data/feedback.jsonl    # {{"prompt": "...", "completion": "...", "label": true}}  (false = undesirable)
   # eval: data/eval_feedback.jsonl   or: {{"messages": [...], "completion": "...", "label": false}}
+  # eval: {{from_train: 0.05}}      # or hold out a seeded 5% of the training rows
+  # columns: {{prompt: question, completion: answer, label: thumbs_up}}   # CSV, Parquet, JSON, folders, hub datasets too
   shuffle: true
 
 beta: 0.1                       # how far the policy may move from the reference (higher = closer)
@@ -256,4 +273,7 @@ KIND = Kind(
     eval_task=None,  # labelled completions are not rows `loops eval` scores (no `eval:` block)
     capabilities_use_case="rl",  # needs a sampler (the reference) as DPO does
     check=check_reference,
+    row_purpose="unpaired",
+    row_formats=("unpaired_preference",),
+    render_rows=render_rows,
 )

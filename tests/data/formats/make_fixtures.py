@@ -129,6 +129,16 @@ def main() -> None:
         {"prompt": q(a, b), "completion": ans(a, b) if i % 2 == 0 else str(a + b), "label": i % 2 == 0}
         for i, (a, b) in enumerate(SUMS)
     ])
+    # A spreadsheet export of thumbs up/down: its own column names (data.columns maps them), labels as text.
+    write_csv("unpaired_preference_mapped.csv", [
+        {"question": q(a, b), "response": ans(a, b) if i % 2 == 0 else str(a + b), "thumbs_up": "true" if i % 2 == 0 else "false"}
+        for i, (a, b) in enumerate(SUMS)
+    ])
+    write_parquet("unpaired_preference_conversational.parquet", [
+        {"prompt": [{"role": "user", "content": q(a, b)}],
+         "completion": [{"role": "assistant", "content": ans(a, b) if i % 2 == 0 else str(a + b)}], "label": i % 2 == 0}
+        for i, (a, b) in enumerate(SUMS)
+    ])
     # ---- RL prompts
     write_csv("prompt_only.csv", [{"prompt": f"Say a number like {a}{b}.", "answer": f"{a}{b}"} for a, b in SUMS])
     write_jsonl("prompt_only_conversational.jsonl", [
