@@ -218,6 +218,7 @@ class _Lane:
             except BaseException as exc:  # handed to the awaiting coroutine
                 future.set_exception(exc)
             finally:
+                self.worker.restore_thread_budget()
                 self.busy_seconds += time.monotonic() - started
                 self.jobs_done += 1
                 self.current_job = None
@@ -225,6 +226,27 @@ class _Lane:
 
 TRAIN = "compute"
 SAMPLE = "sample"
+
+_process_threads: int | None = None
+_process_threads_lock = threading.Lock()
+
+
+def _torch_imported() -> bool:
+    import sys
+
+    return "torch" in sys.modules
+
+
+def process_threads() -> int:
+    """The process's torch intra-op budget (OMP_NUM_THREADS or the core count), read once,
+    before any lane changes it, and shared by every model worker."""
+    global _process_threads
+    with _process_threads_lock:
+        if _process_threads is None:
+            import torch
+
+            _process_threads = torch.get_num_threads()
+        return _process_threads
 
 
 class ModelWorker:
@@ -254,8 +276,6 @@ class ModelWorker:
         self._base: Any = None
         self._base_lock = threading.Lock()
         self._sampler: Any = None
-        self._threads_total: int | None = None
-        self._budget_lock = threading.Lock()
         self._lanes = {TRAIN: _Lane(self, TRAIN), SAMPLE: _Lane(self, SAMPLE)}
 
     # ── on a lane's thread ──
@@ -289,16 +309,29 @@ class ModelWorker:
     def set_thread_budget(self, lane: _Lane) -> None:
         import torch
 
-        with self._budget_lock:
-            if self._threads_total is None:
-                # Read before either lane sets a budget: a thread's first torch call takes its
-                # thread count from the last set_num_threads of any thread.
-                self._threads_total = torch.get_num_threads()  # the process's (OMP_NUM_THREADS)
-            total = self._threads_total
+        total = process_threads()
         others_busy = any(other.busy for other in self._lanes.values() if other is not lane)
         want = max(1, total // 2) if others_busy else total
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
+
+    def restore_thread_budget(self) -> None:
+        """After a job: set the full budget again. ``torch.set_num_threads`` also stores a
+        process-wide value that every thread's *first* torch call adopts (ATen's lazy
+        per-thread init), so a lane left at half would hand half to every thread that starts
+        later: another model's lanes (which then took half as their whole budget, for good),
+        request threads, the next server-side helper (issue 33's slowdown after sampling)."""
+        if not _torch_imported():
+            return
+        import torch
+
+        total = process_threads()
+        if torch.get_num_threads() != total:
+            torch.set_num_threads(total)
+
+    @property
+    def threads_total(self) -> int:
+        return process_threads()
 
     # ── from any thread ──
 
