@@ -46,10 +46,14 @@ class Engine:
     depends on this small surface rather than on the engine's module layout.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: str = "float32", device: str = "cpu") -> None:
         self._modules: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self._specs: dict[str, ModelSpec] | None = None
+        # The requested policy (engine/precision.py), resolved when the engine loads.
+        self.requested_dtype = dtype
+        self.requested_device = device
+        self._precision: Any = None
 
     def _load(self) -> dict[str, Any]:
         with self._lock:
@@ -59,10 +63,17 @@ class Engine:
                     errors,
                     losses,
                     model_zoo,
+                    precision,
                     registry,
                     sampler,
                     trainer,
                 )
+
+                # Before any model loads: the policy decides where its weights go.
+                self._precision = precision.configure(self.requested_dtype,
+                                                      self.requested_device)
+                log.info("compute: %s on %s (%s)", self._precision.dtype,
+                         self._precision.device, self._precision.reason)
 
                 self._modules = {"errors": errors, "registry": registry, "sampler": sampler,
                                  "trainer": trainer, "losses": losses, "datums": datums,
@@ -72,6 +83,16 @@ class Engine:
     @property
     def loaded(self) -> bool:
         return self._modules is not None
+
+    def precision_status(self) -> dict[str, Any]:
+        """What ``/v1/local/status`` reports: the requested policy, and what it resolved to
+        once the engine loaded (``dtype``/``device`` None until then)."""
+        chosen = self._precision
+        return {"requested_dtype": self.requested_dtype,
+                "requested_device": self.requested_device,
+                "dtype": chosen.dtype if chosen else None,
+                "device": chosen.device if chosen else None,
+                "reason": chosen.reason if chosen else "the engine has not loaded yet"}
 
     def preload(self) -> None:
         """Import torch and the engine (call from a background thread at startup)."""
