@@ -246,7 +246,9 @@ def start(
         options["dtype"] = dtype
     if device is not None:
         options["device"] = device
-    check_compute(options.get("dtype"), options.get("device"))
+    # The child reads LOOPS_DTYPE / LOOPS_DEVICE when no option is given: check those too.
+    check_compute(options.get("dtype") or os.environ.get("LOOPS_DTYPE") or None,
+                  options.get("device") or os.environ.get("LOOPS_DEVICE") or None)
     paths.ensure_private_dir(state_dir)
     ensure_token(state_dir)
     if port is None:
