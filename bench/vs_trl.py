@@ -21,6 +21,7 @@ precomputed) and GRPO (s/step) side by side, and the model-FLOPs utilisation fig
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -102,7 +103,8 @@ def trl_side(seqs: list[list[int]], steps: int, bf16: bool, padding_free: bool,
             peft_config=LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                                    target_modules=MODULES, bias="none", task_type="CAUSAL_LM"),
             callbacks=[Clock()])
-        trainer.train()
+        with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs: stdout is the result's
+            trainer.train()
         losses = [float(e["loss"]) for e in trainer.state.log_history if "loss" in e]
     return {"seconds": marks[-1] - marks[0], "losses": losses}
 
