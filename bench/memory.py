@@ -1,6 +1,15 @@
-"""Server memory with several runs on one base model vs with one.
+"""Server memory: several runs on one base model vs one, and the examples' peaks vs the weights.
 
     python bench/memory.py [--model loops-local/tiny] [--runs 3] [--steps 3] [--quick] [--json]
+                           [--only runs|examples]
+
+*examples* (issue 33): a fresh server per example trains ``examples/smol-sft.yaml`` (10 steps)
+and ``examples/smol-rl.yaml`` (3 steps) through ``loops train run``; the server's peak RSS
+(``VmHWM``) over the bytes of the base model's float32 weights is one ratio per example,
+target <= 3.0 each. ``--quick`` runs the tiny examples for 2 steps instead (a smoke run: the
+tiny model's weights are a few hundred KiB, so its ratio is not the target's).
+
+*runs*:
 
 Two fresh private servers, one after the other: one gets a single run, the other ``--runs``
 runs on the same base model; every run does ``--steps`` SFT steps (forward_backward +
@@ -16,12 +25,13 @@ median of each is used.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from _common import ROOT
+from _common import ROOT, print_ratio
 from train_throughput import (
     SMOLLM2,
     TINY,
@@ -34,6 +44,55 @@ from train_throughput import (
 )
 
 TARGET = 1.3
+EXAMPLES_TARGET = 3.0
+# (example config, steps; --quick: the tiny model's)
+EXAMPLES = {"sft": ("smol-sft.yaml", 10), "rl": ("smol-rl.yaml", 3)}
+QUICK_EXAMPLES = {"sft": ("tiny-sft.yaml", 2), "rl": ("tiny-rl.yaml", 2)}
+
+
+def weight_bytes(model: str) -> int:
+    """The base model's float32 parameter bytes (what one copy of the weights costs)."""
+    from train_throughput import load_local_model
+
+    module = load_local_model(model)
+    return sum(p.numel() * 4 for p in module.parameters())
+
+
+def example_peak(config: str, steps: int) -> dict:
+    """A fresh server trains one example for ``steps`` steps; its peak and final RSS (KiB)."""
+    import tempfile
+
+    from _common import loops
+
+    with bench_server() as server, tempfile.TemporaryDirectory(prefix="loops-mem-") as tmp:
+        env = {**server.env, "LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1"}
+        model = next(line.split(":", 1)[1].strip() for line in
+                     (ROOT / "examples" / config).read_text().splitlines()
+                     if line.startswith("base_model:"))
+        if model != TINY:
+            loops(env, "server", "pull-model", model)
+        started = time.monotonic()
+        loops(env, "train", "run", str(ROOT / "examples" / config), "--run-dir",
+              str(Path(tmp) / "run"), "--yes", "--set", f"max_steps={steps}")
+        return {"model": model, "peak": vm_kib(server.pid, "VmHWM"), "rss": vm_kib(server.pid),
+                "seconds": time.monotonic() - started}
+
+
+def examples_results(quick: bool) -> list[dict]:
+    results = []
+    for name, (config, steps) in (QUICK_EXAMPLES if quick else EXAMPLES).items():
+        measured = example_peak(config, steps)
+        weights = weight_bytes(measured["model"])
+        ratio = measured["peak"] * 1024 / weights
+        results.append({
+            "case": f"memory[{name} example peak / weights]", "ratio": round(ratio, 3),
+            "target": EXAMPLES_TARGET, "op": "<=", "ok": ratio <= EXAMPLES_TARGET,
+            "value": round(measured["peak"] / 1024, 1), "unit": "MiB",
+            "detail": (f"{config}, {steps} steps on a fresh server: peak RSS "
+                       f"{measured['peak'] / 1024:.0f} MiB (at the end {measured['rss'] / 1024:.0f}) "
+                       f"against {weights / 2**20:.1f} MiB of float32 base weights; "
+                       f"{measured['seconds']:.0f}s")})
+    return results
 
 
 def vm_kib(pid: int, field: str = "VmRSS") -> int:
@@ -79,9 +138,23 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="one server per configuration")
     parser.add_argument("--json", action="store_true", help="one JSON object for run_all.py")
+    parser.add_argument("--only", choices=["runs", "examples"], help="one of the two measurements")
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 2)
     bench_env(1)
+    extra: list[dict] = []
+    if args.only != "runs":
+        extra = examples_results(args.quick)
+        if args.only == "examples":
+            if args.json:
+                print(json.dumps({"target": EXAMPLES_TARGET, "results": extra}))
+            else:
+                for r in extra:
+                    print_ratio(r["case"], r["ratio"], f"<= {r['target']}", r["detail"])
+            return
+        if not args.json:
+            for r in extra:
+                print_ratio(r["case"], r["ratio"], f"<= {r['target']}", r["detail"])
 
     one, many = [], []
     for _ in range(repeats):
@@ -100,7 +173,14 @@ def main() -> None:
               f"{statistics.median(m['peak'] for m in many) / mib:.0f} vs "
               f"{statistics.median(m['peak'] for m in one) / mib:.0f} MiB; median of {repeats} "
               f"fresh servers each)")
-    emit(f"memory[{args.model.split('/')[-1]}]", ratio, TARGET, detail, args.json,
+    name = f"memory[{args.model.split('/')[-1]}]"
+    if args.json and extra:  # one object with every result (run_all.py reads one)
+        print(json.dumps({"target": TARGET, "results": [
+            {"case": name, "ratio": round(ratio, 4), "target": TARGET, "op": "<=",
+             "ok": ratio <= TARGET, "detail": detail, "value": round(rss_many / mib, 1),
+             "unit": "MiB"}, *extra]}))
+        return
+    emit(name, ratio, TARGET, detail, args.json,
          {"value": round(rss_many / mib, 1), "unit": "MiB"}, higher_is_better=False)
 
 

@@ -198,6 +198,21 @@ def print_table(results: list[dict]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
     total = sum(res["seconds"] for res in results)
     print(f"({len(results)} benches in {total:.0f} s; each row's status uses its bench's own target)")
+    print(f"(bench servers' dtype: {bench_dtype()}; this CPU's bf16 instructions: {cpu_bf16() or 'none'})")
+
+
+def bench_dtype() -> str:
+    """The dtype bench servers compute in (train_throughput.SERVER_OPTIONS reads the same)."""
+    return os.environ.get("LOOPS_BENCH_DTYPE", "float32")
+
+
+def cpu_bf16() -> str:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "").split()
+    except OSError:
+        return ""
+    return ", ".join(f for f in ("amx_bf16", "avx512_bf16") if f in flags)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 for t in targets
             ],
             "benches": results,
+            "dtype": bench_dtype(),
             "ok": all_ok,
         }, indent=2))
     else:

@@ -58,7 +58,10 @@ LORA_ALPHA = 32
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Production timings (ServerConfig defaults), not the test fixture's short ones.
 SERVER_OPTIONS = {"op_poll_hold_s": 30.0, "snapshot_interval_s": 60.0, "janitor_interval_s": 0.5,
-                  "min_version_hold_s": 10.0}
+                  "min_version_hold_s": 10.0,
+                  # The compute dtype of bench servers (loops server start --dtype): float32
+                  # unless LOOPS_BENCH_DTYPE says otherwise (auto, bfloat16); run_all.py prints it.
+                  "dtype": os.environ.get("LOOPS_BENCH_DTYPE", "float32")}
 # Per model: (batch, seq_len, steps per round, rounds); --quick uses the second set.
 DEFAULTS = {TINY: ((8, 256, 4, 12), (8, 256, 3, 5)),
             SMOLLM2: ((4, 128, 2, 6), (4, 128, 1, 3))}

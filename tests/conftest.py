@@ -36,6 +36,10 @@ TEST_SERVER_OPTIONS: dict[str, Any] = {
     "janitor_interval_s": 0.2,
     "min_version_hold_s": 1.0,
     "sampler_min_awake_s": 0.0,  # scale-to-zero tests need not wait 30 s (test_local_server sets the shipped floor)
+    # Exact float32 on the CPU (fidelity tests compare with plain PEFT bit for bit); the bf16
+    # and device policies have tests of their own (test_engine.py, test_local_server.py).
+    "dtype": "float32",
+    "device": "cpu",
 }
 
 

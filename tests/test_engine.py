@@ -522,3 +522,102 @@ def test_optimizer_and_checkpoint_errors(make_trainer, tmp_path) -> None:
     with pytest.raises(EngineInputError) as err:
         make_trainer().load_state(tmp_path / "missing")
     assert err.value.error_class == "InvalidCheckpoint"
+
+
+# ── the dtype policy (precision.py): auto follows the hardware; bf16 within stated bounds ──
+
+def test_precision_policy_follows_the_hardware(monkeypatch) -> None:
+    from baseten_loops_cli.local.engine import precision
+
+    assert precision.cpu_bf16_flags("processor : 0\nflags : fpu sse avx512_bf16 amx_bf16 x\n") == [
+        "amx_bf16", "avx512_bf16"]
+    assert precision.cpu_bf16_flags("flags : fpu sse avx2\n") == []
+    assert precision.current() == precision.FLOAT32_CPU  # the engine's default: exact float32
+    monkeypatch.setattr(precision, "_cuda_available", lambda: False)
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda cpuinfo=None: [])
+    assert (precision.resolve("auto", "auto").dtype, precision.resolve().device) == ("float32", "cpu")
+    emulated = precision.resolve("bfloat16", "cpu")
+    assert emulated.dtype == "bfloat16" and "emulated" in emulated.reason
+    with pytest.raises(precision.PrecisionUnavailable, match="no CUDA device"):
+        precision.resolve("auto", "cuda")
+    with pytest.raises(ValueError, match="Unknown dtype"):
+        precision.resolve("float16", "cpu")
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda cpuinfo=None: ["avx512_bf16"])
+    chosen = precision.resolve("auto", "cpu")
+    assert (chosen.dtype, chosen.device) == ("bfloat16", "cpu") and "avx512_bf16" in chosen.reason
+    assert precision.resolve("float32", "auto").dtype == "float32"
+
+
+def test_bf16_trainer_within_bounds_of_plain_peft_and_the_sampler(make_trainer, base, tmp_path) -> None:
+    """bf16 autocast (matmuls in bf16, LoRA weights and AdamW state float32): the trainer's
+    logprobs agree with plain PEFT under ``torch.autocast(bfloat16)`` on the same batch, and
+    the sampler's with the trainer's, within precision.BF16_LOGPROB_TOLERANCE per token; and
+    they are not float32's (autocast really ran)."""
+    from peft import PeftModel
+
+    from baseten_loops_cli.local.engine import precision
+
+    bound = precision.BF16_LOGPROB_TOLERANCE
+    trainer = make_trainer(seed=4)
+    data = [sft_datum(TEXT)]
+    float32_before = logprobs_of(trainer.forward(data))
+    with precision.using(precision.Precision("bfloat16", "cpu", "test")):
+        for _ in range(2):
+            trainer.forward_backward(data)
+            trainer.optim_step({"learning_rate": 1e-2})
+        assert all(p.dtype == torch.float32 for p in trainer._params)  # master weights
+        assert all(s["exp_avg"].dtype == torch.float32 for s in trainer._optimizer.state.values())
+        out = trainer.forward(data)
+        assert out["metrics"]["compute_bf16"] == 1.0
+        ours = logprobs_of(out)
+        trainer.save_sampler_weights(tmp_path / "w")
+        peft_model = PeftModel.from_pretrained(model_zoo.build_tiny_model(), tmp_path / "w")
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = peft_model(input_ids=torch.tensor([TEXT[:-1]])).logits[0].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(TEXT[1:])[:, None])[:, 0]
+        assert max(abs(a - b) for a, b in zip(ours, expected.tolist())) <= bound
+
+        engine = SamplerEngine(base)
+        prompt = TEXT[:6]
+        [result] = engine.sample([SampleRequest(prompt=prompt, n=2, max_tokens=10, seed=3,
+                                                adapter="bf16", adapter_path=tmp_path / "w")])
+        for seq in result.sequences:
+            trained = logprobs_of(trainer.forward([sft_datum(prompt + seq.tokens)]))[len(prompt) - 1:]
+            assert max(abs(a - b) for a, b in zip(seq.logprobs, trained)) <= bound
+        engine.unload_adapter("bf16")
+    with torch.no_grad():
+        float32_logits = peft_model(input_ids=torch.tensor([TEXT[:-1]])).logits[0]
+    float32_after = torch.log_softmax(float32_logits, -1).gather(
+        -1, torch.tensor(TEXT[1:])[:, None])[:, 0].tolist()
+    assert max(abs(a - b) for a, b in zip(ours, float32_after)) > 1e-4  # bf16 really ran
+    assert float32_before != ours
+    assert trainer.forward(data)["metrics"]["compute_bf16"] == 0.0  # float32 again outside
+
+
+def test_lm_head_runs_only_where_outputs_are_read(make_trainer, base, monkeypatch) -> None:
+    """The LM head runs with autograd at trained positions (non-zero weight) only, without it
+    at weight-0 positions (their logprobs are still returned), and not at all where the
+    target is ignored; outputs and gradients equal the full-logits path's."""
+    from baseten_loops_cli.local.engine import trainer as trainer_module
+
+    tokens = TEXT[:12]
+    datum = sft_datum(tokens, weights=[0.0] * 5 + [1.0] * 6)
+    datum["loss_fn_inputs"]["target_tokens"]["data"][:2] = [-100, -100]
+    lean, full = make_trainer(seed=3), make_trainer(seed=3)
+    calls: list[tuple[int, bool]] = []
+    head = base.module.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, i, o: calls.append((i[0].shape[0], o.requires_grad)))
+    try:
+        lean_out = lean.forward_backward([datum])
+    finally:
+        hook.remove()
+    assert calls == [(6, True), (3, False)]  # 6 trained, 3 read (weight 0), 2 ignored
+    monkeypatch.setattr(trainer_module, "_lm_head", lambda model: None)
+    full_out = full.forward_backward([datum])
+    lean_lps, full_lps = logprobs_of(lean_out), logprobs_of(full_out)
+    assert lean_lps[:2] == full_lps[:2] == [None, None]
+    assert lean_lps[2:] == pytest.approx(full_lps[2:], abs=1e-6)
+    assert lean_out["loss"] == pytest.approx(full_out["loss"], abs=1e-6)
+    for a, b in zip(lean._params, full._params):
+        # float rounding only (the head runs on row subsets): within 1e-5 of the gradient scale
+        assert (a.grad - b.grad).abs().max() <= 1e-5 * b.grad.abs().max(), (a.grad - b.grad).abs().max()

@@ -1107,3 +1107,44 @@ def test_pull_smollm2_reports_each_step_from_the_start(server_factory, tmp_path:
     stamps = [e["elapsed_s"] for e in events]
     assert stamps == sorted(stamps), stamps
     assert Path(events[-1]["path"], "tokenizer.json").is_file()
+
+
+# ── the compute policy (--dtype / --device) is honoured end to end ──
+
+def test_dtype_and_device_are_honoured_end_to_end(server_factory):
+    server = server_factory(dtype="bfloat16", device="cpu")
+    with server.client(timeout=120) as client:
+        trainer = new_run(client)
+        result = trainer.do("forward_backward", {"data": DATA, "loss_fn": "cross_entropy"})
+        assert result["metrics"]["compute_bf16"] == 1.0  # in each step's metrics
+        compute = client.get("/v1/local/status").json()["compute"]
+    assert compute["requested_dtype"] == compute["dtype"] == "bfloat16"
+    assert compute["requested_device"] == compute["device"] == "cpu"
+    status = _cli(server.env, "server", "status", "-o", "json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["compute"]["dtype"] == "bfloat16"
+    table = _cli(server.env, "server", "status")
+    assert "bfloat16 on cpu" in table.stdout, table.stdout
+
+
+def test_fixture_servers_compute_in_float32(local_server: LocalServer):
+    with local_server.client(timeout=120) as client:
+        trainer = new_run(client)
+        result = trainer.do("forward", {"data": DATA, "loss_fn": "cross_entropy"})
+        assert result["metrics"]["compute_bf16"] == 0.0
+        compute = client.get("/v1/local/status").json()["compute"]
+    assert (compute["dtype"], compute["device"]) == ("float32", "cpu")
+
+
+def test_server_start_on_cuda_without_cuda_is_a_one_line_error(tmp_path):
+    dirs = {f"LOOPS_{name}_DIR": str(tmp_path / name.lower()) for name in ("STATE", "DATA", "CONFIG", "CACHE")}
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on a GPU machine too.
+    started = _cli({**dirs, "CUDA_VISIBLE_DEVICES": ""}, "server", "start", "--device", "cuda")
+    assert started.returncode == 1, (started.stdout, started.stderr)
+    lines = started.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: ") and "no CUDA device" in lines[0], started.stderr
+    assert any(line.startswith("Hint: ") and "--device cpu" in line for line in lines)
+    assert "Traceback" not in started.stderr
+    assert not (tmp_path / "state" / "server.json").exists()  # nothing was started
+    bad = _cli(dirs, "server", "start", "--dtype", "float16")
+    assert bad.returncode == 2 and "float16" in bad.stderr  # a usage error, before anything starts

@@ -142,3 +142,50 @@ def test_an_op_result_is_compact_json_and_a_diverged_loss_still_answers():
     assert encode_result({"loss": 0.5, "name": "é"}) == '{"loss":0.5,"name":"é"}'
     text = encode_result({"metrics": {"loss": float("nan")}})  # was a 500 on every poll
     assert math.isnan(json.loads(text)["metrics"]["loss"])
+
+
+# ── Thread budgets: a server that has sampled trains with the threads of a fresh one ──
+# torch.set_num_threads is per thread, but it also stores a process-wide value that a thread's
+# first torch call adopts. Lanes that halved their budget while both were busy used to leave
+# that value at half, so every thread started afterwards (another model's lanes, which took it
+# as their whole budget for good) ran on half the cores (issue 33). Checked on the settings.
+
+def _threads_now() -> tuple[int, int, int]:
+    import re
+
+    import torch
+
+    info = torch.__config__.parallel_info()  # this thread's settings
+    read = lambda key: int(re.search(re.escape(key) + r" : (\d+)", info).group(1))  # noqa: E731
+    return torch.get_num_threads(), read("omp_get_max_threads()"), read("mkl_get_max_threads()")
+
+
+def test_thread_budget_is_restored_after_overlapping_lanes(monkeypatch):
+    import threading
+
+    from baseten_loops_cli.local.server import compute
+
+    monkeypatch.setattr(compute, "_process_threads", 2)  # a budget that halves, on any machine
+    worker = compute.ModelWorker(compute.Engine(), "thread-test")
+    try:
+        release = threading.Event()
+        sampling = worker.submit("sample", lambda: (release.wait(30), _threads_now())[1], compute.SAMPLE)
+        time.sleep(0.2)  # the sample lane is busy: a training job gets half
+        assert worker.submit("train", _threads_now, compute.TRAIN).result(30)[0] == 1
+        release.set()
+        assert sampling.result(30) == (2, 2, 2)  # it started alone
+        assert worker.submit("train", _threads_now, compute.TRAIN).result(30) == (2, 2, 2)
+        # A thread that first touches torch now, and a second model's worker, get it all.
+        seen: list = []
+        fresh = threading.Thread(target=lambda: seen.append(_threads_now()))
+        fresh.start()
+        fresh.join(30)
+        assert seen == [(2, 2, 2)]
+        other = compute.ModelWorker(compute.Engine(), "thread-test-2")
+        try:
+            assert other.submit("train", _threads_now, compute.TRAIN).result(30) == (2, 2, 2)
+        finally:
+            other.stop(10)
+    finally:
+        release.set()
+        worker.stop(10)

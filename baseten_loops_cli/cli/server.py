@@ -3,6 +3,7 @@
 Imports stay inside the commands: `loops --help` must not pull in httpx or torch.
 """
 
+from enum import Enum
 from typing import Annotated, Optional
 
 import typer
@@ -23,9 +24,31 @@ _INFO_FIELDS = [
     ("Healthy", "healthy"),
     ("Models loaded", lambda r: ", ".join(m["model"] for m in r.get("models") or []) or "-"),
     ("Runs in memory", lambda r: ", ".join(r.get("runs_in_memory") or []) or "-"),
+    ("Compute", lambda r: _compute_text(r.get("compute") or {})),
     ("Data dir", "data_dir"),
     ("State dir", "state_dir"),
 ]
+
+
+def _compute_text(compute: dict) -> str:
+    if not compute:
+        return "-"
+    if compute.get("dtype"):
+        return f"{compute['dtype']} on {compute['device']} ({compute.get('reason')})"
+    return (f"{compute.get('requested_dtype')} on {compute.get('requested_device')} "
+            "(resolved when the engine loads)")
+
+
+class Dtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 @app.command()
@@ -33,24 +56,38 @@ def start(
     ctx: typer.Context,
     port: Annotated[Optional[int], typer.Option("--port", "-p", help="Port on 127.0.0.1 (default 8717, or any free one).")] = None,
     foreground: Annotated[bool, typer.Option("--foreground", help="Serve in this terminal until Ctrl-C.")] = False,
+    dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Compute dtype: auto (bfloat16 where the CPU has AMX/AVX512-BF16 or the GPU has bf16, else float32), float32 or bfloat16. LoRA weights and optimizer state stay float32. Default: $LOOPS_DTYPE, else float32 (bf16's speed here is not measured yet).")] = None,
+    device: Annotated[Optional[Device], typer.Option("--device", help="Compute device: auto (CUDA when torch sees one), cpu or cuda. Default: $LOOPS_DEVICE, else auto.")] = None,
 ) -> None:
-    """Start the local server in the background (no-op if it is running)."""
+    """Start the local server in the background (no-op if it is running).
+
+    --dtype and --device apply to a server this starts; one already running keeps its own
+    (`loops server status` shows it: stop it first to change them).
+    """
     from baseten_loops_cli.local import daemon
     from baseten_loops_cli.settings import paths
 
     out = get_state(ctx).output
+    dtype_ = dtype.value if dtype is not None else None
+    device_ = device.value if device is not None else None
     if foreground:
+        daemon.check_compute(dtype_, device_)
         port_ = port if port is not None else (daemon.DEFAULT_PORT if daemon.port_free(daemon.DEFAULT_PORT) else 0)
         out.info("Serving in the foreground; Ctrl-C stops the server.")
-        daemon.run_foreground(port=port_, state_dir=paths.state_dir(), data_dir=paths.data_dir())
+        options = {k: v for k, v in (("dtype", dtype_), ("device", device_)) if v is not None}
+        daemon.run_foreground(port=port_, state_dir=paths.state_dir(), data_dir=paths.data_dir(),
+                              options=options)
         return
     already = daemon.status()
-    info = already or daemon.start(port)
+    info = already or daemon.start(port, dtype=dtype_, device=device_)
     if already is not None:
         out.info(f"The local server is already running at {info.url} (pid {info.pid}).")
     else:
         out.success(f"Local server running at {info.url} (pid {info.pid}).")
         out.hint("Point the official SDK at it with: eval \"$(loops server env)\"")
+    if already is not None and (dtype_ or device_):
+        out.hint("--dtype/--device apply to a server being started; this one keeps its own "
+                 "(`loops server stop` first to change them).")
     out.emit(info.to_dict(), fields=_INFO_FIELDS[:4])
 
 

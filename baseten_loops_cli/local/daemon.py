@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from baseten_loops_cli import __version__
-from baseten_loops_cli.errors import LoopsError
+from baseten_loops_cli.errors import ExitCode, LoopsError
 from baseten_loops_cli.settings import paths
 from baseten_loops_cli.settings.local_server import INFO_FILE, LOG_FILE, PID_FILE, TOKEN_FILE
 
@@ -57,6 +57,8 @@ class ServerInfo:
     healthy: bool = False
     models: list[dict[str, Any]] = field(default_factory=list)
     runs_in_memory: list[str] = field(default_factory=list)
+    # The compute policy: requested_dtype/device, and dtype/device once the engine loaded.
+    compute: dict[str, Any] = field(default_factory=dict)
     state_dir: str = ""
     data_dir: str = ""
 
@@ -150,6 +152,7 @@ def status(state_dir: Path | None = None, *, timeout: float = 3.0) -> ServerInfo
             server.uptime_s = body.get("uptime_s")
             server.models = body.get("models", [])
             server.runs_in_memory = body.get("runs_in_memory", [])
+            server.compute = body.get("compute") or {}
     except httpx.HTTPError:
         pass
     return server
@@ -220,6 +223,8 @@ def start(
     timeout: float = START_TIMEOUT_S,
     env: dict[str, str] | None = None,
     owner_pid: int | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
 ) -> ServerInfo:
     """Start the server in the background (no-op if one is running) and return it.
 
@@ -227,12 +232,23 @@ def start(
     this returns once ``/health`` answers; ``options`` override server settings
     (``ServerConfig`` fields, e.g. ``{"op_poll_hold_s": 2}``). With ``owner_pid`` the
     server stops itself when that process exits (test fixtures: no orphaned servers).
+    ``dtype`` / ``device``: the compute policy (``local/engine/precision.py``; None: the
+    server's default, LOOPS_DTYPE / LOOPS_DEVICE or auto). ``device="cuda"`` is checked here,
+    before anything starts, so a machine without CUDA gets a one-line error.
     """
     state_dir = state_dir or paths.state_dir()
     data_dir = data_dir or paths.data_dir()
     running = status(state_dir)
     if running is not None:
         return running
+    options = dict(options or {})
+    if dtype is not None:
+        options["dtype"] = dtype
+    if device is not None:
+        options["device"] = device
+    # The child reads LOOPS_DTYPE / LOOPS_DEVICE when no option is given: check those too.
+    check_compute(options.get("dtype") or os.environ.get("LOOPS_DTYPE") or None,
+                  options.get("device") or os.environ.get("LOOPS_DEVICE") or None)
     paths.ensure_private_dir(state_dir)
     ensure_token(state_dir)
     if port is None:
@@ -280,6 +296,26 @@ def start(
     return status(state_dir) or ServerInfo(
         url=info["url"], port=info["port"], pid=proc.pid, version=info["version"],
         started_at=info["started_at"], state_dir=str(state_dir), data_dir=str(data_dir))
+
+
+def check_compute(dtype: str | None, device: str | None) -> None:
+    """A ServerError (one line, exit 1) for a policy this machine cannot run. Only an
+    explicit CUDA request is checked here (it imports torch, seconds); ``auto`` and ``cpu``
+    always run."""
+    from baseten_loops_cli.local.engine import precision
+
+    if dtype is not None and dtype not in precision.DTYPES:
+        raise ServerError(f"Unknown dtype {dtype!r}.", hint=f"Use one of: {', '.join(precision.DTYPES)}.",
+                          exit_code=ExitCode.USAGE)
+    if device is not None and device not in precision.DEVICES:
+        raise ServerError(f"Unknown device {device!r}.",
+                          hint=f"Use one of: {', '.join(precision.DEVICES)}.", exit_code=ExitCode.USAGE)
+    if device == "cuda":
+        try:
+            precision.resolve(dtype or "auto", device)
+        except precision.PrecisionUnavailable as exc:
+            raise ServerError(str(exc), hint="Start it with --device cpu (or auto) on this "
+                              "machine.") from None
 
 
 def stop(state_dir: Path | None = None, *, timeout: float = STOP_TIMEOUT_S) -> bool:

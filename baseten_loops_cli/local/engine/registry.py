@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
+from baseten_loops_cli.local.engine import precision
 from baseten_loops_cli.local.engine.model_zoo import (
     ModelInfo,
     available_models,
@@ -199,6 +200,9 @@ def load_base(name: str) -> BaseModel:
             if name in _bases:
                 return _bases[name]
         module, info = load_model(name)
+        device = precision.current().device
+        if device != "cpu":  # weights stay float32 (precision.py); the twin shares them there
+            module = module.to(device)
         base = BaseModel(name, info, module)
         base.make_twin()
         with _registry_lock:

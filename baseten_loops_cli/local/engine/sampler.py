@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from baseten_loops_cli.local.engine import precision
 from baseten_loops_cli.local.engine.errors import EngineInputError
 from baseten_loops_cli.local.engine.registry import BaseModel
 from baseten_loops_cli.local.engine.sample_types import (
@@ -186,12 +187,23 @@ class SamplerEngine:
                  for req in requests]
         max_steps = max(req.max_tokens for req in requests)
 
+        policy = precision.current()
+
+        def forward(**inputs: Any) -> torch.Tensor:
+            # On the policy's device and dtype; the logits come back as float32 on the CPU
+            # (sampling, logprobs and the generators live there).
+            with policy.autocast():
+                out = model(**{k: v.to(policy.device) if isinstance(v, torch.Tensor) else v
+                               for k, v in inputs.items()}, use_cache=True)
+            return out.logits.float().cpu()
+
         with self.base.activate(adapter_name) as model:
             cache = DynamicCache()
-            out = model(input_ids=input_ids, attention_mask=attention_mask,
-                        position_ids=position_ids, cache=cache, use_cache=True)
-            prompt_logprobs = self._prompt_logprobs(out.logits, rows, requests, width)
-            logits = out.logits[:, -1].float()
+            all_logits = forward(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, cache=cache)
+            prompt_logprobs = self._prompt_logprobs(all_logits, rows, requests, width)
+            logits = all_logits[:, -1]
+            del all_logits
             next_positions = position_ids[:, -1] + 1
             for step in range(max_steps):
                 for row in rows:
@@ -229,10 +241,8 @@ class SamplerEngine:
                     break
                 attention_mask = torch.cat(
                     [attention_mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=-1)
-                out = model(input_ids=chosen.unsqueeze(-1), attention_mask=attention_mask,
-                            position_ids=next_positions.unsqueeze(-1), cache=cache,
-                            use_cache=True)
-                logits = out.logits[:, -1].float()
+                logits = forward(input_ids=chosen.unsqueeze(-1), attention_mask=attention_mask,
+                                 position_ids=next_positions.unsqueeze(-1), cache=cache)[:, -1]
                 next_positions = next_positions + 1
 
         results = [SampleResult([], prompt_logprobs[r]) for r in range(len(requests))]

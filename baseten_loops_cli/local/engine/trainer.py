@@ -32,11 +32,11 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from baseten_loops_cli.local.engine import losses
+from baseten_loops_cli.local.engine import losses, precision
 from baseten_loops_cli.local.engine.datums import ParsedDatum, parse_data
 from baseten_loops_cli.local.engine.errors import EngineInputError
 from baseten_loops_cli.local.engine.registry import BaseModel
@@ -120,9 +120,14 @@ class LoraTrainer:
                 "one optimizer step (cross_entropy with and without skip_token_normalization, "
                 "or with an RL loss). Call optim_step first.", "MixedLossNormalization")
 
+        policy = precision.current()
         with self.base.activate(self.adapter_name) as model, torch.set_grad_enabled(backward):
-            logits = _datum_logits(model, [p.tokens for p in parsed])
-            loss_inputs, top_k = _target_logprobs(logits, parsed, top_k_logprobs)
+            head = _lm_head(model)
+            with policy.autocast():  # the forward pass only: logprobs and losses in float32
+                outputs = _datum_outputs(model, [p.tokens for p in parsed], policy.device,
+                                         hidden=head is not None)
+            loss_inputs, top_k = _target_logprobs(outputs, parsed, top_k_logprobs,
+                                                  policy.device, head, policy.autocast)
             result = losses.compute(loss_fn, loss_inputs, config)
             if backward:
                 result.total.backward()
@@ -130,7 +135,11 @@ class LoraTrainer:
             self._pending_mode = normalization
             self._pending_tokens += result.trained_tokens
             self.tokens_trained += sum(len(p.tokens) for p in parsed)
-        return _output(loss_fn, result, loss_inputs, top_k, config)
+        output = _output(loss_fn, result, loss_inputs, top_k, config)
+        # Which dtype computed this step (1.0: bf16 autocast, 0.0: float32), in every step's
+        # metrics, so a run's records say what produced them.
+        output["metrics"]["compute_bf16"] = 1.0 if policy.bf16 else 0.0
+        return output
 
     # ── optimizer ──
 
@@ -294,14 +303,35 @@ def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
     return rows
 
 
-def _datum_logits(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Each sequence's (N, V) float32 logits, from one forward pass.
+def _lm_head(model: Any) -> Any:
+    """The LM head, where the model's logits are exactly ``lm_head(last hidden state)`` (the
+    packable families: no logit scaling or soft-capping after it); None elsewhere, where the
+    trainer takes the model's full logits."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _PACKABLE_MODEL_TYPES:
+        return None
+    if not isinstance(getattr(model, "model", None), torch.nn.Module):
+        return None
+    return model.get_output_embeddings()
+
+
+def _datum_outputs(model: Any, sequences: list[list[int]], device: str = "cpu",
+                   hidden: bool = False) -> list[torch.Tensor]:
+    """Each sequence's (N, V) float32 logits, or with ``hidden`` its (N, H) last hidden
+    states (the LM head is then applied by :func:`_target_logprobs`, only at the positions
+    whose outputs are read), from one forward pass.
 
     A batch of unequal lengths is packed: several sequences share a row of the longest one's
     width (positions restart at 0 for each, so none sees another), which runs fewer rows than
     padding every sequence to the longest. Where packing saves no row, or the model's attention
     cannot take it, rows are right-padded with an attention mask; equal lengths need neither.
     """
+    def run(**inputs: Any) -> torch.Tensor:
+        inputs = {k: v.to(device) if v is not None else None for k, v in inputs.items()}
+        if hidden:
+            return model.model(**inputs, use_cache=False).last_hidden_state
+        return model(**inputs, use_cache=False).logits.float()
+
     lengths = [len(s) for s in sequences]
     width = max(lengths)
     rows = pack_rows(lengths, width) if _packable(model) else []
@@ -319,39 +349,90 @@ def _datum_logits(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
                 offset += n
             # The unused tail is one more "sequence" of its own, attended by nothing real.
             position_ids[r, offset:] = torch.arange(width - offset)
-        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits.float()
-        return [logits[r, offset: offset + n] for (r, offset), n in zip(where, lengths)]
+        out = run(input_ids=input_ids, position_ids=position_ids)
+        return [out[r, offset: offset + n] for (r, offset), n in zip(where, lengths)]
     input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
         input_ids[row, : len(seq)] = torch.tensor(seq)
     mask = None
     if min(lengths) < width:
         mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
-    logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()
-    return [logits[row, :n] for row, n in enumerate(lengths)]
+    out = run(input_ids=input_ids, attention_mask=mask)
+    return [out[row, :n] for row, n in enumerate(lengths)]
 
 
 TopK = tuple[torch.Tensor, torch.Tensor]  # (logprobs, token ids), each (N, k)
 
 
-def _target_logprobs(logits: list[torch.Tensor], parsed: list[ParsedDatum], top_k: int
+def _pick(logits: torch.Tensor, index: torch.Tensor, top_k: int
+          ) -> tuple[torch.Tensor, TopK | None]:
+    """Logprobs of ``index`` ((N,) or (N, K)) under (N, V) float32 ``logits``, and the top-k."""
+    normalizer = torch.logsumexp(logits, dim=-1)  # (N,)
+    if index.dim() == 1:
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - normalizer
+    else:
+        picked = logits.gather(-1, index) - normalizer.unsqueeze(-1)
+    if not top_k:
+        return picked, None
+    values, ids = logits.detach().topk(top_k, dim=-1)
+    return picked, (values - normalizer.detach().unsqueeze(-1), ids)
+
+
+def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top_k: int,
+                     device: str = "cpu", head: Any = None,
+                     autocast: Callable[[], Any] = contextlib.nullcontext,
                      ) -> tuple[list[losses.DatumLossInput], list[TopK]]:
-    """Each datum's logprobs of its targets (and optionally the top-k alternatives)."""
+    """Each datum's logprobs of its targets (and optionally the top-k alternatives), with
+    the datum's loss inputs on ``device`` (where the outputs are).
+
+    ``outputs``: each datum's logits, or, with ``head``, its last hidden states. Then the head
+    (and log-softmax) runs only where an output is read: not at all at positions whose target
+    is ignored (-100: their logprob goes out as null, their loss is 0) unless top-k is asked
+    for, and without autograd at positions whose loss multiplier (``mask * weights``) is 0
+    (their logprobs are returned, but no gradient flows through them). So the (N, V) backward
+    of the LM head runs at trained positions only (issue 33: "don't compute what is not
+    trained").
+    """
     inputs: list[losses.DatumLossInput] = []
     top: list[TopK] = []
-    for row_logits, datum in zip(logits, parsed):
-        normalizer = torch.logsumexp(row_logits, dim=-1)  # (N,)
-        targets = datum.inputs["target_tokens"]
+    for out, datum in zip(outputs, parsed):
+        loss_inputs = datum.inputs if device == "cpu" else {
+            key: value.to(device) for key, value in datum.inputs.items()}
+        targets = loss_inputs["target_tokens"]
         valid = targets != losses.IGNORE_INDEX
         index = targets.clamp(min=0)
-        if index.dim() == 1:
-            picked = row_logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - normalizer
-        else:
-            picked = row_logits.gather(-1, index) - normalizer.unsqueeze(-1)
-        inputs.append(losses.DatumLossInput(picked * valid, valid, datum.inputs))
+        if head is None:
+            picked, pair = _pick(out, index, top_k)
+            if pair is not None:
+                top.append(pair)
+            inputs.append(losses.DatumLossInput(picked * valid, valid, loss_inputs))
+            continue
+        n = targets.shape[0]
+        read = valid.reshape(n, -1).any(-1)
         if top_k:
-            values, ids = row_logits.detach().topk(top_k, dim=-1)
-            top.append((values - normalizer.detach().unsqueeze(-1), ids))
+            read = torch.ones_like(read)
+        multiplier = valid.to(torch.float32)
+        for name in ("mask", "weights"):
+            if name in loss_inputs:
+                multiplier = multiplier * loss_inputs[name]
+        trained = read & (multiplier.reshape(n, -1) != 0).any(-1)
+        picked = torch.zeros(targets.shape, dtype=torch.float32, device=out.device)
+        values = torch.zeros((n, top_k), dtype=torch.float32, device=out.device)
+        ids = torch.zeros((n, top_k), dtype=torch.long, device=out.device)
+        for rows, grad in ((trained, True), (read & ~trained, False)):
+            at = rows.nonzero().squeeze(-1)
+            if at.numel() == 0:
+                continue
+            with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+                with autocast():
+                    logits = head(out[at])
+                part, pair = _pick(logits.float(), index[at], top_k)
+            picked = picked.index_put((at,), part)  # with autograd on: keeps the trained part's
+            if pair is not None:
+                values[at], ids[at] = pair
+        inputs.append(losses.DatumLossInput(picked * valid, valid, loss_inputs))
+        if top_k:
+            top.append((values, ids))
     return inputs, top
 
 

@@ -46,10 +46,14 @@ class Engine:
     depends on this small surface rather than on the engine's module layout.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: str = "float32", device: str = "cpu") -> None:
         self._modules: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self._specs: dict[str, ModelSpec] | None = None
+        # The requested policy (engine/precision.py), resolved when the engine loads.
+        self.requested_dtype = dtype
+        self.requested_device = device
+        self._precision: Any = None
 
     def _load(self) -> dict[str, Any]:
         with self._lock:
@@ -59,10 +63,17 @@ class Engine:
                     errors,
                     losses,
                     model_zoo,
+                    precision,
                     registry,
                     sampler,
                     trainer,
                 )
+
+                # Before any model loads: the policy decides where its weights go.
+                self._precision = precision.configure(self.requested_dtype,
+                                                      self.requested_device)
+                log.info("compute: %s on %s (%s)", self._precision.dtype,
+                         self._precision.device, self._precision.reason)
 
                 self._modules = {"errors": errors, "registry": registry, "sampler": sampler,
                                  "trainer": trainer, "losses": losses, "datums": datums,
@@ -72,6 +83,16 @@ class Engine:
     @property
     def loaded(self) -> bool:
         return self._modules is not None
+
+    def precision_status(self) -> dict[str, Any]:
+        """What ``/v1/local/status`` reports: the requested policy, and what it resolved to
+        once the engine loaded (``dtype``/``device`` None until then)."""
+        chosen = self._precision
+        return {"requested_dtype": self.requested_dtype,
+                "requested_device": self.requested_device,
+                "dtype": chosen.dtype if chosen else None,
+                "device": chosen.device if chosen else None,
+                "reason": chosen.reason if chosen else "the engine has not loaded yet"}
 
     def preload(self) -> None:
         """Import torch and the engine (call from a background thread at startup)."""
@@ -218,6 +239,7 @@ class _Lane:
             except BaseException as exc:  # handed to the awaiting coroutine
                 future.set_exception(exc)
             finally:
+                self.worker.restore_thread_budget()
                 self.busy_seconds += time.monotonic() - started
                 self.jobs_done += 1
                 self.current_job = None
@@ -225,6 +247,27 @@ class _Lane:
 
 TRAIN = "compute"
 SAMPLE = "sample"
+
+_process_threads: int | None = None
+_process_threads_lock = threading.Lock()
+
+
+def _torch_imported() -> bool:
+    import sys
+
+    return "torch" in sys.modules
+
+
+def process_threads() -> int:
+    """The process's torch intra-op budget (OMP_NUM_THREADS or the core count), read once,
+    before any lane changes it, and shared by every model worker."""
+    global _process_threads
+    with _process_threads_lock:
+        if _process_threads is None:
+            import torch
+
+            _process_threads = torch.get_num_threads()
+        return _process_threads
 
 
 class ModelWorker:
@@ -254,8 +297,6 @@ class ModelWorker:
         self._base: Any = None
         self._base_lock = threading.Lock()
         self._sampler: Any = None
-        self._threads_total: int | None = None
-        self._budget_lock = threading.Lock()
         self._lanes = {TRAIN: _Lane(self, TRAIN), SAMPLE: _Lane(self, SAMPLE)}
 
     # ── on a lane's thread ──
@@ -289,16 +330,29 @@ class ModelWorker:
     def set_thread_budget(self, lane: _Lane) -> None:
         import torch
 
-        with self._budget_lock:
-            if self._threads_total is None:
-                # Read before either lane sets a budget: a thread's first torch call takes its
-                # thread count from the last set_num_threads of any thread.
-                self._threads_total = torch.get_num_threads()  # the process's (OMP_NUM_THREADS)
-            total = self._threads_total
+        total = process_threads()
         others_busy = any(other.busy for other in self._lanes.values() if other is not lane)
         want = max(1, total // 2) if others_busy else total
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
+
+    def restore_thread_budget(self) -> None:
+        """After a job: set the full budget again. ``torch.set_num_threads`` also stores a
+        process-wide value that every thread's *first* torch call adopts (ATen's lazy
+        per-thread init), so a lane left at half would hand half to every thread that starts
+        later: another model's lanes (which then took half as their whole budget, for good),
+        request threads, the next server-side helper (issue 33's slowdown after sampling)."""
+        if not _torch_imported():
+            return
+        import torch
+
+        total = process_threads()
+        if torch.get_num_threads() != total:
+            torch.set_num_threads(total)
+
+    @property
+    def threads_total(self) -> int:
+        return process_threads()
 
     # ── from any thread ──
 

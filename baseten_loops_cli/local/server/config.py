@@ -3,7 +3,8 @@ handed to the services that read it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -44,5 +45,11 @@ class ServerConfig:
     # The largest body a deployment's OpenAI route reads (413 before reading the rest):
     # well above the longest context, as text or token ids, batched.
     max_openai_body_bytes: int = 32 * 2**20
+    # The compute policy (local/engine/precision.py): auto|float32|bfloat16 and auto|cpu|cuda;
+    # the defaults follow LOOPS_DTYPE / LOOPS_DEVICE, else auto.
+    # float32 by default until bench/run_all.py shows bf16 ahead on a quiet machine (issue 33);
+    # `--dtype auto` picks bfloat16 where the hardware has it.
+    dtype: str = field(default_factory=lambda: os.environ.get("LOOPS_DTYPE") or "float32")
+    device: str = field(default_factory=lambda: os.environ.get("LOOPS_DEVICE") or "auto")
     # Import torch in the background at startup so the first op doesn't pay for it.
     preload_engine: bool = True

@@ -29,6 +29,7 @@ async def local_status(request: Request) -> Response:
         "uptime_s": round(time.time() - ctx.started_at, 3),
         "data_dir": str(ctx.config.data_dir),
         "engine_loaded": ctx.engine.loaded,
+        "compute": ctx.engine.precision_status(),
         "models": ctx.pool.status(),
         "active_runs": ctx.runs.active_count(),
         "runs_in_memory": ctx.runs.loaded_runs(),

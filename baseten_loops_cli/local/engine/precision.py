@@ -1,0 +1,149 @@
+"""The engine's dtype and device policy, chosen in one place (``loops server start --dtype
+auto|float32|bfloat16 --device auto|cpu|cuda``).
+
+- Base weights stay float32 on the device; with ``bfloat16`` the trainer's and the sampler's
+  forward passes run under ``torch.autocast(bfloat16)`` (matmuls in bf16, reductions and
+  softmax as autocast keeps them), so LoRA master weights, gradients and AdamW state stay
+  float32, and logits are cast to float32 before log-softmax and every loss. (bf16 base
+  weights plus autocast measured slower than autocast alone on CPU: issue 33.)
+- ``auto`` picks ``bfloat16`` only where the hardware computes it natively: a CPU with AMX
+  or AVX512-BF16 (``amx_bf16`` / ``avx512_bf16`` in /proc/cpuinfo) or a CUDA device with bf16
+  support; ``float32`` elsewhere. ``bfloat16`` asked for explicitly runs anywhere torch runs
+  it (emulated on older CPUs: correct, slow). ``--device auto`` is CUDA when torch sees one.
+- Fidelity: in float32 the trainer agrees exactly with plain PEFT; in bf16 within the bounds
+  tests/test_engine.py states (:data:`BF16_LOGPROB_TOLERANCE`).
+
+The engine reads the policy from :func:`current` (float32 on CPU unless :func:`configure`d:
+engine tests and library users get exact float32 by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# The bound tests hold bf16 to, per token: |loops - plain PEFT under the same autocast| and
+# |sampler - trainer| logprobs (tests/test_engine.py: under 1e-6 there, against 0.04 between bf16
+# and float32; scripts/gpu_check.sh --device cpu on an AVX512-BF16 CPU: loops vs PEFT 5e-7 tiny,
+# 8e-6 SmolLM2; sampler vs trainer 1.4e-2 tiny with two sampled rows, 1e-3 SmolLM2). bf16 keeps 8
+# mantissa bits and the paths' matmul shapes differ (packing, KV-cache decode, batch rows).
+BF16_LOGPROB_TOLERANCE = 0.02
+
+
+class PrecisionUnavailable(ValueError):
+    """The requested device or dtype is not available on this machine (message: one line)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: str  # "float32" | "bfloat16": the compute dtype of forward passes
+    device: str  # "cpu" | "cuda"
+    reason: str  # why (for status): e.g. "auto: avx512_bf16 in /proc/cpuinfo"
+
+    @property
+    def bf16(self) -> bool:
+        return self.dtype == "bfloat16"
+
+    def autocast(self) -> Any:
+        """The context forward passes run in: bf16 autocast, or nothing in float32."""
+        if not self.bf16:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.autocast(device_type=self.device, dtype=torch.bfloat16)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "device": self.device, "reason": self.reason}
+
+
+FLOAT32_CPU = Precision("float32", "cpu", "default")
+
+
+def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
+    """The bf16 instruction sets this CPU reports (``amx_bf16``, ``avx512_bf16``)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+                cpuinfo = fh.read()
+        except OSError:
+            return []
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return [flag for flag in CPU_BF16_FLAGS if flag in flags]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cuda_bf16() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_bf16_supported())
+
+
+def resolve(dtype: str = "auto", device: str = "auto") -> Precision:
+    """The policy for a requested ``dtype`` and ``device``; PrecisionUnavailable if the
+    device (or bf16 on CUDA) is not there, ValueError for an unknown name."""
+    if dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r} (accepted: {', '.join(DTYPES)}).")
+    if device not in DEVICES:
+        raise ValueError(f"Unknown device {device!r} (accepted: {', '.join(DEVICES)}).")
+    if device == "cuda" and not _cuda_available():
+        raise PrecisionUnavailable("--device cuda was requested, but torch sees no CUDA device "
+                                   "on this machine.")
+    chosen_device = device if device != "auto" else ("cuda" if _cuda_available() else "cpu")
+    if chosen_device == "cuda":
+        native = _cuda_bf16()
+        if dtype == "bfloat16" and not native:
+            raise PrecisionUnavailable("--dtype bfloat16 was requested, but this CUDA device has "
+                                       "no bf16 support.")
+        why = "CUDA bf16 support" if native else "no CUDA bf16 support"
+    else:
+        flags = cpu_bf16_flags()
+        native = bool(flags)
+        why = (f"{', '.join(flags)} in /proc/cpuinfo" if flags
+               else "no amx_bf16/avx512_bf16 on this CPU")
+    if dtype == "auto":
+        return Precision("bfloat16" if native else "float32", chosen_device, f"auto: {why}")
+    reason = "requested" if dtype == "float32" or native else f"requested ({why}: emulated)"
+    return Precision(dtype, chosen_device, reason)
+
+
+_lock = threading.Lock()
+_current: Precision = FLOAT32_CPU
+
+
+def configure(dtype: str = "auto", device: str = "auto") -> Precision:
+    """Set the process's policy (the server does, once, when the engine loads)."""
+    global _current
+    chosen = resolve(dtype, device)
+    with _lock:
+        _current = chosen
+    return chosen
+
+
+def current() -> Precision:
+    return _current
+
+
+@contextlib.contextmanager
+def using(precision: Precision) -> Iterator[Precision]:
+    """Tests: run a block under ``precision`` (restored afterwards)."""
+    global _current
+    with _lock:
+        before, _current = _current, precision
+    try:
+        yield precision
+    finally:
+        with _lock:
+            _current = before
