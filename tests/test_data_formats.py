@@ -438,3 +438,18 @@ data:
     _train(local_server, again, tmp_path / "run2")
     saved = (tmp_path / "run2" / "config.yaml").read_text()
     assert f"base_model: {tmp_path / 'merged'}" in saved
+    # `loops server models` names that folder (a run used it), next to the built-in models.
+    listed = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "server", "models", "-o", "json"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    models = {m["name"]: m for m in json.loads(listed.stdout)}
+    assert models["loops-local/tiny"]["max_seq_len"] == 1024 and models["loops-local/tiny"]["ready"] is True
+    assert models["loops-local/tiny"]["source"] == "built-in" and models["loops-local/tiny"]["files"] is None
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in models
+    folder = models[str(tmp_path / "merged")]
+    assert folder["source"] == "local folder" and folder["ready"] is True
+    assert folder["files"] == str(tmp_path / "merged") and folder["max_seq_len"] > 0
+    table = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "server", "models"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert "loops-local/tiny" in table.stdout and "built in code" in table.stdout
