@@ -470,6 +470,46 @@ data:
     _train(local_server, config, tmp_path / "run")
 
 
+@pytest_local
+def test_tiny_trains_on_every_other_format_and_file_type(local_server, tmp_path):
+    """The formats and file types the tests above do not train on, one row each in one epoch (so
+    each is trained on: 8 rows, 2 steps of 4): OpenAI messages with a system turn, tool call and tool result (JSONL),
+    TRL conversational prompt-completion (Arrow), TRL text (Parquet), a folder of files, Alpaca
+    TSV, ShareGPT in JSON ``{"data": [...]}``; then DPO on implicit-prompt preferences."""
+    pytest.importorskip("torch")
+    lines = (FORMATS / "messages.jsonl").read_text().splitlines()
+    assert '"role": "system"' in lines[0] and '"role": "tool"' in lines[-1]
+    messages = _write(tmp_path, "messages.jsonl", f"{lines[0]}\n{lines[-1]}\n")  # system turn; tool call + result
+    sources = [FORMATS / name for name in ("prompt_completion_conversational.arrow", "text.parquet", "folder",
+                                           "alpaca.tsv", "sharegpt_messages.json")]
+    listed = f"    - {messages}\n" + "".join(  # 8 rows: two whole batches (a partial last one is dropped)
+        f"    - path: {path}\n      max_rows: {2 if path.suffix == '.tsv' else 1}\n" for path in sources)
+    config = _write(tmp_path, "sft.yaml", f"""\
+kind: sft
+name: formats-rest
+base_model: loops-local/tiny
+lora_rank: 4
+max_seq_len: 256
+batch_size: 4
+max_steps: 2
+data:
+  train:
+{listed}""")
+    _train(local_server, config, tmp_path / "sft")
+    dpo = _write(tmp_path, "dpo.yaml", f"""\
+kind: dpo
+name: formats-implicit
+base_model: loops-local/tiny
+lora_rank: 4
+max_seq_len: 128
+batch_size: 2
+max_steps: 2
+data:
+  train: {FORMATS / 'preference_implicit.jsonl'}
+""")
+    _train(local_server, dpo, tmp_path / "dpo")
+
+
 # ------------------------------------------------------------------ base models as folders
 def test_base_model_folder_problems_name_what_is_missing(tmp_path):
     def problem(base_model: str) -> str:
@@ -516,3 +556,18 @@ data:
     _train(local_server, again, tmp_path / "run2")
     saved = (tmp_path / "run2" / "config.yaml").read_text()
     assert f"base_model: {tmp_path / 'merged'}" in saved
+    # `loops server models` names that folder (a run used it), next to the built-in models.
+    listed = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "server", "models", "-o", "json"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    models = {m["name"]: m for m in json.loads(listed.stdout)}
+    assert models["loops-local/tiny"]["max_seq_len"] == 1024 and models["loops-local/tiny"]["ready"] is True
+    assert models["loops-local/tiny"]["source"] == "built-in" and models["loops-local/tiny"]["files"] is None
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in models
+    folder = models[str(tmp_path / "merged")]
+    assert folder["source"] == "local folder" and folder["ready"] is True
+    assert folder["files"] == str(tmp_path / "merged") and folder["max_seq_len"] > 0
+    table = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "server", "models"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert "loops-local/tiny" in table.stdout and "built in code" in table.stdout

@@ -324,3 +324,24 @@ def test_a_multiple_choice_file_is_scored_by_each_choices_logprobs(seeded, tmp_p
     bad.write_text(json.dumps({"prompt": "x", "choices": ["a", "b"], "label": 5}) + "\n")
     one_line_error(loops(seeded.server, "eval", f"{seeded.run_id}:s2", "--data", str(bad)), 1, "bad.jsonl:1",
                    "'label' must be the right choice's index")
+
+
+def test_data_reads_any_file_type_and_hub_names(local_server, tmp_path):
+    """`--data` goes through the data layer: the eval set as Parquet scores exactly what its JSONL
+    does; an hf://datasets/ name reaches the hub reader (offline here, so it says so in one line)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    rows = [json.loads(line) for line in SFT_EVAL.read_text().splitlines() if line.strip()]
+    parquet = tmp_path / "eval.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    args = ["eval", "--base", "--config", str(EXAMPLES / "tiny-sft.yaml"), "--limit", "4", "--no-cache", "-o", "json"]
+    from_jsonl = loops(local_server, *args, "--data", str(SFT_EVAL))
+    from_parquet = loops(local_server, *args, "--data", str(parquet))
+    assert from_jsonl.code == 0 and from_parquet.code == 0, from_parquet.stderr
+    scores = from_parquet.json()["results"][0]
+    assert scores["rows"] == 4 and scores["metrics"] == from_jsonl.json()["results"][0]["metrics"]
+    assert from_parquet.json()["data"] == str(parquet)
+    hub = loops(local_server, "eval", "--base", "--config", str(EXAMPLES / "tiny-sft.yaml"),
+                "--data", "hf://datasets/no-such-org/no-such-data", env={"HF_HUB_OFFLINE": "1"})
+    one_line_error(hub, 1, "hf://datasets/no-such-org/no-such-data")

@@ -102,6 +102,7 @@ PROTECTED = [
     ("GET", "/v1/teams/local/loops/runs"),
     ("GET", "/v1/local/status"),
     ("GET", "/v1/local/usage"),
+    ("GET", "/v1/local/models"),
     ("GET", "/v1/local/faults"),
     ("POST", "/v1/local/faults"),
     ("GET", "/trainers/any-run/health"),

@@ -37,3 +37,13 @@ def pull_model_events(base_url: str, api_key: str, model: str) -> Iterator[dict[
             raise connection_error(exc, http.url("/v1/local/models/pull"), api_key=api_key) from exc
         finally:
             resp.close()
+
+
+def local_models(base_url: str, api_key: str) -> list[dict[str, Any]]:
+    """``GET /v1/local/models``: ``[{name, max_seq_len, source, ready, files, description}]``
+    (built-in models, then the local folders runs used; see ``ModelCatalog.listing``)."""
+    from baseten_loops_cli.api.http import HttpClient
+
+    with HttpClient(base_url, api_key) as http:
+        data = http.request_json("GET", "/v1/local/models")
+    return list((data or {}).get("models") or []) if isinstance(data, dict) else []

@@ -15,11 +15,18 @@ from baseten_loops_cli.cli import _complete
 from baseten_loops_cli.cli._state import get_state
 
 
-def _task(data: Optional[Path], config: Optional[Path], *, limit, seed, samples, k) -> Any:
+def _task(data_arg: Optional[str], config: Optional[Path], *, limit, seed, samples, k) -> Any:
     """The evaluation task from --data and --config (the config's kind builds it, as for its
     `eval:` block: an RL config brings the reward)."""
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training import evaluation as ev
+    from baseten_loops_cli.training.formats.dataset import HUB_PREFIX, plain_spec
+
+    # A file or folder of any type the data layer reads stays a Path; an hf:// name becomes the
+    # data layer's spec (a Path would fold its "//").
+    data: Any = None
+    if data_arg is not None:
+        data = plain_spec(data_arg) if data_arg.startswith(HUB_PREFIX) else Path(data_arg)
 
     if config is not None:
         from baseten_loops_cli.training import kinds
@@ -38,7 +45,7 @@ def _task(data: Optional[Path], config: Optional[Path], *, limit, seed, samples,
         raise UsageError("--samples and --k need an RL config (--config) with a reward", hint="SFT rows are scored by likelihood, not sampled.")
     from baseten_loops_cli.training.multiple_choice import MCTask, is_multiple_choice
 
-    if is_multiple_choice(data):  # rows with choices + label
+    if isinstance(data, Path) and is_multiple_choice(data):  # rows with choices + label
         return MCTask(data, limit)
     return ev.SFTTask(data, limit=limit)
 
@@ -54,7 +61,7 @@ def eval_command(
             show_default=False,
         ),
     ] = None,
-    data: Annotated[Optional[Path], typer.Option("--data", "-d", help="JSONL rows to score (default: the config's eval data).", show_default=False)] = None,
+    data: Annotated[Optional[str], typer.Option("--data", "-d", help="Rows to score: a file (JSONL, JSON, CSV, TSV, Parquet, Arrow), a folder of them or hf://datasets/NAME[@REV] (default: the config's eval data).", show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="A training config: SFT rendering, or an RL config's reward and sampling.", show_default=False)] = None,
     base: Annotated[bool, typer.Option("--base", help="Also score the base model (one row per base model).")] = False,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Score only the first N rows.", show_default=False)] = None,

@@ -1,4 +1,5 @@
-"""`loops server`: the embedded local backend (start, stop, status, logs, env, pull-model).
+"""`loops server`: the embedded local backend (start, stop, status, logs, env, models,
+pull-model).
 
 Imports stay inside the commands: `loops --help` must not pull in httpx or torch.
 """
@@ -172,6 +173,24 @@ def env(ctx: typer.Context) -> None:
     # The table view and -q are the export lines themselves (what `eval` reads).
     out.emit(dict(line.removeprefix("export ").split("=", 1) for line in exports),
              text=exports, id_key=lambda _doc: "\n".join(exports))
+
+
+@app.command()
+def models(ctx: typer.Context) -> None:
+    """List the models the local server can train on: the built-in ones, those pulled, and the
+    local model folders runs have used, with max_seq_len and where their files are (the
+    server is started if needed)."""
+    from baseten_loops_cli.api.local_server import local_models
+    from baseten_loops_cli.cli._backend import local_server_connection
+
+    out = get_state(ctx).output
+    url, token = local_server_connection(announce=out.info)
+    rows = local_models(url, token)
+    out.emit(rows, rows=rows, id_key="name", columns=[
+        ("Name", "name"), ("Max seq len", "max_seq_len"), ("Source", "source"),
+        ("Ready", "ready"),
+        ("Files", lambda r: r.get("files") or ("built in code" if r.get("ready") else "-")),
+    ], hint="`loops server pull-model NAME` fetches a model that is not ready yet.")
 
 
 @app.command("pull-model")

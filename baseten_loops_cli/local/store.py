@@ -568,6 +568,12 @@ class Store:
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         return self._all(RunRow, f"SELECT * FROM runs {where} ORDER BY created_at DESC", args)
 
+    def run_base_models(self) -> list[str]:
+        """Every base model a run was created on (names and local folders), first used first."""
+        rows = self._conn().execute(
+            "SELECT base_model FROM runs GROUP BY base_model ORDER BY MIN(created_at)").fetchall()
+        return [row[0] for row in rows]
+
     def update_run(self, run_id: str, **fields: Any) -> None:
         self._update("runs", "id", run_id, fields)
 

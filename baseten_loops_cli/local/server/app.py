@@ -106,7 +106,7 @@ def create_app(
     files = CheckpointFiles(cfg.data_dir)
     ops = OperationRegistry(store, result_ttl_s=cfg.op_result_ttl_s,
                             idempotency_window_s=cfg.idempotency_window_s)
-    models = ModelCatalog(engine)
+    models = ModelCatalog(engine, store)
     presigner = Presigner(load_or_create_secret(cfg.data_dir), cfg.link_ttl_s)
     samplers = SamplerService(cfg, store, pool, files, models)
     runs = RunManager(cfg, store, pool, files, ops, models, samplers)

@@ -131,6 +131,17 @@ class Engine:
         except LookupError:  # UnknownModelError
             return None
 
+    def model_files(self, name: str) -> Any:
+        """The folder holding ``name``'s weights on this machine (a Path), or None (built in
+        code, or not fetched yet). Looks only: converts nothing."""
+        from baseten_loops_cli.settings.model_files import find_model_dir
+
+        return find_model_dir(name)
+
+    def needs_files(self, name: str) -> bool:
+        """Whether ``name`` loads from files (every model but the one built in code)."""
+        return name != self._load()["model_zoo"].TINY
+
     def pull(self, name: str, progress: Any = None) -> Any:
         """Fetch and convert ``name`` into the cache (``loops server pull-model``); each step
         is reported to ``progress``. On a worker thread."""

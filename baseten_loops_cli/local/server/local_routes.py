@@ -1,5 +1,5 @@
-"""The local-only routes: ``/health`` (no auth), ``/v1/local/status``, ``/v1/local/usage``
-and the presigned checkpoint files ``/files/<checkpoint_pk>/<path>`` (``files.py`` signs
+"""The local-only routes: ``/health`` (no auth), ``/v1/local/status``, ``/v1/local/usage``,
+``/v1/local/models`` and the presigned checkpoint files ``/files/<checkpoint_pk>/<path>`` (``files.py`` signs
 and serves them). Like every route module they call services, never the store."""
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ async def local_usage(request: Request) -> Response:
     return JSONResponse({"usage": ctx.usage.report(request.query_params.get("run_id"))})
 
 
+async def local_models(request: Request) -> Response:
+    """The models this server offers (built in, pulled) and the local folders runs used."""
+    ctx = get_ctx(request)
+    return JSONResponse({"models": await ctx.models.listing()})
+
+
 async def presigned_file(request: Request) -> Response:
     ctx = get_ctx(request)
     pk = request.path_params["checkpoint_pk"]
@@ -63,5 +69,6 @@ def routes() -> list[BaseRoute]:
         Route("/health", health, methods=["GET", "HEAD"]),
         Route("/v1/local/status", local_status, methods=["GET"]),
         Route("/v1/local/usage", local_usage, methods=["GET"]),
+        Route("/v1/local/models", local_models, methods=["GET"]),
         Route("/files/{checkpoint_pk}/{path:path}", presigned_file, methods=["GET", "HEAD"]),
     ]
