@@ -127,7 +127,7 @@ def names() -> tuple[str, ...]:
 
 
 def names_text() -> str:
-    """``'sft', 'rl', 'dpo' or 'kto'``: the registered kinds, for messages."""
+    """``'sft', 'rl', 'dpo', 'kto' or 'distill'``: the registered kinds, for messages."""
     kinds = [repr(k) for k in names()]
     return kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + f" or {kinds[-1]}"
 
