@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baseten_loops_cli.errors import UsageError
+from baseten_loops_cli.training.config import dotted_keys
 from baseten_loops_cli.training.rundir import RunRecord
 
 # Keys that differ between any two runs and say nothing about the training.
@@ -43,17 +44,6 @@ class Comparison:
         return {"runs": self.rows, "keys": self.key_columns, "metrics": self.metric_columns, "best": self.best}
 
 
-def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, dotted + "."))
-        else:
-            flat[dotted] = value
-    return flat
-
-
 def _num(value: Any) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(float(value)):
         return float(value)
@@ -64,7 +54,7 @@ def compare(runs: list[RunRecord], *, main_metrics: dict[str, str] | None = None
     """One row per run. ``main_metrics`` maps a kind to its main metric (the registry's), the
     train metric compared; every ``eval_*`` metric of the step records is compared too."""
     main_metrics = main_metrics or {}
-    flats = [_flatten(r.config) for r in runs]
+    flats = [dotted_keys(r.config) for r in runs]
     all_keys = sorted({k for f in flats for k in f})
     key_columns = [k for k in all_keys if k not in _IGNORED_KEYS and not k.startswith("sweep.")
                    and len({repr(f.get(k)) for f in flats}) > 1]

@@ -30,6 +30,19 @@ def data_path_keys(kind: str) -> tuple[tuple[str, str], ...]:
     return tuple(kinds.get(kind).data_path_keys) + COMMON_PATH_KEYS
 
 
+def dotted_keys(raw: dict, prefix: str = "") -> dict[str, Any]:
+    """A raw config as ``{"optimizer.learning_rate": value, ...}`` (the spelling of ``--set``);
+    an empty mapping stays a value. `train compare` and the trackers' parameters read it."""
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(dotted_keys(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
 def _kinds_text() -> str:
     """'sft', 'rl' or 'dpo': the registered kinds (training/kinds), for messages."""
     from baseten_loops_cli.training import kinds

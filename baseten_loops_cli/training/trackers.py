@@ -64,16 +64,11 @@ def _numbers(record: dict, prefix: str = "") -> dict[str, float]:
     }
 
 
-def flat_params(raw: dict, prefix: str = "") -> dict[str, str]:
+def flat_params(raw: dict) -> dict[str, str]:
     """The resolved config as ``dotted.key -> text`` (what MLflow and TensorBoard take)."""
-    out: dict[str, str] = {}
-    for key, value in raw.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flat_params(value, dotted + "."))
-        else:
-            out[dotted] = str(value)
-    return out
+    from baseten_loops_cli.training.config import dotted_keys
+
+    return {key: str(value) for key, value in dotted_keys(raw).items()}
 
 
 def sweep_of(rundir: RunDir) -> Path | None:
