@@ -248,3 +248,40 @@ def kill_once_then_resume(server, config: Path, cwd: Path, *, steps: int, kill_a
     assert done == clean_done == steps
     assert_same_adapter(adapter_tensors(server, clean_run, clean_name), adapter_tensors(server, run_id, name), atol)
     return resumed
+
+
+def write_rows(path: Path, rows: list) -> Path:
+    """A JSONL file of ``rows`` (a str row is written as it is: a broken line on purpose)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def preference_config(tmp: Path, kind: str, train: Path, *, extra: str = "", steps: int = 4) -> Path:
+    """A small tiny-model config of a preference kind (dpo, kto) on ``train``, for the DPO and
+    preference-kind tests."""
+    path = tmp / f"{kind}.yaml"
+    path.write_text(
+        f"""kind: {kind}
+name: test-{kind}
+base_model: {TINY}
+lora_rank: 4
+max_seq_len: 64
+seed: 3
+batch_size: 4
+epochs: 2
+max_steps: {steps}
+optimizer:
+  learning_rate: 3.0e-3
+checkpointing:
+  save_every: 2
+data:
+  train: {train}
+{extra}""",
+        encoding="utf-8",
+    )
+    return path
+
+
+def run_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run directory's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -16,6 +16,7 @@ from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.config import load_config
 from baseten_loops_cli.training.data import dpo_datum, load_preference_pairs, reference_logprobs_field
 from tests.cli_support import cli_env, kill_once_then_resume, loops_subprocess, one_line_error, seeded  # noqa: F401 - fixture
+from tests.cli_support import preference_config, run_metrics as metrics, write_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -29,37 +30,8 @@ def tokenizer():
     return get_tokenizer(TINY)
 
 
-def write_rows(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
 def dpo_config(tmp: Path, train: Path, *, extra: str = "", steps: int = 4) -> Path:
-    path = tmp / "dpo.yaml"
-    path.write_text(
-        f"""kind: dpo
-name: test-dpo
-base_model: {TINY}
-lora_rank: 4
-max_seq_len: 64
-seed: 3
-batch_size: 4
-epochs: 2
-max_steps: {steps}
-optimizer:
-  learning_rate: 3.0e-3
-checkpointing:
-  save_every: 2
-data:
-  train: {train}
-{extra}""",
-        encoding="utf-8",
-    )
-    return path
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return preference_config(tmp, "dpo", train, extra=extra, steps=steps)
 
 
 # ── rows, config and datums (no server) ────────────────────────────────────────────────────

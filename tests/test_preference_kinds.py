@@ -17,46 +17,14 @@ import pytest
 
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.config import load_config
-from tests.cli_support import kill_once_then_resume, loops_subprocess, one_line_error
+from tests.cli_support import kill_once_then_resume, loops_subprocess, one_line_error, run_metrics as metrics, write_rows
+from tests.cli_support import preference_config as config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TINY = "loops-local/tiny"
 DPO_TRAIN = EXAMPLES / "data" / "tiny_dpo_train.jsonl"
 KTO_TRAIN = EXAMPLES / "data" / "tiny_kto_train.jsonl"
-
-
-def write_rows(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def config(tmp: Path, kind: str, train: Path, *, extra: str = "", steps: int = 4) -> Path:
-    path = tmp / f"{kind}.yaml"
-    path.write_text(
-        f"""kind: {kind}
-name: test-{kind}
-base_model: {TINY}
-lora_rank: 4
-max_seq_len: 64
-seed: 3
-batch_size: 4
-epochs: 2
-max_steps: {steps}
-optimizer:
-  learning_rate: 3.0e-3
-checkpointing:
-  save_every: 2
-data:
-  train: {train}
-{extra}""",
-        encoding="utf-8",
-    )
-    return path
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 # ── configs (no server) ─────────────────────────────────────────────────────────────────────
