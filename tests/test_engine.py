@@ -621,3 +621,51 @@ def test_lm_head_runs_only_where_outputs_are_read(make_trainer, base, monkeypatc
     for a, b in zip(lean._params, full._params):
         # float rounding only (the head runs on row subsets): within 1e-5 of the gradient scale
         assert (a.grad - b.grad).abs().max() <= 1e-5 * b.grad.abs().max(), (a.grad - b.grad).abs().max()
+
+
+def test_bf16_matmul_weights_stored_once_give_autocasts_results(make_trainer, base, tmp_path) -> None:
+    """A base loaded under a bf16 policy keeps its frozen Linear and LM-head weights in bf16
+    (autocast would cast them again at every use, issue 33): the trainer's logprobs, loss and
+    LoRA gradients and the sampler's tokens and logprobs equal autocast's on float32 weights,
+    the LoRA init and master weights stay float32, the tied embedding stays float32, and the
+    model refuses a float32 policy afterwards."""
+    from baseten_loops_cli.local.engine import precision
+
+    module, info = model_zoo.load_model(TINY)
+    stored = registry.BaseModel(TINY, info, module)
+    stored.store_matmul_weights_bf16()
+    stored.make_twin()
+    assert module.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert module.get_input_embeddings().weight.dtype == torch.float32
+    assert all(layer.weight.dtype == torch.bfloat16 for layer in module.modules()
+               if isinstance(layer, torch.nn.Linear))
+    ours = LoraTrainer(stored, "stored", 4, seed=5)
+    theirs = make_trainer(seed=5)
+    try:
+        assert all(p.dtype == torch.float32 for p in ours._params)
+        init = stored.adapter_state("stored")
+        assert all(torch.equal(v, theirs.base.adapter_state(theirs.adapter_name)[k.replace(
+            "stored", theirs.adapter_name)]) for k, v in init.items())
+        data = [sft_datum(TEXT, weights=[0.0] * 10 + [1.0] * (len(TEXT) - 11)),
+                sft_datum(TEXT[:20])]
+        with precision.using(precision.Precision("bfloat16", "cpu", "test")):
+            for _ in range(2):
+                a, b = ours.forward_backward(data), theirs.forward_backward(data)
+                assert (logprobs_of(a, 0), logprobs_of(a, 1), a["loss"]) == (
+                    logprobs_of(b, 0), logprobs_of(b, 1), b["loss"])
+                assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours._params, theirs._params))
+                ours.optim_step({"learning_rate": 1e-2})
+                theirs.optim_step({"learning_rate": 1e-2})
+            ours.save_sampler_weights(tmp_path / "w")
+            request = dict(prompt=TEXT[:6], n=2, max_tokens=8, seed=1, adapter="w",
+                           adapter_path=tmp_path / "w")
+            [mine] = SamplerEngine(stored.twin).sample([SampleRequest(**request)])
+            engine = SamplerEngine(base.twin)
+            [other] = engine.sample([SampleRequest(**request)])
+            engine.unload_adapter("w")
+            assert [(s.tokens, s.logprobs) for s in mine.sequences] == [
+                (s.tokens, s.logprobs) for s in other.sequences]
+        with pytest.raises(RuntimeError, match="policy must not change"):
+            ours.forward(data)
+    finally:
+        ours.release()
