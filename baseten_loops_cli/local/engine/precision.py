@@ -13,6 +13,10 @@ auto|float32|bfloat16 --device auto|cpu|cuda``).
   identical. Embeddings, norms and biases stay float32 (the residual stream as autocast
   leaves it). Memory: the Linear weights halve; a tied LM head gets a bf16 copy of its own
   (SmolLM2: 0.71x the float32 weight bytes in all).
+- On CPU, such a base computes attention in float32 (:func:`use_float32_attention`: q, k, v
+  cast up, autocast off around SDPA): torch's CPU flash-attention kernel is slower in bf16
+  than in float32 (SmolLM2 SFT step: its backward 174 ms in bf16 against 45 ms in float32;
+  the step 12% faster with attention in float32), and float32 attention is the more exact.
 - ``auto`` picks ``bfloat16`` only where the hardware computes it natively: a CPU with AMX
   or AVX512-BF16 (``amx_bf16`` / ``avx512_bf16`` in /proc/cpuinfo) or a CUDA device with bf16
   support; ``float32`` elsewhere. ``bfloat16`` asked for explicitly runs anywhere torch runs
@@ -186,3 +190,35 @@ def store_matmul_weights_bf16(module: Any) -> int:
 def _weight_bytes(module: Any) -> int:
     seen = {id(t): t for t in (*module.parameters(), *module.buffers())}
     return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+# The attention implementation name of bf16 bases on CPU (transformers' AttentionInterface).
+FLOAT32_ATTENTION = "loops_sdpa_float32"
+
+
+def use_float32_attention(module: Any) -> None:
+    """Run ``module``'s SDPA attention in float32 while autocast is on (see the module
+    docstring); unchanged without autocast. For models using ``sdpa`` (others are left)."""
+    if getattr(module.config, "_attn_implementation", None) != "sdpa":
+        return
+    _register_float32_attention()
+    module.set_attn_implementation(FLOAT32_ATTENTION)
+
+
+def _register_float32_attention() -> None:
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    def float32_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                     **kwargs: Any) -> Any:
+        device = query.device.type
+        if not torch.is_autocast_enabled(device):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return sdpa_attention_forward(module, query.float(), key.float(), value.float(),
+                                          attention_mask, **kwargs)
+
+    AttentionInterface.register(FLOAT32_ATTENTION, float32_sdpa)
+    AttentionMaskInterface.register(FLOAT32_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

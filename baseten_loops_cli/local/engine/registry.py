@@ -222,8 +222,10 @@ def load_base(name: str) -> BaseModel:
         if policy.device != "cpu":  # the twin shares the weights there
             module = module.to(policy.device)
         base = BaseModel(name, info, module)
-        if policy.bf16:  # frozen matmul weights stored in bf16 once (precision.py)
+        if policy.bf16:  # frozen matmul weights in bf16 once; CPU attention in float32
             base.store_matmul_weights_bf16()
+            if policy.device == "cpu":
+                precision.use_float32_attention(module)
         base.make_twin()
         with _registry_lock:
             _bases[name] = base
