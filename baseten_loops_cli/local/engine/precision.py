@@ -21,6 +21,10 @@ auto|float32|bfloat16 --device auto|cpu|cuda``).
   or AVX512-BF16 (``amx_bf16`` / ``avx512_bf16`` in /proc/cpuinfo) or a CUDA device with bf16
   support; ``float32`` elsewhere. ``bfloat16`` asked for explicitly runs anywhere torch runs
   it (emulated on older CPUs: correct, slow). ``--device auto`` is CUDA when torch sees one.
+- ``auto`` is the server's default: on the 2-core AVX512-BF16 EPYC (no AMX), side by side in
+  one process under load, a SmolLM2 LoRA SFT step took 1.12 s in bf16 against 2.16 s in
+  float32, a forward-only pass 0.62 against 1.30 s, sampling 8 prompts x 4 x 8 tokens 1.52
+  against 2.41 s and 4 x 64 greedy tokens 3.03 against 5.69 s.
 - Fidelity: in float32 the trainer agrees exactly with plain PEFT; in bf16 within the bounds
   tests/test_engine.py states (:data:`BF16_LOGPROB_TOLERANCE`).
 
