@@ -14,7 +14,7 @@ after RL over the fresh server's; target <= 1.05 (issue 33: 2.26 s against 1.80 
 
 The detail line gives both servers' thread counts and the CPU share of their two busiest
 threads during the SFT rounds (a compute lane and its OpenMP worker near 100% each on a
-server that trains at full speed). Full run about 4 minutes on 2 cores; ``--quick`` about 2.
+server that trains at full speed). Full run about 1 minute on 2 cores; ``--quick`` about 40 s.
 """
 
 from __future__ import annotations
