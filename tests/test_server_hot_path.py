@@ -232,12 +232,15 @@ def test_only_one_lane_thread_keeps_an_openmp_pool(monkeypatch):
         again = worker.submit("train", parallel, compute.TRAIN).result(30)
         assert again is trainer  # a lane working alone keeps its thread
 
-        # A pooled lane that finishes while another lane is busy retires its own thread.
+        # A job starting beside a busy lane that has every thread (oversubscribed: two on one
+        # core here) starts a second pool, so OpenMP throttles the busy one's spin-waits; a
+        # pooled lane that finishes while another lane is busy retires its own thread.
         release_train, release_sample = threading.Event(), threading.Event()
         training = worker.submit("train", lambda: parallel(release_train), compute.TRAIN)
         time.sleep(0.2)
         sampling = worker.submit("sample", lambda: parallel(release_sample), compute.SAMPLE)
-        time.sleep(0.2)
+        wait_for(lambda: _os_threads() == without_pools + 2, timeout=10, interval=0.05,
+                 what="a second OpenMP pool while the lanes overlap")
         release_train.set()
         assert training.result(30) is trainer
         trainer.join(10)
