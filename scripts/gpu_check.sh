@@ -104,7 +104,10 @@ for model, path in CASES:
         ours = trainer.forward(data[:1])["loss_fn_outputs"][0]["logprobs"]["data"]
         with tempfile.TemporaryDirectory() as tmp:
             trainer.save_sampler_weights(tmp)
-            reference = PeftModel.from_pretrained(model_zoo.load_model(model)[0], tmp).to(device)
+            plain = model_zoo.load_model(model)[0]
+            if policy.bf16 and policy.device == "cpu":  # as the engine's bf16 bases on CPU
+                precision.use_float32_attention(plain)
+            reference = PeftModel.from_pretrained(plain, tmp).to(device)
             with torch.no_grad(), policy.autocast():
                 logits = reference(input_ids=torch.tensor([sequences[0][:-1]], device=device)).logits[0].float()
             expected = torch.log_softmax(logits, -1).gather(
