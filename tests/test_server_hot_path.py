@@ -202,6 +202,18 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _settled_os_threads() -> int:
+    """The thread count once it has not changed for 0.2 s (threads of earlier tests, and their
+    OpenMP workers, finish exiting after the join)."""
+    last, since = _os_threads(), time.monotonic()
+    while time.monotonic() - since < 0.2:
+        time.sleep(0.02)
+        now = _os_threads()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def test_only_one_lane_thread_keeps_an_openmp_pool(monkeypatch):
     import threading
 
@@ -220,7 +232,7 @@ def test_only_one_lane_thread_keeps_an_openmp_pool(monkeypatch):
     worker = compute.ModelWorker(compute.Engine(), "pool-test")
     try:
         # Alone, each lane runs with both threads; the next lane to do so retires the other.
-        without_pools = _os_threads()
+        without_pools = _settled_os_threads()
         sampler = worker.submit("sample", parallel, compute.SAMPLE).result(30)
         assert _os_threads() == without_pools + 1  # the sample lane's OpenMP worker
         trainer = worker.submit("train", parallel, compute.TRAIN).result(30)

@@ -248,10 +248,11 @@ class _Lane:
 
     def _new_thread(self) -> threading.Thread:
         self.pooled = False
-        self.thread = threading.Thread(target=self._loop, daemon=True,
-                                       name=f"loops-{self.name}[{self.worker.model_name}]")
-        self.thread.start()
-        return self.thread
+        thread = threading.Thread(target=self._loop, daemon=True,
+                                  name=f"loops-{self.name}[{self.worker.model_name}]")
+        thread.start()  # before it is published: stop() may join self.thread at any time
+        self.thread = thread
+        return thread
 
     @property
     def busy(self) -> bool:
