@@ -71,6 +71,8 @@ class Estimate:
     sample_tokens: int = 0
     scored_tokens: int = 0
     notes: list[str] = field(default_factory=list)
+    # A judge reward's planned requests and tokens (judge.plan_tokens): the plan prices them.
+    judge: dict | None = None
 
 
 @dataclass(frozen=True)
