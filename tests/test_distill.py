@@ -54,20 +54,10 @@ def test_advantages_are_the_negative_reverse_kl_plus_the_reward_term():
     assert [round(k, 6) for k in kl_terms] == [-0.5, 1.0, -1.75, 0.1, -2.6]
 
 
-def _final_sampler_of(server, run_dir: Path) -> str:
-    state = json.loads((run_dir / "state.json").read_text())
-    return f"{state['run_id']}:final"
-
-
 @pytest.fixture(scope="module")
-def teacher_ref(local_server, tmp_path_factory) -> str:
-    """The tiny SFT example, shortened: the teacher every test here distills from."""
-    run_dir = tmp_path_factory.mktemp("teacher") / "run"
-    result = loops(local_server, "train", "run", str(EXAMPLES / "tiny-sft.yaml"), "--run-dir", str(run_dir),
-                   "--set", "epochs=12", "--set", "eval_every=0", "--set", "checkpointing.save_every=0",
-                   "--yes", "-o", "json")  # fmt: skip
-    assert result.code == 0, result
-    return _final_sampler_of(local_server, run_dir)
+def teacher_ref(tiny_sft_checkpoint) -> str:
+    """The tiny SFT example, shortened (tests/conftest.py): the teacher every test here distills from."""
+    return tiny_sft_checkpoint
 
 
 def test_the_importance_sampling_loss_of_a_batch_matches_an_independent_computation(local_server, teacher_ref):

@@ -25,26 +25,50 @@ GROUP_RUBRIC = ("Question: {{ prompt }}\n{% for r in replies %}<reply id=\"{{ lo
 
 
 @pytest.fixture(scope="module")
-def grader_url(monkeypatch_module=None):
+def grader():
+    """The example grader on 127.0.0.1, and the bodies of the chat requests it got (in order)."""
     import importlib.util
+    import json
 
     import uvicorn
 
     spec = importlib.util.spec_from_file_location("loops_example_grader", ROOT / "examples" / "judge" / "grader.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    requests: list[dict] = []
+
+    async def counting(scope, receive, send):  # the grader's app, with every chat request kept
+        if scope["type"] == "http" and scope["path"].endswith("/chat/completions"):
+            chunks = []
+            while True:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+            requests.append(json.loads(b"".join(chunks)))
+            replay = iter([{"type": "http.request", "body": b"".join(chunks), "more_body": False}])
+
+            async def receive():  # noqa: F811 - the body again, for the app
+                return next(replay, {"type": "http.disconnect"})
+        await module.app(scope, receive, send)
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(module.app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(counting, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}/v1", requests=requests)
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def grader_url(grader) -> str:
+    return grader.url
 
 
 def _spec(url: str, **changes) -> SimpleNamespace:
@@ -152,3 +176,85 @@ def test_a_built_judge_reward_reaches_its_token_counts(grader_url):
     assert group_fn.score_group(["1", "x"], {"prompt": "p"}) == [1.0, 0.0] and judge_of(group_fn) is not None
     with pytest.raises(RewardError, match="mode: group scores whole groups"):
         group_fn("1", {"prompt": "p"})
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _judge_config(tmp_path: Path, judge: str, **sets: str) -> Path:
+    """examples/tiny-judge.yaml with ``judge`` as its reward.judge block (YAML, indented 4) and
+    its data paths made absolute."""
+    import re
+
+    text = (ROOT / "examples" / "tiny-judge.yaml").read_text().replace("data/", f"{ROOT}/examples/data/")
+    text = re.sub(r"(?ms)^  judge:\n.*?(?=^pass_threshold)", "  judge:\n" + judge, text)
+    for key, value in sets.items():
+        text = re.sub(rf"(?m)^{key}: .*$", f"{key}: {value}", text) if re.search(rf"(?m)^{key}:", text) else text + f"{key}: {value}\n"
+    path = tmp_path / "judge.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_group_judge_in_rl_is_asked_once_per_group_and_its_tokens_are_recorded(local_server, grader, tmp_path):
+    """`mode: group` inside kind: rl: one request per group (counted by the grader itself), the
+    scores of RULER's JSON per reply, and the grader's own usage figures summed per step
+    (judge_* metrics), in the summary and in `-o json`."""
+    from tests.cli_support import loops
+
+    judge = (f"    url: {grader.url}\n    model: grader\n    mode: group\n    scale: [0, 10]\n    rubric: |\n"
+             "      Score each reply 0-10 as JSON.\n"
+             "      {% for r in replies %}<reply id=\"{{ loop.index }}\">{{ r }}</reply>\n      {% endfor %}\n")
+    config = _judge_config(tmp_path, judge, max_steps="2", groups_per_batch="4", group_size="4")
+    run_dir = tmp_path / "run"
+    before = len(grader.requests)
+    result = loops(local_server, "train", "run", str(config), "--run-dir", str(run_dir), "--set", "data.eval_prompts=null",
+                   "--yes", "-o", "json")  # fmt: skip
+    assert result.code == 0, result
+    asked = grader.requests[before:]
+    assert len(asked) == 2 * 4, [r["messages"][0]["content"][:60] for r in asked]  # 2 steps x 4 groups, 1 each
+    assert all(r["messages"][0]["content"].count("<reply id=") == 4 for r in asked)
+    records = [r for r in _metrics(run_dir) if not r.get("final")]
+    assert [r["judge_requests"] for r in records] == [4, 4]
+    # The grader's usage: prompt tokens = words of the rubric it got, completion = words of its JSON answer.
+    prompt_words = sum(len(r["messages"][0]["content"].split()) for r in asked)
+    assert sum(r["judge_prompt_tokens"] for r in records) == prompt_words
+    assert all(r["judge_completion_tokens"] > 0 for r in records)
+    summary = result.json()
+    assert summary["judge"]["requests"] == 8 and summary["judge"]["prompt_tokens"] == prompt_words
+    assert summary["judge"]["served_by"] == grader.url
+    # Each reply's reward is the grader's score for it: 10 x the digit fraction, scaled to 0..1.
+    import json
+
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    for s in samples:
+        text = s["completion"].strip()
+        digits = round(10 * sum(c.isdigit() for c in text) / len(text)) if text else 0
+        assert s["reward"] == pytest.approx(digits / 10), s
+    # What people read at the end of `train run`: the summary's judge line.
+    from baseten_loops_cli.training.rundir import RunDir
+    from baseten_loops_cli.training.service import summary_of
+
+    line = summary_of(RunDir(run_dir), summary["run_id"], "rl", "completed").judge_line()
+    assert line == (f"Judge: 8 requests, {prompt_words:,} prompt + {summary['judge']['completion_tokens']:,} completion "
+                    f"tokens (billed by {grader.url})")
+
+
+def test_the_plan_counts_a_judges_tokens_and_prices_them(local_server, grader, tmp_path):
+    from tests.cli_support import loops
+
+    judge = f"    url: {grader.url}\n    model: grader\n    max_tokens: 16\n    rubric: \"{{{{ prompt }}}} <reply>{{{{ reply }}}}</reply>\"\n"
+    config = _judge_config(tmp_path, judge, max_steps="2", groups_per_batch="4", group_size="4")
+    priced = ["--set", "pricing.usd_per_million_judge_tokens=1000000"]
+    result = loops(local_server, "train", "validate", str(config), "--set", "data.eval_prompts=null", *priced, "-o", "json")
+    assert result.code == 0, result
+    plan = result.json()["plan"]
+    judge_plan = plan["judge"]
+    assert judge_plan["requests"] == 2 * 4 * 4  # single mode: one request per reply
+    assert judge_plan["completion_tokens"] == 32 * 16
+    assert judge_plan["external_tokens"] == judge_plan["prompt_tokens"] + judge_plan["completion_tokens"]
+    # $1 per judge token, nothing else priced: the cost is the judge's tokens.
+    assert plan["estimated_cost_usd"] == pytest.approx(judge_plan["external_tokens"])
+    assert any("the judge (" in n and "grades up to 32 requests" in n for n in plan["notes"])
