@@ -258,3 +258,76 @@ def test_the_plan_counts_a_judges_tokens_and_prices_them(local_server, grader, t
     # $1 per judge token, nothing else priced: the cost is the judge's tokens.
     assert plan["estimated_cost_usd"] == pytest.approx(judge_plan["external_tokens"])
     assert any("the judge (" in n and "grades up to 32 requests" in n for n in plan["notes"])
+
+
+def _usage(local_server, *args: str) -> dict:
+    from tests.cli_support import loops
+
+    result = loops(local_server, "usage", "--all", *args, "-o", "json")
+    assert result.code == 0, result
+    return result.json()
+
+
+def test_a_checkpoint_judge_grades_through_the_runs_backend(local_server, tiny_sft_checkpoint, tmp_path):
+    """`judge.model: RUN:final`: the rubric is rendered with the checkpoint's chat template and
+    sampled (greedy) by a sampler of the run's backend; each reward is what the same checkpoint
+    answers `loops sample --chat` at temperature 0, parsed. The judge's sampled tokens are in the
+    backend's usage of that checkpoint's run, exactly as the run's judge_completion_tokens say."""
+    import json
+
+    from baseten_loops_cli.training.judge import parse_score
+    from tests.cli_support import loops
+
+    judge_run = tiny_sft_checkpoint.split(":")[0]
+
+    def sampled_of_judge_run() -> int:
+        runs = _usage(local_server, "--by-run")["runs"]
+        return next(r["tokens_sampled"] for r in runs if r["run_id"] == judge_run)
+
+    judge = f"    model: {tiny_sft_checkpoint}\n    scale: [0, 18]\n    max_tokens: 12\n    rubric: \"{{{{ prompt }}}}\"\n"
+    config = _judge_config(tmp_path, judge, max_steps="1", groups_per_batch="4", group_size="2", max_failed_fraction="1.0")
+    run_dir = tmp_path / "run"
+    before = sampled_of_judge_run()
+    result = loops(local_server, "train", "run", str(config), "--run-dir", str(run_dir), "--yes", "-o", "json",
+                   "--set", f"data.prompts={ROOT}/examples/data/tiny_distill_prompts.jsonl", "--set", "data.eval_prompts=null")
+    assert result.code == 0, result
+    judge_sampled = sampled_of_judge_run() - before  # before `loops sample` below samples it too
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8
+    answers = {}
+    for prompt in {s["prompt"] for s in samples}:
+        direct = loops(local_server, "sample", tiny_sft_checkpoint, "--chat", "--prompt", prompt, "--temperature", "0",
+                       "--max-tokens", "12", "-o", "json")  # fmt: skip
+        assert direct.code == 0, direct
+        answers[prompt] = parse_score(direct.json()["samples"][0]["text"], (0.0, 18.0), None)
+    assert any(v is not None for v in answers.values()), answers  # the SFT'd checkpoint answers with a number
+    for s in samples:
+        want = answers[s["prompt"]]
+        if want is None:
+            assert s.get("failed") and "answered without a score" in s["error"], s
+        else:
+            assert not s.get("failed") and s["reward"] == pytest.approx(want), (s, want)
+    record = [r for r in _metrics(run_dir) if not r.get("final")][-1]
+    # Identical rubrics are asked once (the cache): one request per prompt, two when it was unparseable.
+    assert record["judge_requests"] == sum(1 if v is not None else 2 for v in answers.values())
+    assert judge_sampled == record["judge_completion_tokens"] > 0
+    assert result.json()["judge"]["served_by"] == f"the run's backend ({tiny_sft_checkpoint})"
+
+
+def test_a_base_model_judge_samples_on_a_sampler_of_the_run(local_server, tmp_path):
+    """`judge.model: loops-local/tiny`: a standalone sampler in the run's session serves it (its
+    tokens are that sampler's row of `loops usage`) and is stopped with the run."""
+    from tests.cli_support import loops
+
+    judge = "    model: loops-local/tiny\n    max_tokens: 6\n    rubric: \"Rate 0-10: {{ reply }}\"\n"
+    config = _judge_config(tmp_path, judge, max_steps="1", groups_per_batch="2", group_size="2", max_failed_fraction="1.0")
+    run_dir = tmp_path / "run"
+    seen = {r.get("sampler_id") for r in _usage(local_server)["rows"]}
+    result = loops(local_server, "train", "run", str(config), "--run-dir", str(run_dir), "--yes", "-o", "json",
+                   "--set", "data.eval_prompts=null")  # fmt: skip
+    assert result.code == 0, result
+    new = [r for r in _usage(local_server)["rows"] if r.get("sampler_id") and r["sampler_id"] not in seen]
+    assert len(new) == 1 and new[0]["base_model"] == "loops-local/tiny" and new[0]["sampler_status"] == "INACTIVE", new
+    record = [r for r in _metrics(run_dir) if not r.get("final")][-1]
+    assert record["judge_requests"] >= 1 and record["judge_prompt_tokens"] > 0
+    assert new[0]["tokens_sampled"] == record["judge_completion_tokens"]

@@ -133,6 +133,7 @@ class Judge:
         self.template = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False).from_string(spec.rubric)
         self.usage = {"requests": 0, "cached": 0, "prompt_tokens": 0, "completion_tokens": 0}
         self._cache: dict[str, str] = {}
+        self._pending: dict[str, threading.Event] = {}  # requests in flight, by cache key
         self._lock = threading.Lock()
         self._http: Any = None
         self._served: Any = None  # a checkpoint or base model judge: teacher.ServedModel, bound by serve_on
@@ -271,23 +272,38 @@ class Judge:
         return tokenizer.decode(completion, skip_special_tokens=True), len(tokens), len(completion)
 
     def _ask(self, messages: list[dict]) -> str:
-        from baseten_loops_cli.errors import LoopsError
-
+        """The judge's answer to ``messages``: from the cache, else asked once. Identical requests
+        in flight at once (two equal replies of a group) wait for the first one's answer."""
         body = {"model": self.spec.model or "judge", "messages": messages, "max_tokens": self.spec.max_tokens,
                 "temperature": self.spec.temperature}  # fmt: skip
         key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-        with self._lock:
-            if key in self._cache:
-                self.usage["cached"] += 1
-                return self._cache[key]
-        if self.served:
-            text, prompt_tokens, completion_tokens = self._ask_served(messages)
+        while True:
+            with self._lock:
+                if key in self._cache:
+                    self.usage["cached"] += 1
+                    return self._cache[key]
+                pending = self._pending.get(key)
+                if pending is None:
+                    pending = self._pending[key] = threading.Event()
+                    break
+            pending.wait()  # then the cache has it, or that request failed and this one asks itself
+        try:
+            text, prompt_tokens, completion_tokens = self._ask_served(messages) if self.served else self._ask_url(body)
             with self._lock:
                 self._cache[key] = text
                 self.usage["requests"] += 1
                 self.usage["prompt_tokens"] += prompt_tokens
                 self.usage["completion_tokens"] += completion_tokens
             return text
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+            pending.set()
+
+    def _ask_url(self, body: dict) -> tuple[str, int, int]:
+        """One request to the URL judge: (text, its usage's prompt tokens, completion tokens)."""
+        from baseten_loops_cli.errors import LoopsError
+
         try:
             payload = self._client().send("POST", "/chat/completions", json=body, repeatable=True).json()
         except LoopsError as exc:
@@ -297,12 +313,7 @@ class Judge:
         except (KeyError, IndexError, TypeError):
             raise _reward_error(f"{self.where}: the judge's answer has no choices[0].message.content") from None
         usage = payload.get("usage") or {}
-        with self._lock:
-            self._cache[key] = text
-            self.usage["requests"] += 1
-            self.usage["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
-            self.usage["completion_tokens"] += int(usage.get("completion_tokens") or 0)
-        return text
+        return text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
     def _render(self, **fields: Any) -> str:
         import jinja2
