@@ -211,20 +211,22 @@ def test_an_endpoint_without_prompt_logprobs_is_refused_before_provisioning(loca
         thread.join(timeout=10)
 
 
-def test_sigkill_mid_run_resumes_to_the_same_distilled_adapter(local_server, tmp_path):
+def test_sigkill_mid_run_resumes_to_the_same_distilled_adapter(local_server, teacher_ref, tmp_path):
     """`kind: distill` killed (SIGKILL) after its second step, then resumed: every step once in
-    metrics.jsonl and the adapter of an uninterrupted run. The teacher is the tiny base model
-    (a sampler of the run's backend; no checkpoint to train first)."""
+    metrics.jsonl and the adapter of an uninterrupted run."""
     from tests.cli_support import kill_once_then_resume
 
     config = (EXAMPLES / "tiny-distill.yaml").read_text().replace("data/", f"{EXAMPLES}/data/")
-    config = config.replace("model: RUN:final", f"model: {TINY}").replace("eval_every: 10", "eval_every: 0")
+    config = config.replace("model: RUN:final", f"model: {teacher_ref}").replace("eval_every: 10", "eval_every: 0")
     config = config.replace("save_every: 10", "save_every: 1").replace("epochs: 10", "epochs: 10\nmax_steps: 4")
     config = config.replace("  eval_prompts: ", "  # eval_prompts: ")
     (tmp_path / "distill.yaml").write_text(config)
-    # Same steps, same sampled tokens; the adapter equal to 1e-6, not bit for bit: the student's
-    # and the teacher's requests are batched by the sampler (left-padded) with whatever else is in
-    # flight, and batch composition moves logprobs (importance weights, the teacher's scores) in the
-    # last float32 bits. Measured: 7e-9 at most. One step of lr 3e-3 moves a weight by ~3e-3, so
-    # 1e-6 still catches a repeated or skipped step by three orders of magnitude.
-    kill_once_then_resume(local_server, tmp_path / "distill.yaml", tmp_path, steps=4, kill_after=2, atol=1e-6, timeout=300)
+    # The adapter equal to 1e-4, not bit for bit: the local sampler batches the student's and the
+    # teacher's requests with whatever else is in flight (left-padded), which moves logprobs in the
+    # last float32 bits, and Adam grows that where a weight's gradient is near zero (g / sqrt(v));
+    # measured: adapters 1e-8 to 3e-6 apart (as the RL environment resume test, tests use 1e-4).
+    # One step of lr 3e-3 moves a weight by ~3e-3, so 1e-4 still catches a repeated or skipped
+    # step. The teacher must differ from the student: with the student's own base as teacher every
+    # advantage is that 1e-8 noise, which Adam's first step turns into a full learning-rate step,
+    # so two uninterrupted runs already differ.
+    kill_once_then_resume(local_server, tmp_path / "distill.yaml", tmp_path, steps=4, kill_after=2, atol=1e-4, timeout=300)
