@@ -286,20 +286,28 @@ def test_a_checkpoint_judge_grades_through_the_runs_backend(local_server, tiny_s
 
     judge = f"    model: {tiny_sft_checkpoint}\n    scale: [0, 18]\n    max_tokens: 12\n    rubric: \"{{{{ prompt }}}}\"\n"
     config = _judge_config(tmp_path, judge, max_steps="1", groups_per_batch="4", group_size="2", max_failed_fraction="1.0")
+    config.write_text(config.read_text().replace("tiny_rl_prompts", "tiny_distill_prompts"))
     run_dir = tmp_path / "run"
     before = sampled_of_judge_run()
     result = loops(local_server, "train", "run", str(config), "--run-dir", str(run_dir), "--yes", "-o", "json",
-                   "--set", f"data.prompts={ROOT}/examples/data/tiny_distill_prompts.jsonl", "--set", "data.eval_prompts=null")
+                   "--set", "data.eval_prompts=null")
     assert result.code == 0, result
     judge_sampled = sampled_of_judge_run() - before  # before `loops sample` below samples it too
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 8
-    answers = {}
+    answers: dict[str, float | None] = {}
+
+    def answer(prompt: str) -> float | None:
+        """The checkpoint's own greedy answer to the rubric (here: the prompt), parsed."""
+        if prompt not in answers:
+            direct = loops(local_server, "sample", tiny_sft_checkpoint, "--chat", "--prompt", prompt, "--temperature", "0",
+                           "--max-tokens", "12", "-o", "json")  # fmt: skip
+            assert direct.code == 0, direct
+            answers[prompt] = parse_score(direct.json()["samples"][0]["text"], (0.0, 18.0), None)
+        return answers[prompt]
+
     for prompt in {s["prompt"] for s in samples}:
-        direct = loops(local_server, "sample", tiny_sft_checkpoint, "--chat", "--prompt", prompt, "--temperature", "0",
-                       "--max-tokens", "12", "-o", "json")  # fmt: skip
-        assert direct.code == 0, direct
-        answers[prompt] = parse_score(direct.json()["samples"][0]["text"], (0.0, 18.0), None)
+        answer(prompt)
     assert any(v is not None for v in answers.values()), answers  # the SFT'd checkpoint answers with a number
     for s in samples:
         want = answers[s["prompt"]]
@@ -312,6 +320,19 @@ def test_a_checkpoint_judge_grades_through_the_runs_backend(local_server, tiny_s
     assert record["judge_requests"] == sum(1 if v is not None else 2 for v in answers.values())
     assert judge_sampled == record["judge_completion_tokens"] > 0
     assert result.json()["judge"]["served_by"] == f"the run's backend ({tiny_sft_checkpoint})"
+
+    # `loops reward test` grades with the same checkpoint judge, outside a run (asked after the
+    # usage figures above: `loops sample` samples the checkpoint too).
+    tested = loops(local_server, "reward", "test", str(config), "--rows", "2", "-o", "json")
+    rows = tested.json()
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    assert len(rows) == 2, tested
+    for row in rows:
+        want = answer(row["prompt"])
+        if want is not None:
+            assert row["reward"] == pytest.approx(want), (row, want)
+        else:
+            assert row.get("failed") and "grades inside" not in row["error"], row
 
 
 def test_a_base_model_judge_samples_on_a_sampler_of_the_run(local_server, tmp_path):

@@ -101,7 +101,7 @@ class Kind:
     row_formats: tuple[str, ...] = ()  # row formats `loops data` takes as this kind's when --kind is not given
     row_sides: tuple[str | None, ...] = (None,)  # what each rendered sequence of a row is (DPO: chosen, rejected)
     render_rows: Callable[..., list[list[Any]]] | None = None  # (spec, tokenizer, *, max_seq_len, train_on) -> each row's sequences (.tokens, .weights)
-    reward_test: Callable[..., list[dict]] | None = None  # (loaded, data, new_sampler, rows): `loops reward test`
+    reward_test: Callable[..., list[dict]] | None = None  # (loaded, data, new_sampler, rows, serving=): `loops reward test`
     title: str = ""  # how plans name it (default: NAME in capitals)
 
     @property

@@ -715,17 +715,25 @@ def _rl_loop(session: TrainingSession, prompts: list[Prompt], eval_prompts: list
     return "completed"
 
 
-def reward_test(loaded, data: LoadedData, new_sampler, rows: int) -> list[dict]:
+def reward_test(loaded, data: LoadedData, new_sampler, rows: int, serving: Any = None) -> list[dict]:
     """`loops reward test`: one reply (or episode) per row for the first ``rows`` rows, sampled
-    from the base model, scored as training scores them (isolated); their samples.jsonl records."""
+    from the base model, scored as training scores them (isolated); their samples.jsonl records.
+    ``serving`` (client, api_key, new_model_sampler_client) serves a checkpoint or base model judge."""
     from types import SimpleNamespace
+
+    from baseten_loops_cli.training.judge import JudgeMeter
 
     config = loaded.config
     shim = SimpleNamespace(config=config, loaded=loaded, new_sampler_client=new_sampler,
                            new_base_sampler_client=new_sampler)  # fmt: skip
     rollouts = Rollouts(shim, data.tokenizer, data.reward)
     rollouts.kl = False
-    batch = rollouts.sample(data.train[:rows], step=0, version=0, n=1, sampling=config.sampling, seed=config.seed)
+    judges = JudgeMeter([fn for _, fn, _ in data.reward or []], serving) if serving is not None else None
+    try:
+        batch = rollouts.sample(data.train[:rows], step=0, version=0, n=1, sampling=config.sampling, seed=config.seed)
+    finally:
+        if judges is not None:
+            judges.close()
     return [r.record(0, 0) for g in batch.groups for r in g]
 
 
