@@ -256,8 +256,9 @@ class Judge:
         from baseten_loops_cli.tokenization import render_generation_prompt
 
         if self._served is None:
-            raise _reward_error(f"{self.where}: the judge {self.spec.model} is served by the run's backend: it "
-                                "grades inside `loops train run` (use url: for a judge outside a run)")
+            raise _reward_error(f"{self.where}: the judge {self.spec.model} is served by the run's backend: it grades "
+                                "in `loops train run` and `loops reward test`, not here (serve it with `loops deploy` "
+                                "and give its url)")
         tokenizer = self._tokenizer
         tokens = render_generation_prompt(tokenizer, messages)
         with self._lock:
