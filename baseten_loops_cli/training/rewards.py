@@ -136,7 +136,7 @@ def _math_answer(spec: Any) -> RewardFn:
 def _judge(spec: Any) -> RewardFn:
     """A grader model (training/judge.py); ``mode: group`` scores a whole group in one request."""
     if spec.judge is None:
-        raise ConfigError("reward.fn 'judge' needs reward.judge (url, rubric)", hint="See README, Judge rewards.")
+        raise ConfigError("reward.fn 'judge' needs reward.judge (url or model, and rubric)", hint="See README, Judge rewards.")
     from baseten_loops_cli.training.judge import Judge
 
     judge = Judge(spec.judge)

@@ -49,9 +49,12 @@ class TrainingSummary:
     last: float | None
     final_checkpoint: str | None
     deactivated: bool = False  # the run this command created was deactivated at the end
+    # A judge reward's totals over the run (every step once, across resumes): requests,
+    # prompt_tokens, completion_tokens, tokens, and who served it (a URL, or the run's backend).
+    judge: dict | None = None
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "run_id": self.run_id,
             "run_dir": self.run_dir,
             "status": self.status,
@@ -60,6 +63,18 @@ class TrainingSummary:
             f"last_{self.main_metric}": self.last,
             "final_checkpoint": self.final_checkpoint,
         }
+        if self.judge is not None:
+            out["judge"] = self.judge
+        return out
+
+    def judge_line(self) -> str | None:
+        """For people: what the judge used (a URL judge is billed by its provider)."""
+        if self.judge is None:
+            return None
+        j = self.judge
+        where = f"billed by {j['served_by']}" if j.get("served_by", "").startswith("http") else f"sampled on {j.get('served_by')}"
+        return (f"Judge: {j['requests']:,} requests, {j['prompt_tokens']:,} prompt + {j['completion_tokens']:,} "
+                f"completion tokens ({where})")
 
 
 class TrainingInterrupted(InterruptedByUser):
@@ -119,11 +134,15 @@ def check_on_backend(client: Any, loaded: LoadedConfig) -> list[str]:
     if kind.check is not None:
         kind.check(client, loaded)
     reward = getattr(loaded.config, "reward", None)
-    if getattr(reward, "judge", None) is not None:
-        # A grader must answer, and take its key, before capacity is provisioned.
+    for index, spec in enumerate(reward if isinstance(reward, list) else [reward]):
+        if getattr(spec, "judge", None) is None:
+            continue
+        # A grader must answer and take its key (a URL), or exist on the backend (a checkpoint,
+        # a base model it serves), before capacity is provisioned.
         from baseten_loops_cli.training.judge import Judge
 
-        Judge(reward.judge, where=f"{loaded.where('reward', 'judge')}: reward.judge").check()
+        keys = ("reward", index, "judge") if isinstance(reward, list) else ("reward", "judge")
+        Judge(spec.judge, where=f"{loaded.where(*keys)}: reward.judge").check(client)
     return notes
 
 
@@ -238,8 +257,14 @@ def summary_of(rundir: RunDir, run_id: str | None, kind: str, status: str, *, de
     """The summary of a run directory as its metrics and checkpoints record it."""
     from baseten_loops_cli.training import kinds
 
-    metrics = [r for r in rundir.metrics() if not r.get("final")]
+    from baseten_loops_cli.training.judge import usage_of_records
+
+    records = rundir.metrics()
+    metrics = [r for r in records if not r.get("final")]
     main = kinds.get(kind).main_metric
+    judge = usage_of_records(records)
+    if judge is not None:
+        judge["served_by"] = _judge_label(rundir)
     values = [r[main] for r in metrics if isinstance(r.get(main), (int, float))]
     last_ckpt = rundir.last_checkpoint() or {}
     return TrainingSummary(
@@ -252,7 +277,22 @@ def summary_of(rundir: RunDir, run_id: str | None, kind: str, status: str, *, de
         last=values[-1] if values else None,
         final_checkpoint=last_ckpt.get("sampler_path") or last_ckpt.get("path"),
         deactivated=deactivated,
+        judge=judge,
     )
+
+
+def _judge_label(rundir: RunDir) -> str:
+    """Who served the run's judge(s), from its config.yaml: the URL, else "the run's backend (MODEL)"."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load((rundir.path / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return "?"
+    rewards = raw.get("reward")
+    specs = [r.get("judge") for r in (rewards if isinstance(rewards, list) else [rewards]) if isinstance(r, dict)]
+    labels = [s.get("url") or f"the run's backend ({s.get('model')})" for s in specs if isinstance(s, dict)]
+    return ", ".join(labels) or "?"
 
 
 def main_metric(kind: str | None) -> str:

@@ -178,6 +178,48 @@ class Endpoint:
 
 
 # ------------------------------------------------------------------ a sampler (checkpoint or base model)
+class ServedModel:
+    """A model served by a sampler of the run's backend, for one run: a sampler checkpoint
+    (``RUN:NAME``, ``bt://``; its run's live sampler pinned to it, or a standalone sampler
+    started for it and deactivated by :meth:`close`) or a base model (a standalone sampler in the
+    run's session, deactivated with the session). Only the SDK's sampling route is used, so it
+    serves the same way on every backend. The distillation teacher and the judge share it."""
+
+    def __init__(self, session: Any, model: str):
+        self.session = session
+        self.model = model
+        self._source = None
+        if is_checkpoint_ref(model):
+            from baseten_loops_cli.services.sampling import resolve_source
+
+            self._source = resolve_source(session.client, model)
+
+    @property
+    def base_model(self) -> str:
+        """The base model whose tokenizer and chat template the served model uses."""
+        return self._source.base_model if self._source is not None else self.model
+
+    def client(self) -> tuple[Any, str | None]:
+        """(a new SamplerClient, the checkpoint path to pin each request to, or None)."""
+        if self._source is not None:
+            from baseten_loops_cli.workers.sampler import SamplerClient
+
+            source = self._source
+            client = SamplerClient(source.sampler.base_url, api_key=self.session.api_key, run_id=source.run_header,
+                                   sampler_id=None if source.run_header else source.sampler.id)  # fmt: skip
+            return client, source.pin
+        return self.session.new_model_sampler_client(self.model), None
+
+    def close(self) -> None:
+        if self._source is not None and self._source.started_sampler:
+            from baseten_loops_cli.errors import LoopsError
+
+            try:
+                self.session.client.samplers.deactivate(self._source.sampler.id)
+            except LoopsError:
+                pass
+
+
 async def ascore_with_sampler(sampler: Any, tokens: list[int], prompt_len: int, pin: str | None) -> TeacherScores:
     """Prompt logprobs (with the top-1 alternative) of prompt + completion from a sampler."""
     result = await sampler.asample(

@@ -71,6 +71,8 @@ class Estimate:
     sample_tokens: int = 0
     scored_tokens: int = 0
     notes: list[str] = field(default_factory=list)
+    # A judge reward's planned requests and tokens (judge.plan_tokens): the plan prices them.
+    judge: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class Kind:
     row_formats: tuple[str, ...] = ()  # row formats `loops data` takes as this kind's when --kind is not given
     row_sides: tuple[str | None, ...] = (None,)  # what each rendered sequence of a row is (DPO: chosen, rejected)
     render_rows: Callable[..., list[list[Any]]] | None = None  # (spec, tokenizer, *, max_seq_len, train_on) -> each row's sequences (.tokens, .weights)
-    reward_test: Callable[..., list[dict]] | None = None  # (loaded, data, new_sampler, rows): `loops reward test`
+    reward_test: Callable[..., list[dict]] | None = None  # (loaded, data, new_sampler, rows, serving=): `loops reward test`
     title: str = ""  # how plans name it (default: NAME in capitals)
 
     @property

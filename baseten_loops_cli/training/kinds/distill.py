@@ -33,7 +33,7 @@ from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepFie
 from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped
 from baseten_loops_cli.training.templates import COMMON
 from baseten_loops_cli.training.teacher import (
-    Endpoint, TeacherScores, ascore_with_sampler, check_same_tokenizer, is_checkpoint_ref,
+    Endpoint, ServedModel, TeacherScores, ascore_with_sampler, check_same_tokenizer, is_checkpoint_ref,
 )  # fmt: skip
 
 LOSS = "importance_sampling"
@@ -158,19 +158,24 @@ def estimate(config, data: LoadedData) -> Estimate:
     prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in prompts_for_step(data.train, step, config))
     sample_tokens = steps * completions * config.sampling.max_tokens
     sequences = prompt_tokens * config.group_size + sample_tokens
-    evals = 0
+    evals = times = 0
     if data.eval:
         times = 1 + (steps // config.eval_every if config.eval_every else 0)
         evals = times * sum(len(p.tokens) + config.sampling.max_tokens for p in data.eval)
     where = config.teacher.url or config.teacher.model
     notes = ["distill token counts are upper bounds (every completion at sampling.max_tokens)",
              f"the teacher ({where}) scores every sampled sequence: ~{sequences + evals:,} tokens"]
-    judge = config.reward.judge if config.reward is not None else None
-    if judge is not None:
-        requests = steps * (config.groups_per_batch if judge.mode == "group" else completions)
-        notes.append(f"the judge ({judge.url}) grades {requests:,} requests, up to {judge.max_tokens} answer tokens each "
-                     "(billed by its provider; counted per step as judge_tokens)")
-    return Estimate(steps, sequences - steps * completions, sample_tokens + evals, scored_tokens=sequences + evals, notes=notes)
+    judge = None
+    if config.reward is not None:
+        from baseten_loops_cli.training.judge import plan_tokens
+
+        passes = [prompts_for_step(data.train, step, config) for step in range(steps)]
+        if data.eval:  # before training, every eval_every steps and at the end: one reply per prompt
+            passes += [[p] for _ in range(times + 1) for p in data.eval]
+        judge = plan_tokens(config.reward, data.tokenizer, passes, group_size=config.group_size,
+                            reply_tokens=config.sampling.max_tokens)
+    return Estimate(steps, sequences - steps * completions, sample_tokens + evals, scored_tokens=sequences + evals,
+                    notes=notes, judge=judge)
 
 
 # ------------------------------------------------------------------ the teacher, as the loop uses it
@@ -182,12 +187,8 @@ class Teacher:
         self.session = session
         spec = session.config.teacher
         self.endpoint = Endpoint(spec.url, spec.model, spec.api_key_env) if spec.url else None
-        self._source = None
+        self._served = ServedModel(session, spec.model) if self.endpoint is None else None
         self._model_name: str | None = None
-        if self.endpoint is None and is_checkpoint_ref(spec.model):
-            from baseten_loops_cli.services.sampling import resolve_source
-
-            self._source = resolve_source(session.client, spec.model)
 
     def clients(self) -> tuple[Any, Any]:
         """(client, pin) for one event loop."""
@@ -196,14 +197,7 @@ class Teacher:
             if self._model_name is None:
                 self._model_name = self.endpoint.model_name(client)
             return client, None
-        if self._source is not None:
-            from baseten_loops_cli.workers.sampler import SamplerClient
-
-            source = self._source
-            client = SamplerClient(source.sampler.base_url, api_key=self.session.api_key, run_id=source.run_header,
-                                   sampler_id=None if source.run_header else source.sampler.id)  # fmt: skip
-            return client, source.pin
-        return self.session.new_model_sampler_client(self.session.config.teacher.model), None
+        return self._served.client()
 
     async def ascore(self, client: Any, pin: str | None, tokens: list[int], prompt_len: int) -> TeacherScores:
         if self.endpoint is not None:
@@ -211,13 +205,8 @@ class Teacher:
         return await ascore_with_sampler(client, tokens, prompt_len, pin)
 
     def close(self) -> None:
-        if self._source is not None and self._source.started_sampler:
-            from baseten_loops_cli.errors import LoopsError
-
-            try:
-                self.session.client.samplers.deactivate(self._source.sampler.id)
-            except LoopsError:
-                pass
+        if self._served is not None:
+            self._served.close()
 
 
 # ------------------------------------------------------------------ rollouts and advantages
@@ -317,10 +306,10 @@ def run_distill(session: TrainingSession, prompts: list[Prompt], eval_prompts: l
     steps = total_steps(len(prompts), config)
     opt = config.optimizer
     sink.start(steps, session.start_step, "reverse_kl")
-    teacher = Teacher(session)
-    from baseten_loops_cli.training.judge import judge_of
+    from baseten_loops_cli.training.judge import JudgeMeter
 
-    judge = judge_of(reward[1]) if reward else None
+    teacher = Teacher(session)
+    judges = JudgeMeter([reward[1]] if reward else [], session)  # judges sample on the run's backend
     started = time.monotonic()
     try:
         step = session.start_step
@@ -366,8 +355,6 @@ def run_distill(session: TrainingSession, prompts: list[Prompt], eval_prompts: l
             rewards = [r.reward for g in groups for r in g if r.reward is not None]
             if rewards:
                 record["reward"] = statistics.fmean(rewards)
-            if judge is not None:  # the grader's tokens so far (this process): what it costs
-                record["judge_tokens"] = judge.usage["prompt_tokens"] + judge.usage["completion_tokens"]
             sink.samples([
                 {"step": step, "prompt": r.prompt.text, "completion": r.text, "stop_reason": r.stop_reason,
                  "reverse_kl": statistics.fmean(s - t for s, t in zip(r.logprobs, r.teacher.logprobs)) if r.teacher and r.tokens else None,
@@ -378,6 +365,7 @@ def run_distill(session: TrainingSession, prompts: list[Prompt], eval_prompts: l
                 if eval_prompts and config.eval_every and step % config.eval_every == 0:
                     record.update(evaluate(session, teacher, tokenizer, reward, eval_prompts, config, version))
             finally:
+                record.update(judges.step_metrics())  # the judge's requests and tokens of this step
                 sink.step(record)
             if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
                 save_checkpoint(session, step)
@@ -387,12 +375,13 @@ def run_distill(session: TrainingSession, prompts: list[Prompt], eval_prompts: l
             final = evaluate(session, teacher, tokenizer, reward, eval_prompts, config, version)
             sink.message("Final eval: teacher agreement {:.1%}, reverse KL {:.3f}".format(
                 final["eval_teacher_agreement"], final["eval_reverse_kl"]))
-            sink.final({"step": steps, **final})
+            sink.final({"step": steps, **final, **judges.step_metrics()})
         record = save_checkpoint(session, steps, final=True)
         sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
         return "completed"
     finally:
         teacher.close()
+        judges.close()
 
 
 def _run(session: TrainingSession, data: LoadedData, sink, stop: StopRequested) -> str:
@@ -432,7 +421,7 @@ KIND = Kind(
     config_model=DistillConfig,
     noun="prompts",
     main_metric="reverse_kl",
-    metric_names=("reverse_kl", "loss", "reward", "judge_tokens", "sampled_tokens", "sample_time_s", "eval_reverse_kl",
+    metric_names=("reverse_kl", "loss", "reward", "judge_requests", "judge_prompt_tokens", "judge_completion_tokens", "sampled_tokens", "sample_time_s", "eval_reverse_kl",
                   "eval_teacher_agreement", "eval_reward_mean", "eval_pass_rate"),
     step_fields=(
         StepField("reverse_kl", "kl", ".4f"),

@@ -153,8 +153,17 @@ def estimate(config, data: LoadedData) -> Estimate:
     notes = ["RL token counts are upper bounds (every completion at sampling.max_tokens)"]
     if config.env:
         notes.append(f"environment episodes: up to max_turns={turns} replies each; opening prompts not counted")
+    judge = None
+    if config.reward is not None:
+        from baseten_loops_cli.training.judge import plan_tokens
+
+        passes = [prompts_for_step(data.train, step, config) for step in range(steps)]
+        if data.eval:  # each eval (every eval_every steps, and the last) grades one reply per prompt
+            passes += [[p] for _ in range(1 + (steps // config.eval_every if config.eval_every else 0)) for p in data.eval]
+        judge = plan_tokens(config.reward, data.tokenizer, passes, group_size=config.group_size,
+                            reply_tokens=config.sampling.max_tokens * turns)
     return Estimate(steps, prompt_tokens * config.group_size + sample_tokens - steps * completions, sample_tokens,
-                    notes=notes)
+                    notes=notes, judge=judge)
 
 
 def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> Any:
@@ -257,27 +266,55 @@ class Rollouts:
 
     async def _score(self, isolated, prompt: Prompt, text: str) -> tuple[float, str | None, str | None, dict | None]:
         """(weighted sum, error, traceback, each reward): the rewards of one reply, each run isolated."""
+        return (await self._score_group(isolated, prompt, [text]))[0]
+
+    async def _score_group(self, isolated, prompt: Prompt, texts: list[str]) -> list[tuple[float, str | None, str | None, dict | None]]:
+        """:meth:`_score` for every reply of a group. A reward with ``score_group(texts, row)``
+        (a judge in ``mode: group``) is called once for the whole group, under the same isolation
+        (its own thread, reward_timeout_s); its failure fails every rollout of the group."""
         from baseten_loops_cli.training.isolation import RolloutFailed
         from baseten_loops_cli.training.rewards import reward_value
 
-        async def one(label: str, fn: Any) -> tuple[float | None, str | None, str | None]:
-            what = f"reward {self.reward_name or label!r}"
-            try:
-                value = await isolated.call(what, fn, text, prompt.row)
-            except RolloutFailed as failed:
-                return None, f"{failed} (prompt {prompt.source})", failed.detail
+        def checked(what: str, value: Any) -> tuple[float | None, str | None, str | None]:
             number = reward_value(value)
             if number is None:
                 return None, f"{what} returned {value!r:.100}, not a finite number (prompt {prompt.source})", None
             return number, None, None
 
-        results = await asyncio.gather(*(one(label, fn) for label, fn, _ in self.rewards))
-        for _, error, trace in results:
-            if error is not None:
-                return 0.0, error, trace, None
-        total = sum(weight * value for (_, _, weight), (value, _, _) in zip(self.rewards, results))
-        components = {label: value for (label, _, _), (value, _, _) in zip(self.rewards, results)} if self.listed else None
-        return total, None, None, components
+        async def one(what: str, fn: Any, text: str) -> tuple[float | None, str | None, str | None]:
+            try:
+                value = await isolated.call(what, fn, text, prompt.row)
+            except RolloutFailed as failed:
+                return None, f"{failed} (prompt {prompt.source})", failed.detail
+            return checked(what, value)
+
+        async def each(label: str, fn: Any) -> list[tuple[float | None, str | None, str | None]]:
+            what = f"reward {self.reward_name or label!r}"
+            group = getattr(fn, "score_group", None)
+            if group is None:
+                return list(await asyncio.gather(*(one(what, fn, text) for text in texts)))
+            try:
+                values = await isolated.call(what, group, texts, prompt.row)
+            except RolloutFailed as failed:
+                return [(None, f"{failed} (prompt {prompt.source})", failed.detail)] * len(texts)
+            if not isinstance(values, (list, tuple)) or len(values) != len(texts):
+                count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+                error = f"{what} returned {count} scores for a group of {len(texts)} replies (prompt {prompt.source})"
+                return [(None, error, None)] * len(texts)
+            return [checked(what, v) for v in values]
+
+        per_reward = await asyncio.gather(*(each(label, fn) for label, fn, _ in self.rewards))
+        out = []
+        for i in range(len(texts)):
+            results = [values[i] for values in per_reward]
+            failed = next(((error, trace) for _, error, trace in results if error is not None), None)
+            if failed is not None:
+                out.append((0.0, failed[0], failed[1], None))
+                continue
+            total = sum(weight * value for (_, _, weight), (value, _, _) in zip(self.rewards, results))
+            components = {label: value for (label, _, _), (value, _, _) in zip(self.rewards, results)} if self.listed else None
+            out.append((total, None, None, components))
+        return out
 
     async def _episodes(self, sampler, isolated, prompt: Prompt, *, n: int, seed: int, version: int,
                         sampling) -> tuple[list[Rollout], int]:
@@ -346,7 +383,7 @@ class Rollouts:
             min_policy_version=version or None,
         )
         texts = [completion_text(self.tokenizer, seq.tokens, sampling.stop) for seq in result.sequences]
-        scores = await asyncio.gather(*(self._score(isolated, prompt, text) for text in texts))
+        scores = await self._score_group(isolated, prompt, texts)
         rollouts = [
             Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, value, seq.stop_reason,
                     components=components, error=error, traceback=trace)
@@ -529,13 +566,24 @@ def run_rl(
     stop: StopRequested,
 ) -> str:
     """Train to the end ("completed") or until Ctrl-C ("interrupted"); records go to ``sink``."""
+    from baseten_loops_cli.training.judge import JudgeMeter
+
+    rollouts = Rollouts(session, tokenizer, reward)
+    judges = JudgeMeter([fn for _, fn, _ in reward or []], session)  # judges sample on the run's backend
+    try:
+        return _rl_loop(session, prompts, eval_prompts, rollouts, judges, sink, stop)
+    finally:
+        judges.close()
+
+
+def _rl_loop(session: TrainingSession, prompts: list[Prompt], eval_prompts: list[Prompt] | None, rollouts: "Rollouts",
+             judges: Any, sink, stop: StopRequested) -> str:
     from baseten_loops_cli.workers.types import AdamParams
 
     config = session.config
     steps = total_steps(len(prompts), config)
     opt = config.optimizer
     bound = config.max_steps_off_policy
-    rollouts = Rollouts(session, tokenizer, reward)
     warnings = HealthWarnings(config.warn_logprob_diff)
     sink.start(steps, session.start_step, "reward")
     started = time.monotonic()
@@ -644,6 +692,7 @@ def run_rl(
             if eval_prompts and config.eval_every and step % config.eval_every == 0:
                 record.update(evaluate(rollouts, eval_prompts, config, version))
         finally:
+            record.update(judges.step_metrics())
             # The step is trained whatever the eval did: record it, so a checkpoint taken on a
             # failing eval reward matches metrics.jsonl (resume neither repeats nor skips it).
             sink.step(record)
@@ -656,7 +705,7 @@ def run_rl(
     if eval_prompts:
         final = evaluate(rollouts, eval_prompts, config, version)
         sink.message(f"Final eval: mean reward {final['eval_reward_mean']:.3f}, pass rate {final['eval_pass_rate']:.0%}")
-        sink.final({"step": steps, **final})
+        sink.final({"step": steps, **final, **judges.step_metrics()})
     record = save_checkpoint(session, steps, final=True)
     sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
     if config.eval is not None:
@@ -666,17 +715,25 @@ def run_rl(
     return "completed"
 
 
-def reward_test(loaded, data: LoadedData, new_sampler, rows: int) -> list[dict]:
+def reward_test(loaded, data: LoadedData, new_sampler, rows: int, serving: Any = None) -> list[dict]:
     """`loops reward test`: one reply (or episode) per row for the first ``rows`` rows, sampled
-    from the base model, scored as training scores them (isolated); their samples.jsonl records."""
+    from the base model, scored as training scores them (isolated); their samples.jsonl records.
+    ``serving`` (client, api_key, new_model_sampler_client) serves a checkpoint or base model judge."""
     from types import SimpleNamespace
+
+    from baseten_loops_cli.training.judge import JudgeMeter
 
     config = loaded.config
     shim = SimpleNamespace(config=config, loaded=loaded, new_sampler_client=new_sampler,
                            new_base_sampler_client=new_sampler)  # fmt: skip
     rollouts = Rollouts(shim, data.tokenizer, data.reward)
     rollouts.kl = False
-    batch = rollouts.sample(data.train[:rows], step=0, version=0, n=1, sampling=config.sampling, seed=config.seed)
+    judges = JudgeMeter([fn for _, fn, _ in data.reward or []], serving) if serving is not None else None
+    try:
+        batch = rollouts.sample(data.train[:rows], step=0, version=0, n=1, sampling=config.sampling, seed=config.seed)
+    finally:
+        if judges is not None:
+            judges.close()
     return [r.record(0, 0) for g in batch.groups for r in g]
 
 
@@ -732,7 +789,8 @@ KIND = Kind(
     metric_names=("reward", "pass_rate", "groups_trained", "groups", "loss", "sampled_tokens", "sample_time_s",
                   "sampled_with_version", "staleness", "kl_policy_base", "eval_reward_mean", "eval_pass_rate",
                   "reward_std", "zero_variance_groups", "completion_tokens", "max_tokens_share", "entropy",
-                  "logprob_diff", "failed_rollouts"),  # plus reward/NAME and reward_std/NAME for a list of rewards
+                  "logprob_diff", "failed_rollouts", "judge_requests", "judge_prompt_tokens",
+                  "judge_completion_tokens"),  # plus reward/NAME and reward_std/NAME for a list of rewards
     step_fields=(
         StepField("reward", "reward", ".3f"), StepField("pass_rate", "pass", ".0%"),
         StepField("groups_trained", "groups", of="groups"),
