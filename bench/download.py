@@ -17,9 +17,10 @@ The ratio compared with the target (>= 0.9) is END TO END: the median loops thro
 wall time of the whole `loops` process (interpreter start, imports, the file listing, the
 transfer, verification, renames, exit) over the median throughput of curl followed by sha256sum
 (curl is given the URLs, listed beforehand, untimed; the digests are checked against the listing's,
-untimed). The median is over --rounds alternating rounds (default 5: two runs of the bench
-agreed within 10% on the 2-core machine; see the README). ~2 GiB per side, in /dev/shm, removed
-after each round. The transfer phase alone (`seconds` in the command's JSON) is
+untimed). The median is over --rounds alternating rounds (default 5; under a load average of ~11
+two runs gave 2.55 (3 rounds) and 3.41 (5 rounds): the by-hand side's single-threaded sha256sum
+is what load slows most, so check the agreement of two runs on a quiet machine). ~2 GiB per
+side, in /dev/shm, removed after each round; the server's copy is in a temporary directory. The transfer phase alone (`seconds` in the command's JSON) is
 shown next to it, as a diagnostic.
 
 Where the time goes (2026-12-04, one traced `loops checkpoints download` of the 8 x 64 MiB, quiet
@@ -32,6 +33,12 @@ benches had compiled it from source in every process, ~60 ms): end to end 0.58-0
 alone 0.90 (1,026 vs 1,147 MiB/s). curl --parallel takes ~0.45 s for the whole 512 MiB, so the
 end-to-end target leaves ~0.05 s for everything but the transfer; a process that only starts the
 required dependencies (Typer, pydantic, httpx, PyYAML) takes ~0.3 s here.
+
+2026-12-05, 8 x 256 MiB, py-spy at 200 Hz (threads, idle included), load average ~11: the download
+threads' samples are in _stream_to's write/hash line (OpenSSL SHA-256, GIL released), httpcore's
+1 MiB socket reads and h11's buffer handling; start-up is under 1% of the samples. Against curl +
+sha256sum the hash-while-writing wins: coreutils' sha256sum took 3.15 s per 256 MiB where hashlib
+took 0.60 s on the same machine.
 
     python bench/download.py [--rounds 5] [--files 8] [--mib 256] [--quick] [--json] [--check]
 """
