@@ -18,7 +18,7 @@ wall time of the whole `loops` process (interpreter start, imports, the file lis
 transfer, verification, renames, exit) over the median throughput of curl followed by sha256sum
 (curl is given the URLs, listed beforehand, untimed; the digests are checked against the listing's,
 untimed). The median is over --rounds alternating rounds (default 5; under a load average of ~11
-two runs gave 2.55 (3 rounds) and 3.41 (5 rounds): the by-hand side's single-threaded sha256sum
+runs gave 2.55 (3 rounds), 3.41 and 3.08 (5 rounds each): the by-hand side's single-threaded sha256sum
 is what load slows most, so check the agreement of two runs on a quiet machine). ~2 GiB per
 side, in /dev/shm, removed after each round; the server's copy is in a temporary directory. The transfer phase alone (`seconds` in the command's JSON) is
 shown next to it, as a diagnostic.
