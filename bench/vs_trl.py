@@ -7,7 +7,7 @@ One invocation runs both sides on SmolLM2-135M-Instruct with the same data (the 
 token sequences, every token trained), LoRA rank 16 on every projection, AdamW with the same
 hyperparameters and a constant learning rate, after a warm-up step on each side: loops
 through ``loops``' own trainer client over HTTP against a private local server (its default
-dtype policy, ``LOOPS_BENCH_DTYPE`` or float32), TRL's ``SFTTrainer`` in this process in each
+dtype policy, ``LOOPS_BENCH_DTYPE`` or auto), TRL's ``SFTTrainer`` in this process in each
 configuration of bf16 on/off x ``padding_free`` on/off x gradient checkpointing on/off
 (``--quick``: TRL's defaults and bf16 without checkpointing). The ratio is loops' tokens/s
 over TRL's fastest configuration's (target >= 1.3, issue 33); both sides' first and last
