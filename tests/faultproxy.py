@@ -37,6 +37,7 @@ Usage::
         ...
     proxy.counts            # Counter({'502': 4, 'reset': 3, ...})
     proxy.injected          # total faults injected
+    proxy.imposed_s         # seconds of waits the faults imposed (delays, Retry-After sent)
 
 The proxy runs its own asyncio loop in a daemon thread, so it works with sync tests and with
 subprocesses (the CLI) alike. Every upstream request is sent on a fresh upstream connection;
@@ -203,6 +204,10 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.counts: collections.Counter[str] = collections.Counter()
+        # The waits the faults themselves impose, whatever the client does: each slow
+        # response's delay, and each Retry-After sent (a client honours it, as the protocol
+        # asks). A bench subtracts them to see what the client's retries add.
+        self.imposed_s = 0.0
         self.requests = 0  # requests received from clients
         self.forwarded = 0  # requests sent upstream (a replay counts twice)
         self.events: collections.deque[Event] = collections.deque(maxlen=keep_events)
@@ -257,6 +262,7 @@ class FaultProxy:
                 "forwarded": self.forwarded,
                 "injected": sum(self.counts.values()),
                 "by_kind": dict(self.counts),
+                "imposed_s": self.imposed_s,
             }
 
     def events_list(self) -> list[Event]:
@@ -358,6 +364,10 @@ class FaultProxy:
                     return kind
             return kinds[-1]
 
+    def _impose(self, seconds: float) -> None:
+        with self._lock:
+            self.imposed_s += seconds
+
     def _record(self, req: _Request, fault: str | None) -> Event:
         ev = Event(time.monotonic(), req.method, req.target, fault, idempotency_key=req.header("idempotency-key"))
         with self._lock:
@@ -412,10 +422,13 @@ class FaultProxy:
         if fault in ("502", "503", "408", "502_retry_after", "503_retry_after"):
             status = int(fault[:3])
             extra = [("Retry-After", str(cfg.retry_after_s))] if fault.endswith("retry_after") else []
+            if extra:
+                self._impose(cfg.retry_after_s)
             await _write_simple(writer, status, extra, close=(status == 408))
             # A real 408 closes the connection (RFC 9110 §15.5.9); 502/503 keep it.
             return status != 408
         if fault == "delay":
+            self._impose(cfg.delay_s)
             await asyncio.sleep(cfg.delay_s)
         if fault == "replay":
             # First delivery: forwarded and fully read, response discarded.

@@ -171,6 +171,7 @@ def test_status_faults_without_retry_after(upstream, kind):
         assert "fault injected" in r.json()["detail"]
         assert proxy.counts == {kind: 1}
         assert proxy.forwarded == 0
+        assert proxy.snapshot()["imposed_s"] == 0  # no wait asked for
     assert upstream.hits == []
 
 
@@ -181,6 +182,7 @@ def test_status_faults_with_retry_after(upstream, kind):
             r = c.post("/submit", headers={"Idempotency-Key": "k1"}, json={})
     assert r.status_code == int(kind[:3])
     assert r.headers["retry-after"] == "2"
+    assert proxy.snapshot()["imposed_s"] == 2  # the wait it asked the client for
     assert upstream.hits == []
 
 
@@ -207,6 +209,7 @@ def test_delay(upstream):
             assert c.get("/x").status_code == 200
             assert time.monotonic() - t0 >= 0.38  # a lower bound: load only lengthens it
     assert len(upstream.hits) == 1
+    assert proxy.snapshot()["imposed_s"] == pytest.approx(0.4)
 
 
 def test_replay_forwards_twice_and_returns_second_response(upstream):

@@ -20,7 +20,13 @@ What :func:`decide` retries:
   before the gateway failed): the error is raised with ``maybe_applied = True`` and
   :meth:`HttpClient.create` reconciles instead of re-sending;
 * a wait is the response's ``Retry-After`` (``retry-after-ms``, seconds or an HTTP date), capped
-  at ``max_retry_after``, else full-jitter exponential backoff; never past the deadline.
+  at ``max_retry_after``, else full-jitter exponential backoff; never past the deadline. The
+  first retry after a transport failure (a reset, a lost response, a refused connection) or a
+  408 is immediate: these say one connection failed, not that the server is overloaded (a
+  keyed request that was applied is answered from the server's idempotency record, so the
+  resend costs it nothing), and backing off would only add the wait to every blip. Backoff
+  starts with the second consecutive failure of a request, and from the first for 5xx without
+  Retry-After (the server or its gateway is struggling).
 
 Giving up (retries, deadline, unreachable or unavailable limits spent) raises the typed error
 of the last outcome, naming the URL, the last status or failure and the attempts made.
@@ -299,6 +305,8 @@ def decide(
                 return Decision("raise", reason=reason), state
         if policy.unreachable_limit is not None and now - (state.down_since or now) >= policy.unreachable_limit:
             return Decision("raise", reason=reason, gave_up=True), state
+        if state.attempt == 0:
+            delay = 0.0  # a dropped connection is retried at once, on a fresh one (see module doc)
     else:
         status = outcome.status_code
         reason = f"HTTP {status}"
@@ -318,6 +326,8 @@ def decide(
         if unavailable and policy.unavailable_limit is not None and unavailable > policy.unavailable_limit:
             return Decision("raise", reason=reason, gave_up=True, shutdown=True), state
         delay = retry_after
+        if delay is None and status == 408 and state.attempt == 0:
+            delay = 0.0  # the server closed an idle or slow request: it did nothing, resend at once
     if policy.max_retries is not None and state.attempt >= policy.max_retries:
         return Decision("raise", reason=reason, gave_up=True), state
     elapsed = now - state.started
