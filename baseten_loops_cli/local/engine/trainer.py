@@ -290,9 +290,10 @@ class LoraTrainer:
 
 # The most tokens one backward pass holds activations for (see LoraTrainer._run). SmolLM2 in
 # bf16 keeps about 1 MB of activations per token across its 30 layers, so the RL example's
-# 32-sequence batch held ~2 GB at once; chunks of 512 tokens keep the matmuls large (no
-# slower per token) and most test batches in one chunk (bit-identical to one pass).
-BACKWARD_CHUNK_TOKENS = 512
+# 32-sequence batch held ~2 GB at once. bench/memory.py (under load): RL example peak 2178 MiB
+# with 512-token chunks, 1390 with 256 (steps no slower: 256-row matmuls stay large); small
+# batches (most tests) are one chunk, bit-identical to one pass.
+BACKWARD_CHUNK_TOKENS = 256
 
 
 def backward_chunks(lengths: list[int], budget: int) -> list[list[int]]:
