@@ -306,6 +306,38 @@ def test_rl_loss_runs_through_the_trainer(make_trainer) -> None:
     assert trainer.optim_step({"learning_rate": 1e-3})["metrics"]["grad_norm"] > 0
 
 
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
+def test_a_large_batch_backward_runs_in_chunks_with_one_pass_results(
+        make_trainer, monkeypatch, loss_fn) -> None:
+    """Over BACKWARD_CHUNK_TOKENS, forward_backward runs per chunk (bounding the activations
+    held at once): the same outputs, metrics and update as one pass."""
+    from baseten_loops_cli.local.engine import trainer as trainer_module
+
+    assert trainer_module.backward_chunks([5, 5, 5, 12], 10) == [[0, 1], [2], [3]]
+    texts = [TEXT[i: 2 * i + 9] for i in range(5)]  # 8..16 tokens each
+    data = ([sft_datum(t) for t in texts] if loss_fn == "cross_entropy" else
+            [rl_datum(t, [-1.0] * (len(t) - 1), [0.5] * (len(t) - 1)) for t in texts])
+    one, chunked = make_trainer(seed=3), make_trainer(seed=3)
+    whole = one.forward_backward(data, loss_fn)
+    calls = []
+    original = trainer_module._datum_outputs
+    monkeypatch.setattr(trainer_module, "_datum_outputs",
+                        lambda model, seqs, *a, **k: calls.append(len(seqs)) or original(
+                            model, seqs, *a, **k))
+    monkeypatch.setattr(trainer_module, "BACKWARD_CHUNK_TOKENS", 30)
+    parts = chunked.forward_backward(data, loss_fn)
+    assert len(calls) > 1 and sum(calls) == len(data)
+    # Equal up to float32 summation order (the chunks pack their rows differently).
+    assert parts["metrics"]["loss:sum"] == pytest.approx(whole["metrics"]["loss:sum"], rel=1e-6)
+    for i in range(len(data)):
+        assert logprobs_of(parts, i) == pytest.approx(logprobs_of(whole, i), abs=1e-5)
+    one.optim_step({"learning_rate": 1e-2})
+    chunked.optim_step({"learning_rate": 1e-2})
+    probe = [sft_datum(TEXT[:12])]
+    assert logprobs_of(chunked.forward(probe)) == pytest.approx(logprobs_of(one.forward(probe)),
+                                                                abs=1e-4)
+
+
 @pytest.mark.parametrize("mutate,error_class", [
     (lambda d: d["model_input"]["chunks"].append({"type": "image", "data": "", "format": "png"}),
      "InvalidDatum"),

@@ -192,6 +192,13 @@ def store_matmul_weights_bf16(module: Any) -> int:
         # PEFT moves a new adapter to its base layer's dtype (rounding a fresh LoRA A to bf16)
         # unless the layer names a compute dtype: LoRA weights stay float32 masters.
         layer.compute_dtype = torch.float32
+    # transformers maps safetensors files (mmap): the weights left in float32 (embeddings,
+    # norms) still point into the file, which keeps all of it mapped and counted in the
+    # server's RSS beside the bf16 copies (SmolLM2: the whole 513 MiB file). Copies of their
+    # own release the map.
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.dtype != torch.bfloat16 and tensor.device.type == "cpu":
+            tensor.data = tensor.data.clone()
     return _weight_bytes(module) - before
 
 

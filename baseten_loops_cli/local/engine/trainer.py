@@ -121,16 +121,42 @@ class LoraTrainer:
                 "or with an RL loss). Call optim_step first.", "MixedLossNormalization")
 
         policy = precision.current()
+        # A backward pass keeps every layer's activations until it runs: for a large batch
+        # it runs per chunk of at most BACKWARD_CHUNK_TOKENS tokens (the gradients add up in
+        # .grad), so the autograd graph of one chunk is alive at a time. Every loss but DPO
+        # is a sum over datums; DPO's pairs are not split, so it stays one pass.
+        if backward and loss_fn != "dpo":
+            chunks = backward_chunks([len(p.tokens) for p in parsed], BACKWARD_CHUNK_TOKENS)
+        else:
+            chunks = [list(range(len(parsed)))]
+        loss_inputs: list[Any] = [None] * len(parsed)
+        top_k: list[Any] = [None] * len(parsed)
+        results: list[losses.LossResult] = []
         with self.base.activate(self.adapter_name) as model, torch.set_grad_enabled(backward):
             head = _lm_head(model)
-            with policy.autocast():  # the forward pass only: logprobs and losses in float32
-                outputs = _datum_outputs(model, [p.tokens for p in parsed], policy.device,
-                                         hidden=head is not None)
-            loss_inputs, top_k = _target_logprobs(outputs, parsed, top_k_logprobs,
-                                                  policy.device, head, policy.autocast)
-            result = losses.compute(loss_fn, loss_inputs, config)
-            if backward:
-                result.total.backward()
+            for chunk in chunks:
+                part = [parsed[i] for i in chunk]
+                with policy.autocast():  # the forward pass only: logprobs and losses in float32
+                    outputs = _datum_outputs(model, [p.tokens for p in part], policy.device,
+                                             hidden=head is not None)
+                chunk_inputs, chunk_top = _target_logprobs(outputs, part, top_k_logprobs,
+                                                           policy.device, head, policy.autocast)
+                del outputs
+                chunk_result = losses.compute(loss_fn, chunk_inputs, config)
+                if backward:
+                    chunk_result.total.backward()
+                    chunk_result.total = chunk_result.total.detach()
+                    for datum in chunk_inputs:  # the graph is spent: keep values only
+                        datum.target_logprobs = datum.target_logprobs.detach()
+                    chunk_result.elementwise = [e.detach() for e in chunk_result.elementwise]
+                results.append(chunk_result)
+                for j, i in enumerate(chunk):
+                    loss_inputs[i] = chunk_inputs[j]
+                    if chunk_top:
+                        top_k[i] = chunk_top[j]
+            result = _merge_results(results, chunks, len(parsed))
+        if not top_k_logprobs:
+            top_k = []
         if backward:
             self._pending_mode = normalization
             self._pending_tokens += result.trained_tokens
@@ -261,6 +287,45 @@ class LoraTrainer:
 
 
 # ── helpers ──
+
+# The most tokens one backward pass holds activations for (see LoraTrainer._run). SmolLM2 in
+# bf16 keeps about 1 MB of activations per token across its 30 layers, so the RL example's
+# 32-sequence batch held ~2 GB at once. bench/memory.py (under load): RL example peak 2178 MiB
+# with 512-token chunks, 1390 with 256 (steps no slower: 256-row matmuls stay large); small
+# batches (most tests) are one chunk, bit-identical to one pass.
+BACKWARD_CHUNK_TOKENS = 256
+
+
+def backward_chunks(lengths: list[int], budget: int) -> list[list[int]]:
+    """Datum indices in order, cut into consecutive chunks of at most ``budget`` tokens (a
+    datum longer than the budget is a chunk of its own)."""
+    chunks: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if chunks[-1] and used + n > budget:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(i)
+        used += n
+    return chunks
+
+
+def _merge_results(results: list[losses.LossResult], chunks: list[list[int]], count: int
+                   ) -> losses.LossResult:
+    """One LossResult from per-chunk ones of a per-datum-sum loss (metrics are sums)."""
+    if len(results) == 1:
+        return results[0]
+    elementwise: list[Any] = [None] * count
+    for result, chunk in zip(results, chunks):
+        for j, i in enumerate(chunk):
+            elementwise[i] = result.elementwise[j]
+    metrics: dict[str, float] = {}
+    for result in results:
+        for key, value in result.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    total = torch.stack([r.total for r in results]).sum()
+    return losses.LossResult(total, elementwise, sum(r.trained_tokens for r in results),
+                             metrics)
 
 def _adam_params(given: dict | None) -> dict[str, float]:
     unknown = sorted(set(given or {}) - set(ADAM_DEFAULTS))
