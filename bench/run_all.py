@@ -202,8 +202,9 @@ def print_table(results: list[dict]) -> None:
 
 
 def bench_dtype() -> str:
-    """The dtype bench servers compute in (train_throughput.SERVER_OPTIONS reads the same)."""
-    return os.environ.get("LOOPS_BENCH_DTYPE", "float32")
+    """The dtype bench servers are started with (train_throughput.SERVER_OPTIONS reads the
+    same; auto is bfloat16 where this CPU has bf16 instructions, see cpu_bf16)."""
+    return os.environ.get("LOOPS_BENCH_DTYPE", "auto")
 
 
 def cpu_bf16() -> str:

@@ -9,7 +9,8 @@ transformers ``generate`` loop in-process.
   once, so the server batches them;
 - **local**: the same model built/loaded fresh in this process, one request at a time:
   ``model.generate(prompt, do_sample=True, num_return_sequences=n, max_new_tokens=max_tokens,
-  top_k=0, top_p=1.0)``.
+  top_k=0, top_p=1.0)``, under ``torch.autocast(bfloat16)`` where the bench servers compute
+  in bf16 (``LOOPS_BENCH_DTYPE``, default auto: train_throughput.local_autocast).
 
 The server's sampler has no "ignore eos" switch, so both sides stop on the same stop tokens
 (the tokenizer's eos / end-of-turn ids) and throughput counts the tokens actually generated
@@ -39,6 +40,7 @@ from train_throughput import (
     bench_server,
     emit,
     load_local_model,
+    local_autocast,
     proc_cpu_seconds,
 )
 
@@ -79,7 +81,7 @@ class LocalSampler:
         total = 0
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            with torch.no_grad():
+            with torch.no_grad(), local_autocast():
                 out = self.model.generate(
                     input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                     num_return_sequences=self.n, max_new_tokens=self.max_tokens, temperature=1.0,

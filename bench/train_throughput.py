@@ -14,7 +14,9 @@ entropy on every target) and torch AdamW with gradient clipping at 1.0:
   results are awaited (pipelined, two steps in flight);
 - **local**: ``peft.get_peft_model`` on a freshly built/loaded model in this process, the
   same steps in a plain loop, each batch right-padded to its longest datum (the naive loop;
-  the server packs several datums into one row instead, ``local/engine/trainer.py``).
+  the server packs several datums into one row instead, ``local/engine/trainer.py``), under
+  ``torch.autocast(bfloat16)`` where the bench servers compute in bf16 (``LOOPS_BENCH_DTYPE``,
+  default auto).
 
 Rounds alternate (http first on even rounds, local first on odd ones) so both sides see the
 same machine load; each round's tokens/s is the input tokens trained divided by the wall time
@@ -59,9 +61,11 @@ TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 # Production timings (ServerConfig defaults), not the test fixture's short ones.
 SERVER_OPTIONS = {"op_poll_hold_s": 30.0, "snapshot_interval_s": 60.0, "janitor_interval_s": 0.5,
                   "min_version_hold_s": 10.0,
-                  # The compute dtype of bench servers (loops server start --dtype): float32
-                  # unless LOOPS_BENCH_DTYPE says otherwise (auto, bfloat16); run_all.py prints it.
-                  "dtype": os.environ.get("LOOPS_BENCH_DTYPE", "float32")}
+                  # The compute dtype of bench servers (loops server start --dtype): the
+                  # server's default, auto, unless LOOPS_BENCH_DTYPE says otherwise (float32,
+                  # bfloat16); run_all.py prints it. In-process references follow it
+                  # (local_autocast).
+                  "dtype": os.environ.get("LOOPS_BENCH_DTYPE", "auto")}
 # Per model: (batch, seq_len, steps per round, rounds); --quick uses the second set.
 DEFAULTS = {TINY: ((8, 256, 4, 12), (8, 256, 3, 5)),
             SMOLLM2: ((4, 128, 2, 6), (4, 128, 1, 3))}
@@ -102,6 +106,19 @@ def bench_server(**options: Any) -> Iterator[Any]:
             yield server
         finally:
             server.stop()
+
+
+def bench_precision() -> Any:
+    """The policy bench servers resolve their dtype to on this machine (CPU)."""
+    from baseten_loops_cli.local.engine import precision
+
+    return precision.resolve(SERVER_OPTIONS["dtype"], "cpu")
+
+
+def local_autocast() -> Any:
+    """What an in-process reference runs under, so it does the server's work: plain
+    ``torch.autocast(bfloat16)`` where the bench servers compute in bf16, else nothing."""
+    return bench_precision().autocast()
 
 
 def load_local_model(name: str) -> Any:
@@ -200,7 +217,9 @@ class LocalTrainer:
     def step(self) -> float:
         import torch
 
-        logits = self.model(input_ids=self.inputs, attention_mask=self.mask, use_cache=False).logits.float()
+        with local_autocast():
+            logits = self.model(input_ids=self.inputs, attention_mask=self.mask,
+                                use_cache=False).logits.float()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                  self.targets.reshape(-1))
         loss.backward()
@@ -331,7 +350,8 @@ def measure(model: str, args: Any) -> tuple[str, float, str, float]:
     name = f"train_throughput[{model.split('/')[-1]}]"
     detail = (f"http {statistics.median(http_rates):.0f} vs local "
               f"{statistics.median(local_rates):.0f} tokens/s (median of {rounds} alternating "
-              f"rounds x {steps} steps, batch of {batch} datums of {shape} tokens, rank {args.rank}, threads "
+              f"rounds x {steps} steps, batch of {batch} datums of {shape} tokens, rank {args.rank}, "
+              f"{bench_precision().dtype}, threads "
               f"{args.threads or 'torch default'}; server compute thread busy "
               f"{100 * statistics.median(busy):.0f}% of http wall; CPU-seconds local/http "
               f"{cpu['local'] / cpu['http']:.3f}; per-round ratios "

@@ -4,7 +4,8 @@
     python bench/vs_trl.py [--quick] [--json] [--only sft,dpo,grpo,mfu] [--steps N] [--threads T]
 
 One invocation, SmolLM2-135M-Instruct, LoRA rank 16 / alpha 32 / dropout 0 on q,k,v,o,gate,up,down,
-float32 on the loops side (its bench servers' dtype, ``LOOPS_BENCH_DTYPE``), every ratio taken
+the loops side in its bench servers' dtype (``LOOPS_BENCH_DTYPE``, default auto: bf16 autocast
+where the CPU has it; ``LOOPS_BENCH_DTYPE=float32`` for the exact-curve check), every ratio taken
 after one warm-up step on each side, both sides' losses (or rewards) printed step by step on
 stderr, since the same curve is the evidence of the same work:
 
@@ -18,7 +19,7 @@ stderr, since the same curve is the evidence of the same work:
   tokens of the step (losses.py), TRL (transformers >= 4.46) divides the summed loss by
   ``num_items_in_batch``, counted over the shifted labels: both are the per-token mean. TRL in
   every combination of bf16, ``padding_free`` and gradient checkpointing (``--quick``: its
-  fp32 padded configuration only); the ratio is against TRL's fastest.
+  padded configuration in loops' dtype only); the ratio is against TRL's fastest.
 - **DPO** (pairs/s, target >= 1.3): ``loops train run examples/smol-dpo.yaml`` (8 pairs a step,
   beta 0.1, reference = the base, scored once before step 1) with a constant learning rate and
   no shuffling, against ``DPOTrainer`` on the same pairs in the same order (conversational rows,
@@ -288,7 +289,8 @@ def compare_sft(args: Any, steps: int) -> tuple[dict, dict]:
     tokens = sum(len(s) - 1 for s in seqs)
     ours = loops_sft(seqs, steps)
     log(f"SFT loops ({ours['dtype']}) losses: {curve(ours['losses'])}")
-    grid = [(False, False, False)] if args.quick else list(itertools.product((False, True), repeat=3))
+    bf16 = "bf16" in str(ours["dtype"])
+    grid = [(bf16, False, False)] if args.quick else list(itertools.product((False, True), repeat=3))
     theirs = try_configs("SFT", [
         (f"bf16={onoff(b)} padding_free={onoff(p)} checkpointing={onoff(c)}",
          lambda b=b, p=p, c=c: trl_sft(seqs, steps, b, p, c)) for b, p, c in grid])
@@ -296,14 +298,15 @@ def compare_sft(args: Any, steps: int) -> tuple[dict, dict]:
         log(f"SFT TRL {name} losses: {curve(side['losses'])}")
     rate = lambda side: tokens * (len(side["losses"]) - 1) / side["seconds"]  # noqa: E731
     best_name, best = max(theirs, key=lambda item: rate(item[1]))
-    fp32 = next((s for n, s in theirs if n.startswith("bf16=off")), best)
-    gap = max(abs(a - b) for a, b in zip(ours["losses"], fp32["losses"]))
+    same = "on" if "bf16" in str(ours["dtype"]) else "off"  # TRL in loops' dtype: the same curve
+    twin_name, twin = next(((n, s) for n, s in theirs if n.startswith(f"bf16={same}")), (best_name, best))
+    gap = max(abs(a - b) for a, b in zip(ours["losses"], twin["losses"]))
     table = "; ".join(f"TRL {n}: {rate(s):.0f} tok/s" for n, s in theirs)
     detail = (f"{args.batch} x 16-{args.seq_len} tokens, {steps} steps after a warm-up: loops "
               f"({ours['dtype']}) {rate(ours):.0f} tok/s, loss {ours['losses'][0]:.4f}->"
               f"{ours['losses'][-1]:.4f}; TRL fastest ({best_name}) {rate(best):.0f} tok/s, loss "
               f"{best['losses'][0]:.4f}->{best['losses'][-1]:.4f}; largest per-step loss gap to "
-              f"TRL fp32 {gap:.4f}; {table}")
+              f"TRL {twin_name} {gap:.4f}; {table}")
     row = result("SFT tokens/s, loops / TRL fastest", rate(ours) / rate(best), TARGETS["sft"],
                  detail, rate(ours), "tok/s")
     return row, {"tokens_per_s": rate(ours), "threads": ours.get("threads")}

@@ -45,7 +45,7 @@ ENVIRONMENT: list[tuple[str, str]] = [
     ("LOOPS_DEBUG", "Set to 1 to print tracebacks and an HTTP debug log (API keys redacted); same as --debug."),
     ("LOOPS_KEYRING_DISABLED", "Set to 1 to never use the system keyring; keys go to the 0600 credentials file."),
     ("LOOPS_NO_AUTOSTART", "Set to 1 to not start the local server automatically when a command needs it."),
-    ("LOOPS_DTYPE", "The local server's compute dtype when `loops server start --dtype` is not given: float32 (the default), auto (bfloat16 where the hardware has it) or bfloat16."),
+    ("LOOPS_DTYPE", "The local server's compute dtype when `loops server start --dtype` is not given: auto (the default: bfloat16 where the hardware has it, else float32), float32 or bfloat16."),
     ("LOOPS_DEVICE", "The local server's compute device when `loops server start --device` is not given: auto (the default), cpu or cuda."),
     ("LOOPS_CONFIG_DIR", "Directory of config.toml and the credentials file (default ~/.config/baseten-loops)."),
     ("LOOPS_STATE_DIR", "Directory of the local server's pid, log, token and URL files "

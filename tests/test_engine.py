@@ -621,3 +621,99 @@ def test_lm_head_runs_only_where_outputs_are_read(make_trainer, base, monkeypatc
     for a, b in zip(lean._params, full._params):
         # float rounding only (the head runs on row subsets): within 1e-5 of the gradient scale
         assert (a.grad - b.grad).abs().max() <= 1e-5 * b.grad.abs().max(), (a.grad - b.grad).abs().max()
+
+
+def test_bf16_matmul_weights_stored_once_give_autocasts_results(make_trainer, base, tmp_path) -> None:
+    """A base loaded under a bf16 policy keeps its frozen Linear and LM-head weights in bf16
+    (autocast would cast them again at every use, issue 33): the trainer's logprobs, loss and
+    LoRA gradients and the sampler's tokens and logprobs equal autocast's on float32 weights,
+    the LoRA init and master weights stay float32, the tied embedding stays float32, and the
+    model refuses a float32 policy afterwards."""
+    from baseten_loops_cli.local.engine import precision
+
+    module, info = model_zoo.load_model(TINY)
+    stored = registry.BaseModel(TINY, info, module)
+    stored.store_matmul_weights_bf16()
+    stored.make_twin()
+    assert module.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert module.get_input_embeddings().weight.dtype == torch.float32
+    assert all(layer.weight.dtype == torch.bfloat16 for layer in module.modules()
+               if isinstance(layer, torch.nn.Linear))
+    ours = LoraTrainer(stored, "stored", 4, seed=5)
+    theirs = make_trainer(seed=5)
+    try:
+        assert all(p.dtype == torch.float32 for p in ours._params)
+        init = stored.adapter_state("stored")
+        assert all(torch.equal(v, theirs.base.adapter_state(theirs.adapter_name)[k.replace(
+            "stored", theirs.adapter_name)]) for k, v in init.items())
+        data = [sft_datum(TEXT, weights=[0.0] * 10 + [1.0] * (len(TEXT) - 11)),
+                sft_datum(TEXT[:20])]
+        with precision.using(precision.Precision("bfloat16", "cpu", "test")):
+            for _ in range(2):
+                a, b = ours.forward_backward(data), theirs.forward_backward(data)
+                assert (logprobs_of(a, 0), logprobs_of(a, 1), a["loss"]) == (
+                    logprobs_of(b, 0), logprobs_of(b, 1), b["loss"])
+                assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours._params, theirs._params))
+                ours.optim_step({"learning_rate": 1e-2})
+                theirs.optim_step({"learning_rate": 1e-2})
+            ours.save_sampler_weights(tmp_path / "w")
+            request = dict(prompt=TEXT[:6], n=2, max_tokens=8, seed=1, adapter="w",
+                           adapter_path=tmp_path / "w")
+            [mine] = SamplerEngine(stored.twin).sample([SampleRequest(**request)])
+            engine = SamplerEngine(base.twin)
+            [other] = engine.sample([SampleRequest(**request)])
+            engine.unload_adapter("w")
+            assert [(s.tokens, s.logprobs) for s in mine.sequences] == [
+                (s.tokens, s.logprobs) for s in other.sequences]
+        with pytest.raises(RuntimeError, match="policy must not change"):
+            ours.forward(data)
+    finally:
+        ours.release()
+
+
+def test_bf16_bases_on_cpu_compute_attention_in_float32(tmp_path) -> None:
+    """Under a bf16 policy on CPU the loaded base (and its twin) run SDPA in float32 (torch's
+    CPU flash attention is slower in bf16, issue 33): packing still applies and still keeps
+    packed datums apart, and logprobs stay within the bf16 bound of float32 and of the sampler."""
+    from baseten_loops_cli.local.engine import precision, trainer as trainer_module
+
+    module, info = model_zoo.load_model(TINY)
+    bf16 = registry.BaseModel(TINY, info, module)
+    bf16.store_matmul_weights_bf16()
+    precision.use_float32_attention(module)
+    bf16.make_twin()
+    assert bf16.twin.module.config._attn_implementation == precision.FLOAT32_ATTENTION
+    assert trainer_module._packable(module)
+    trainer = LoraTrainer(bf16, "attention", 4, seed=2)
+    try:
+        long, short = sft_datum(TEXT), sft_datum(TEXT[5:25])
+        with precision.using(precision.Precision("bfloat16", "cpu", "test")):
+            trainer.forward_backward([long])
+            trainer.optim_step({"learning_rate": 1e-2})
+            packed = trainer.forward([long, short, short])  # one row: long + short, one: short
+            alone = [logprobs_of(trainer.forward([d])) for d in (long, short)]
+            trainer.save_sampler_weights(tmp_path / "w")
+            [sampled] = SamplerEngine(bf16.twin).sample([SampleRequest(
+                prompt=TEXT[:6], n=2, max_tokens=8, seed=1, adapter="w",
+                adapter_path=tmp_path / "w")])
+            trained = [logprobs_of(trainer.forward([sft_datum(TEXT[:6] + s.tokens)]))[5:]
+                       for s in sampled.sequences]
+        bound = precision.BF16_LOGPROB_TOLERANCE
+        for got, want in zip([logprobs_of(packed, i) for i in range(3)], alone + alone[1:]):
+            assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-3
+        float32_lps = float32_logprobs(tmp_path / "w", TEXT)
+        assert max(abs(a - b) for a, b in zip(alone[0], float32_lps)) <= bound
+        for seq, lps in zip(sampled.sequences, trained):
+            assert max(abs(a - b) for a, b in zip(seq.logprobs, lps)) <= bound
+    finally:
+        trainer.release()
+
+
+def float32_logprobs(adapter: Path, tokens: list[int]) -> list[float]:
+    """Plain PEFT in float32: the logprobs of ``tokens[1:]`` under the adapter at ``adapter``."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model_zoo.build_tiny_model(), adapter)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()

@@ -189,3 +189,64 @@ def test_thread_budget_is_restored_after_overlapping_lanes(monkeypatch):
     finally:
         release.set()
         worker.stop(10)
+
+
+# GNU OpenMP keeps a worker pool for every thread that ran a multi-threaded region until that
+# thread exits, and throttles every pool's spin-wait once pools outnumber the CPUs: a server
+# whose sample lane had run alone with two threads trained 1.2x slower afterwards (issue 33,
+# bench/after_rl.py). So at most one lane thread holds a pool; checked on the OS threads.
+
+def _os_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_only_one_lane_thread_keeps_an_openmp_pool(monkeypatch):
+    import threading
+
+    import torch
+
+    from baseten_loops_cli.local.server import compute
+    from support import wait_for
+
+    def parallel(wait: threading.Event | None = None):
+        if wait is not None:
+            wait.wait(30)
+        torch.ones(1 << 21).exp_()  # big enough for ATen to run it on the OpenMP team
+        return threading.current_thread()
+
+    monkeypatch.setattr(compute, "_process_threads", 2)
+    worker = compute.ModelWorker(compute.Engine(), "pool-test")
+    try:
+        # Alone, each lane runs with both threads; the next lane to do so retires the other.
+        without_pools = _os_threads()
+        sampler = worker.submit("sample", parallel, compute.SAMPLE).result(30)
+        assert _os_threads() == without_pools + 1  # the sample lane's OpenMP worker
+        trainer = worker.submit("train", parallel, compute.TRAIN).result(30)
+        sampler.join(10)
+        assert not sampler.is_alive() and worker._lanes[compute.SAMPLE].thread.is_alive()
+        # The retired thread took its OpenMP worker with it: one pool's worker is left.
+        wait_for(lambda: _os_threads() == without_pools + 1, timeout=10, interval=0.05,
+                 what="the retired lane's OpenMP pool to exit")
+        again = worker.submit("train", parallel, compute.TRAIN).result(30)
+        assert again is trainer  # a lane working alone keeps its thread
+
+        # A job starting beside a busy lane that has every thread (oversubscribed: two on one
+        # core here) starts a second pool, so OpenMP throttles the busy one's spin-waits; a
+        # pooled lane that finishes while another lane is busy retires its own thread.
+        release_train, release_sample = threading.Event(), threading.Event()
+        training = worker.submit("train", lambda: parallel(release_train), compute.TRAIN)
+        time.sleep(0.2)
+        sampling = worker.submit("sample", lambda: parallel(release_sample), compute.SAMPLE)
+        wait_for(lambda: _os_threads() == without_pools + 2, timeout=10, interval=0.05,
+                 what="a second OpenMP pool while the lanes overlap")
+        release_train.set()
+        assert training.result(30) is trainer
+        trainer.join(10)
+        assert not trainer.is_alive()
+        release_sample.set()
+        sampling.result(30)
+        assert worker.submit("train", parallel, compute.TRAIN).result(30).is_alive()
+    finally:
+        worker.stop(10)

@@ -57,7 +57,7 @@ def start(
     ctx: typer.Context,
     port: Annotated[Optional[int], typer.Option("--port", "-p", help="Port on 127.0.0.1 (default 8717, or any free one).")] = None,
     foreground: Annotated[bool, typer.Option("--foreground", help="Serve in this terminal until Ctrl-C.")] = False,
-    dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Compute dtype: auto (bfloat16 where the CPU has AMX/AVX512-BF16 or the GPU has bf16, else float32), float32 or bfloat16. LoRA weights and optimizer state stay float32. Default: $LOOPS_DTYPE, else float32 (bf16's speed here is not measured yet).")] = None,
+    dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Compute dtype: auto (bfloat16 where the CPU has AMX/AVX512-BF16 or the GPU has bf16, else float32), float32 or bfloat16. LoRA weights and optimizer state stay float32. Default: $LOOPS_DTYPE, else auto.")] = None,
     device: Annotated[Optional[Device], typer.Option("--device", help="Compute device: auto (CUDA when torch sees one), cpu or cuda. Default: $LOOPS_DEVICE, else auto.")] = None,
 ) -> None:
     """Start the local server in the background (no-op if it is running).

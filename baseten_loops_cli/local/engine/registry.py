@@ -49,6 +49,9 @@ class BaseModel:
         # adding or deleting an adapter resets this (PEFT re-marks the layers then).
         self._active: str | None = None
         self._twin: BaseModel | None = None
+        # True once the frozen matmul weights are bf16 (precision.store_matmul_weights_bf16):
+        # every forward pass must then run under a bf16 policy.
+        self.bf16_weights = False
 
     @property
     def twin(self) -> "BaseModel":
@@ -65,7 +68,19 @@ class BaseModel:
             raise RuntimeError("a twin must be made before any adapter is attached")
         shared = {id(t): t for t in (*self.module.parameters(), *self.module.buffers())}
         self._twin = BaseModel(self.name, self.info, copy.deepcopy(self.module, memo=shared))
+        self._twin.bf16_weights = self.bf16_weights
         return self._twin
+
+    def store_matmul_weights_bf16(self) -> None:
+        """Keep the frozen matmul weights in bf16 (precision.store_matmul_weights_bf16), for
+        this base and its twin (the same tensors). Before any adapter exists."""
+        if self._peft is not None:
+            raise RuntimeError("the weights' dtype must be set before any adapter is attached")
+        precision.store_matmul_weights_bf16(self.module)
+        self.bf16_weights = True
+        if self._twin is not None:  # the twin's modules hold the old weight objects
+            self._twin = None
+            self.make_twin()
 
     @property
     def max_seq_len(self) -> int:
@@ -161,6 +176,9 @@ class BaseModel:
     def activate(self, name: str | None) -> Iterator[Any]:
         """Hold the lock with adapter ``name`` (None: no adapter, the plain base) active;
         yields the module to call."""
+        if self.bf16_weights and not precision.current().bf16:
+            raise RuntimeError(f"{self.name} was loaded with bf16 matmul weights; the dtype "
+                               "policy must not change to float32 after a model loads")
         with self.lock:
             if self._peft is None:
                 if name is not None:
@@ -200,10 +218,14 @@ def load_base(name: str) -> BaseModel:
             if name in _bases:
                 return _bases[name]
         module, info = load_model(name)
-        device = precision.current().device
-        if device != "cpu":  # weights stay float32 (precision.py); the twin shares them there
-            module = module.to(device)
+        policy = precision.current()
+        if policy.device != "cpu":  # the twin shares the weights there
+            module = module.to(policy.device)
         base = BaseModel(name, info, module)
+        if policy.bf16:  # frozen matmul weights in bf16 once; CPU attention in float32
+            base.store_matmul_weights_bf16()
+            if policy.device == "cpu":
+                precision.use_float32_attention(module)
         base.make_twin()
         with _registry_lock:
             _bases[name] = base

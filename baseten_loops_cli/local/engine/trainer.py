@@ -285,7 +285,8 @@ _PACKABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 def _packable(model: Any) -> bool:
     config = getattr(model, "config", None)
     return (getattr(config, "model_type", None) in _PACKABLE_MODEL_TYPES
-            and getattr(config, "_attn_implementation", None) in ("sdpa", "eager"))
+            and getattr(config, "_attn_implementation", None) in (
+                "sdpa", "eager", precision.FLOAT32_ATTENTION))
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:

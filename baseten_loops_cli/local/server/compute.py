@@ -214,8 +214,25 @@ def _spec(info: Any) -> ModelSpec:
     )
 
 
+_RETIRE = object()  # a lane's queue item: a thread holding an OpenMP pool hands over and exits
+_lanes: "set[_Lane]" = set()  # every lane in the process (OpenMP pools are per process)
+_lanes_lock = threading.Lock()
+
+
 class _Lane:
-    """One thread running its jobs in submission order."""
+    """One thread running its jobs in submission order.
+
+    The thread is replaced by a fresh one (same queue, same name) whenever it holds an OpenMP
+    pool that another lane's work would run beside. GNU OpenMP (torch's) keeps a pool of worker
+    threads for every thread that ran a multi-threaded region, until that thread exits, and
+    once the pools' threads outnumber the CPUs it throttles every pool's spin-wait (about 100
+    spins instead of 300,000), so each parallel region wakes its workers from a futex. On the
+    2-core machine a server that had sampled and trained with two threads each then trained
+    SmolLM2 SFT 1.2x slower than a fresh one (issue 33; bench/after_rl.py), its compute thread
+    waiting in libgomp a third of the time. So at most one lane thread holds a pool: a lane
+    about to run alone with several threads retires the other idle lanes' pooled threads, and a
+    pooled lane that finishes a job while another lane is busy retires its own.
+    """
 
     def __init__(self, worker: "ModelWorker", name: str) -> None:
         self.worker = worker
@@ -224,19 +241,67 @@ class _Lane:
         self.busy_seconds = 0.0
         self.jobs_done = 0
         self.current_job: str | None = None
-        self.thread = threading.Thread(target=self._loop, name=f"loops-{name}[{worker.model_name}]",
-                                       daemon=True)
+        self.pooled = False  # this thread ran a job with more than one torch thread
+        self.thread = self._new_thread()
+        with _lanes_lock:
+            _lanes.add(self)
+
+    def _new_thread(self) -> threading.Thread:
+        self.pooled = False
+        self.thread = threading.Thread(target=self._loop, daemon=True,
+                                       name=f"loops-{self.name}[{self.worker.model_name}]")
         self.thread.start()
+        return self.thread
 
     @property
     def busy(self) -> bool:
         return self.current_job is not None
+
+    def uses_threads(self, count: int) -> None:
+        """Called on this lane's thread before a job runs with ``count`` torch threads."""
+        with _lanes_lock:
+            others = [lane for lane in _lanes if lane is not self]
+        if count <= 1:
+            if not self.pooled and any(lane.pooled and lane.busy for lane in others):
+                self._throttle_while_oversubscribed()
+            return
+        self.pooled = True
+        for lane in others:
+            if lane.pooled and not lane.busy:
+                lane.jobs.put(_RETIRE)  # taken after anything already queued there
+
+    def _throttle_while_oversubscribed(self) -> None:
+        """This job runs beside a busy lane that started alone with every thread, so the
+        cores are oversubscribed until one of them ends: a second pool (of two threads, here)
+        makes OpenMP throttle the busy lane's spin-waits, which would otherwise take the CPU
+        this job needs (tiny RL with sampling and training overlapped: 8.2 s without, 7.6 s
+        with, as before pools were retired). This lane retires it when its job ends beside the
+        busy one, or when a lane next starts alone."""
+        import torch
+
+        torch.set_num_threads(2)
+        torch.ones(1 << 16).add_(1)  # a parallel region: the pool starts
+        self.pooled = True
+
+    def close(self) -> None:
+        with _lanes_lock:
+            _lanes.discard(self)
+        self.jobs.put(None)
+
+    def _others_busy(self) -> bool:
+        with _lanes_lock:
+            return any(lane.busy for lane in _lanes if lane is not self)
 
     def _loop(self) -> None:
         while True:
             item = self.jobs.get()
             if item is None:
                 return
+            if item is _RETIRE:
+                if self.pooled:
+                    self._new_thread()
+                    return  # this thread's OpenMP pool goes with it
+                continue
             future, label, fn = item
             if not future.set_running_or_notify_cancel():
                 continue
@@ -254,6 +319,9 @@ class _Lane:
                 self.busy_seconds += time.monotonic() - started
                 self.jobs_done += 1
                 self.current_job = None
+            if self.pooled and self._others_busy():
+                self._new_thread()
+                return
 
 
 TRAIN = "compute"
@@ -344,6 +412,7 @@ class ModelWorker:
         total = process_threads()
         others_busy = any(other.busy for other in self._lanes.values() if other is not lane)
         want = max(1, total // 2) if others_busy else total
+        lane.uses_threads(want)
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
@@ -390,7 +459,7 @@ class ModelWorker:
 
     def stop(self, timeout: float | None = None) -> None:
         for lane in self._lanes.values():
-            lane.jobs.put(None)
+            lane.close()
         for lane in self._lanes.values():
             lane.thread.join(timeout)
 
