@@ -9,11 +9,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
+import threading
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import pytest
 
@@ -148,3 +151,23 @@ def kill(process: Any, *, group: bool = False, timeout: float = 30.0) -> tuple[A
 
     wait_for(gone, timeout=timeout, interval=0.05, what=f"process {pid} to die")
     return None
+
+
+@contextlib.contextmanager
+def serve_asgi(app: Any) -> Iterator[str]:
+    """An ASGI app served by uvicorn on a free 127.0.0.1 port in a thread (a real HTTP peer for
+    judges, teachers and endpoints the tests stand up); yields its base URL and stops it after."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, timeout=20, interval=0.05, what="the test's HTTP server to start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -20,6 +20,7 @@ from baseten_loops_cli.training.data import Prompt
 from baseten_loops_cli.training.kinds.distill import Rollout, datums_of
 from baseten_loops_cli.training.teacher import TeacherScores
 from tests.cli_support import TINY, loops, one_line_error
+from tests.support import serve_asgi
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -178,11 +179,6 @@ def test_an_endpoint_teacher_scores_as_the_checkpoints_sampler_does(local_server
 
 
 def test_an_endpoint_without_prompt_logprobs_is_refused_before_provisioning(local_server, tmp_path):
-    import socket
-    import threading
-    import time
-
-    import uvicorn
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -191,24 +187,13 @@ def test_an_endpoint_without_prompt_logprobs_is_refused_before_provisioning(loca
         return JSONResponse({"choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}]})
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
+    with serve_asgi(app) as url:
         config = tmp_path / "distill.yaml"
         shutil.copy(EXAMPLES / "tiny-distill.yaml", config)
         shutil.copytree(EXAMPLES / "data", tmp_path / "data", ignore=shutil.ignore_patterns("*smol*", "*dpo*"))
-        result = loops(local_server, "train", "validate", str(config), "--set", f"teacher.url=http://127.0.0.1:{port}/v1",
+        result = loops(local_server, "train", "validate", str(config), "--set", f"teacher.url={url}/v1",
                        "--set", "teacher.model=m")  # fmt: skip
         one_line_error(result, 1, "teacher.url", "returned no prompt logprobs")
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_sigkill_mid_run_resumes_to_the_same_distilled_adapter(local_server, teacher_ref, tmp_path):

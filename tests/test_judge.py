@@ -7,8 +7,6 @@ its answers are known (10 x the digit fraction of the reply), so every parsed sc
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +15,7 @@ import pytest
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.judge import Judge, check_rubric, parse_group, parse_score
 from baseten_loops_cli.training.rewards import RewardError, build_reward
+from tests.support import serve_asgi
 
 ROOT = Path(__file__).resolve().parent.parent
 RUBRIC = "Question: {{ prompt }}\nExpected: {{ row.answer }}\n<reply>{{ reply }}</reply>\nScore 0-10."
@@ -29,8 +28,6 @@ def grader():
     """The example grader on 127.0.0.1, and the bodies of the chat requests it got (in order)."""
     import importlib.util
     import json
-
-    import uvicorn
 
     spec = importlib.util.spec_from_file_location("loops_example_grader", ROOT / "examples" / "judge" / "grader.py")
     module = importlib.util.module_from_spec(spec)
@@ -52,18 +49,8 @@ def grader():
                 return next(replay, {"type": "http.disconnect"})
         await module.app(scope, receive, send)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(counting, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}/v1", requests=requests)
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_asgi(counting) as url:
+        yield SimpleNamespace(url=f"{url}/v1", requests=requests)
 
 
 @pytest.fixture(scope="module")
