@@ -382,28 +382,38 @@ def test_ctrl_c_during_the_last_step_is_honoured_then_resumed(local_server, tmp_
 
 @pytest.mark.local
 def test_lost_reference_scores_are_scored_again_on_resume(local_server, tmp_path, monkeypatch):
-    """reference_logprobs.jsonl deleted after training began: the resumed run scores every
-    sequence again on the base model (the reference was the step-0 snapshot of a fresh LoRA,
+    """reference_logprobs.jsonl deleted after training began: the resumed run scores again, on
+    the base model, what is left to use (the reference was the step-0 snapshot of a fresh LoRA,
     which adds exactly zero) and gets the same numbers. The run is kept active, so its own
-    sampler serves trained weights: the reference must not be scored there."""
+    sampler serves trained weights: the reference must not be scored there. Each pass scores
+    only the pairs its steps train, plus the eval split: 4 of 6 batches (2 x 32 + 2 x 16), not
+    all 48 train pairs."""
+    from baseten_loops_cli.training.kinds.dpo import rows_to_train, sequence_key
+    from baseten_loops_cli.training.plan import load_data
+
     rundir_path = tmp_path / "run"
     status, run_id = _ctrl_c_at_step(local_server, rundir_path, monkeypatch, 2, ["max_steps=4", "eval_every=2"],
                                      deactivate=False)
     assert status == "interrupted"
     ref_file = rundir_path / "reference_logprobs.jsonl"
     original = {r["key"]: r["ref_logprobs"] for r in map(json.loads, ref_file.read_text().splitlines())}
-    assert len(original) == 2 * (48 + 16)
+    assert len(original) == 2 * (4 * 8 + 16)
     done = [r["step"] for r in metrics(rundir_path) if "loss" in r]
     assert done and max(done) < 4, done
     ref_file.unlink()
+    loaded = load_config(EXAMPLES / "tiny-dpo.yaml", ["max_steps=4", "eval_every=2"])
+    data = load_data(loaded)
+    left = [data.train[i] for i in rows_to_train(len(data.train), loaded.config, max(done))] + data.eval
+    wanted = {sequence_key(e.tokens) for pair in left for e in (pair.chosen, pair.rejected)}
+    assert len(wanted) < len(original)
 
     resumed = loops_subprocess(local_server, "train", "resume", str(rundir_path), "-o", "jsonl", timeout=300)
     assert resumed.code == 0, resumed
-    assert f"Scoring {len(original)} sequences with the reference policy (base)" in resumed.stderr
+    assert f"Scoring {len(wanted)} sequences with the reference policy (base)" in resumed.stderr
     rescored = {r["key"]: r["ref_logprobs"] for r in map(json.loads, ref_file.read_text().splitlines())}
-    assert rescored.keys() == original.keys()
-    gaps = [max(abs(a - b) for a, b in zip(original[k], rescored[k])) for k in original]
-    assert all(len(original[k]) == len(rescored[k]) for k in original)
+    assert rescored.keys() == wanted
+    gaps = [max(abs(a - b) for a, b in zip(original[k], rescored[k])) for k in wanted]
+    assert all(len(original[k]) == len(rescored[k]) for k in wanted)
     assert max(gaps) < 1e-4, max(gaps)
     assert [r["step"] for r in metrics(rundir_path) if "loss" in r] == [1, 2, 3, 4]
     final = [r for r in metrics(rundir_path) if r.get("step") == 4 and "eval_loss" in r]

@@ -54,7 +54,7 @@ REFERENCE_CHECKPOINT = "dpo-reference"
 _SCORES_IN_FLIGHT = 32  # reference-scoring requests at once (a local sampler batches them)
 _SCORES_PER_APPEND = 64  # and made durable in chunks of this many
 
-__all__ = ["KIND", "DPOConfig", "check_reference", "evaluate", "param_error", "preference_metrics", "reference_logprobs",
+__all__ = ["KIND", "DPOConfig", "check_reference", "evaluate", "param_error", "preference_metrics", "reference_logprobs", "rows_to_train",
            "run_dpo", "sequence_datum", "sequence_key", "total_steps"]
 
 
@@ -174,18 +174,29 @@ def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None 
     return [[p.chosen, p.rejected] for p in load_preference_pairs(spec, tokenizer, max_seq_len=max_seq_len)]
 
 
+def rows_to_train(n_train: int, config: Any, start_step: int = 0) -> list[int]:
+    """The train rows that steps ``start_step``.. of the run use, each once, in order of first
+    use: what the reference pass scores. A run cut short by ``max_steps`` (or resumed near
+    its end) scores its own batches only, not the whole split."""
+    used: dict[int, None] = {}
+    for step in range(start_step, total_steps(n_train, config)):
+        used.update(dict.fromkeys(batches_for_step(n_train, config.batch_size, step, seed=config.seed,
+                                                   shuffle=config.data.shuffle)))
+    return list(used)
+
+
 def estimate(config, data: LoadedData) -> Estimate:
     """Exact: each step's pairs, chosen + rejected (whole sequences); before step 1 the reference
-    (dpo, ipo) scores every sequence of both splits once (a prefill each, no backward). The
-    custom-loss path (every loss but dpo) also scores each step's batch with a ``/forward``
-    before its ``/forward_backward``."""
+    (dpo, ipo) scores the sequences the run uses once (a prefill each, no backward): every train
+    pair some step trains (:func:`rows_to_train`) and the eval split. The custom-loss path (every
+    loss but dpo) also scores each step's batch with a ``/forward`` before its ``/forward_backward``."""
     steps = total_steps(len(data.train), config)
     train_tokens = sum(
         len(data.train[i].chosen.tokens) + len(data.train[i].rejected.tokens)
         for step in range(steps)
         for i in batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
     )
-    pairs = data.train + (data.eval or [])
+    pairs = [data.train[i] for i in rows_to_train(len(data.train), config)] + (data.eval or [])
     scored, notes = 0, []
     if config.needs_reference:
         scored = sum(len(p.chosen.tokens) + len(p.rejected.tokens) for p in pairs)
@@ -509,7 +520,8 @@ def run_dpo(
     config = session.config
     sink.start(total_steps(len(train), config), session.start_step, "loss")
     params = config.loss_params
-    scores = reference_logprobs(session, train + (eval_pairs or []), sink, stop) if config.needs_reference else None
+    used = [train[i] for i in rows_to_train(len(train), config, session.start_step)]
+    scores = reference_logprobs(session, used + (eval_pairs or []), sink, stop) if config.needs_reference else None
     if save_if_stopped(session, stop, session.start_step):
         return "interrupted"
     protocol = None

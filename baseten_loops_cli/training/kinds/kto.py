@@ -31,7 +31,7 @@ from baseten_loops_cli.training.data import Example, batches_for_step
 from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.kinds.dpo import (
-    StepSubmission, check_reference, param_error, preference_loop, reference_scores, reference_value,
+    StepSubmission, check_reference, param_error, preference_loop, reference_scores, reference_value, rows_to_train,
     sequence_datum, submit_preference_step,
 )  # fmt: skip
 from baseten_loops_cli.training.kinds.sft import total_steps
@@ -142,13 +142,13 @@ def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None 
 def estimate(config, data: LoadedData) -> Estimate:
     """Exact: each step's examples are trained; their KL sequences are only scored (the step's
     ``/forward`` scores both); before step 1 the reference scores every example and KL sequence
-    of both splits once."""
+    the run uses once (dpo.rows_to_train and the eval split)."""
     steps = total_steps(len(data.train), config)
     batches = [batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
                for step in range(steps)]
     train_tokens = sum(len(data.train[i].example.tokens) for batch in batches for i in batch)
     step_forward = sum(len(data.train[i].example.tokens) + len(data.train[i].kl.tokens) for batch in batches for i in batch)
-    items = data.train + (data.eval or [])
+    items = [data.train[i] for i in rows_to_train(len(data.train), config)] + (data.eval or [])
     reference = sum(len(item.example.tokens) + len(item.kl.tokens) for item in items)
     desirable = sum(1 for item in data.train if item.label)
     params = config.loss_params
@@ -200,7 +200,7 @@ def run_kto(session: TrainingSession, train: list[KTOItem], eval_items: list[KTO
     config = session.config
     params = config.loss_params
     sink.start(total_steps(len(train), config), session.start_step, "loss")
-    items = train + (eval_items or [])
+    items = [train[i] for i in rows_to_train(len(train), config, session.start_step)] + (eval_items or [])
     scores = reference_scores(session, [s for item in items for s in (item.example, item.kl)], sink, stop)
     if save_if_stopped(session, stop, session.start_step):
         return "interrupted"
