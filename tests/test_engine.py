@@ -749,3 +749,59 @@ def float32_logprobs(adapter: Path, tokens: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+
+
+def test_one_copy_of_the_base_weights(make_trainer, base, tmp_path) -> None:
+    """Trainers (on the base), samplers, base-model samplers and deployments (all on the twin,
+    with adapters of their own) compute with the same weight tensors: one copy in memory."""
+    assert registry.load_base(TINY) is base
+    trainer = make_trainer(seed=2)
+    trainer.save_sampler_weights(tmp_path / "w")
+    engine = SamplerEngine(base.twin)  # what the server's sample lane runs
+    engine.sample([SampleRequest(prompt=TEXT[:4], max_tokens=2, adapter="dep",
+                                 adapter_path=tmp_path / "w"),  # a deployment's adapter
+                   SampleRequest(prompt=TEXT[:4], max_tokens=2)])  # the plain base
+    twin = dict(base.twin.module.named_parameters())
+    weights = {n: p for n, p in base.module.named_parameters() if "lora_" not in n}
+    assert len(weights) == len(list(model_zoo.build_tiny_model().parameters()))
+    for name, param in weights.items():
+        # PEFT wraps the adapted layers on both sides alike ("base_layer" in both names)
+        assert twin[name].data_ptr() == param.data_ptr(), name
+    engine.unload_adapter("dep")
+
+
+def test_sampler_memory_follows_the_request(base, monkeypatch) -> None:
+    """The prefill computes logits at the last prompt position only (every position when prompt
+    logprobs are asked for), and the KV cache holds the request's positions (prompt + tokens
+    fed back), not the model's maximum length (issue 33)."""
+    import transformers
+
+    caches: list = []
+
+    class RecordedCache(transformers.DynamicCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+
+    monkeypatch.setattr(transformers, "DynamicCache", RecordedCache)
+    head = base.module.get_output_embeddings()
+    positions: list[int] = []
+    hook = head.register_forward_hook(lambda m, i, o: positions.append(i[0].shape[1]))
+    engine = SamplerEngine(base)
+    prompt = TEXT[:10]
+    try:
+        (plain,) = engine.sample([SampleRequest(prompt=prompt, n=2, max_tokens=6, seed=1)])
+        assert positions[0] == 1 and set(positions) == {1}
+        positions.clear()
+        (scored,) = engine.sample([SampleRequest(prompt=prompt, max_tokens=2, seed=1,
+                                                 prompt_logprobs=0)])
+        assert positions[0] == len(prompt)
+    finally:
+        hook.remove()
+    longest = max(len(seq.tokens) for seq in plain.sequences)
+    cache = caches[0]
+    assert cache.get_seq_length() == len(prompt) + longest - 1  # the last token is not fed back
+    keys = cache.layers[0].keys
+    assert keys.shape[0] == 2 and keys.shape[-2] == len(prompt) + longest - 1
+    assert keys.shape[-2] < base.max_seq_len
+    assert len(scored.prompt_logprobs) == len(prompt)
