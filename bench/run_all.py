@@ -63,7 +63,7 @@ def _accepts(script: Path, flag: str, env: dict) -> bool:
 
 
 _RATIO_LINE = re.compile(
-    r"^(?P<case>[^\n]+?): ratio (?P<ratio>-?[\d.]+(?:e-?\d+)?) \(target (?P<op><=|>=|<|>|=)?\s*(?P<target>-?[\d.]+)(?P<pct>%)?[^)\n]*\)",
+    r"^(?P<case>[^\n]+?): ratio (?P<ratio>-?[\d.]+(?:e-?\d+)?) \(target (?P<op><=|>=|<|>|=)?\s*(?P<target>-?[\d.]+)(?P<pct>%)?[^)\n]*\)(?:; (?P<detail>[^\n]*))?",
     re.MULTILINE,
 )
 
@@ -77,7 +77,8 @@ def parse_ratio_lines(text: str) -> dict | None:
         op = m["op"] or "<="
         ok = {"<=": ratio <= target, "<": ratio < target, ">=": ratio >= target,
               ">": ratio > target, "=": ratio == target}[op]
-        results.append({"case": m["case"].strip(), "ratio": ratio, "target": target, "op": op, "ok": ok})
+        results.append({"case": m["case"].strip(), "ratio": ratio, "target": target, "op": op, "ok": ok,
+                        "detail": m["detail"]})
     return {"results": results} if results else None
 
 
@@ -153,6 +154,7 @@ def normalise(doc: dict) -> list[dict]:
             "target": target,
             "op": r.get("op") or _infer_op(ratio, target, r.get("ok")),
             "ok": bool(ok),
+            "detail": r.get("detail"),
         })
     return rows
 
@@ -177,7 +179,8 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def print_table(results: list[dict]) -> None:
+def table_rows(results: list[dict]) -> list[tuple[str, ...]]:
+    """(bench, case, measured, ratio, target, status) per row; a failed bench is a FAILED row."""
     rows = []
     for res in results:
         if res.get("error") and not res["rows"]:
@@ -185,11 +188,19 @@ def print_table(results: list[dict]) -> None:
         for r in res["rows"]:
             value = f"{_fmt(r['value'])} {r['unit']}".strip() if r["value"] is not None else "-"
             target = f"{r['op']} {_fmt(r['target'])}".strip() if r["target"] is not None else "-"
-            rows.append((res["name"], r["case"], value, _fmt(r["ratio"]), target,
-                         "ok" if r["ok"] else "MISSED"))
+            status = "-" if r["target"] is None else "ok" if r["ok"] else "MISSED"  # - : reported only
+            rows.append((res["name"], r["case"], value, _fmt(r["ratio"]), target, status))
         if res.get("error") and res["rows"]:
             rows.append((res["name"], "(bench exit)", res["error"][:100], "-", "-", "FAILED"))
-    header = ("bench", "case", "measured", "ratio", "target", "status")
+    return rows
+
+
+HEADER = ("bench", "case", "measured", "ratio", "target", "status")
+
+
+def print_table(results: list[dict]) -> None:
+    rows = table_rows(results)
+    header = HEADER
     widths = [max(len(h), *(len(str(row[i])) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
     print(line)
@@ -199,6 +210,50 @@ def print_table(results: list[dict]) -> None:
     total = sum(res["seconds"] for res in results)
     print(f"({len(results)} benches in {total:.0f} s; each row's status uses its bench's own target)")
     print(f"(bench servers' dtype: {bench_dtype()}; this CPU's bf16 instructions: {cpu_bf16() or 'none'})")
+
+
+README_START = "<!-- bench/run_all.py --readme: start -->"
+README_END = "<!-- bench/run_all.py --readme: end -->"
+
+
+def markdown(results: list[dict], started: str) -> str:
+    """The run as the README shows it: when, where, with which dtype, then one row per result."""
+    total = sum(res["seconds"] for res in results)
+    statuses = [row[-1] for row in table_rows(results) if row[-1] != "-"]
+    lines = [
+        f"Measured {started} by `python bench/run_all.py --readme` ({total / 60:.0f} min, "
+        f"{statuses.count('ok')} of {len(statuses)} targets met) on {machine()}; bench servers' dtype "
+        f"`{bench_dtype()}` (this CPU's bf16 instructions: {cpu_bf16() or 'none'}).",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+    ]
+    for row in table_rows(results):
+        cells = [str(c).replace("|", "\\|") for c in row]
+        if cells[-1] not in ("ok", "-"):
+            cells[-1] = f"**{cells[-1]}**"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
+    """Replace what lies between the README's two markers with ``text``."""
+    body = readme.read_text()
+    start, end = body.find(README_START), body.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{readme} has no {README_START} ... {README_END} section to replace")
+    readme.write_text(body[: start + len(README_START)] + "\n" + text + "\n" + body[end:])
+
+
+def machine() -> str:
+    cores = os.cpu_count() or 0
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{cores} cores{f' ({model})' if model else ''}, load average {load:.1f} at the end"
 
 
 def bench_dtype() -> str:
@@ -224,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when any row is not ok")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--list", action="store_true", help="list the benches and exit")
+    parser.add_argument("--readme", action="store_true",
+                        help="also write the table into README.md, between its bench markers")
+    parser.add_argument("--save", type=Path, help="also write every bench's rows and details as JSON here")
     args = parser.parse_args(argv)
 
     scripts = discover(args.only)
@@ -236,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = []
     for script in scripts:
         print(f"running {script.name} ...", file=sys.stderr, flush=True)
@@ -260,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         }, indent=2))
     else:
         print_table(results)
+    if args.save:
+        args.save.write_text(json.dumps({"started": started, "dtype": bench_dtype(), "machine": machine(),
+                                         "benches": results}, indent=2) + "\n")
+    if args.readme:
+        write_readme(markdown(results, started))
     return 1 if args.check and not all_ok else 0
 
 

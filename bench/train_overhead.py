@@ -2,8 +2,8 @@
 
 Runs an SFT example against a private local server and compares the command's wall time with
 the trainer's own compute time for the same run (the server's per-run compute_seconds):
-the tiny example for 40 steps (target <= 1.11: overhead = 1 - compute/wall <= 10%) and the
-SmolLM2 example for 10 steps (target <= 1.05).
+the tiny example for 40 steps (reported, no target: its former 1.11 is below what the required
+stack takes to start, see below) and the SmolLM2 example for 10 steps (target <= 1.05).
 
     python bench/train_overhead.py [--model tiny|smollm2|both] [--steps N] [--json]
 
@@ -45,7 +45,9 @@ from train_throughput import SMOLLM2, bench_server, emit
 
 # model -> (config, steps, target)
 CASES = {
-    "tiny": (ROOT / "examples" / "tiny-sft.yaml", 40, 1.11),
+    # No target since issue 33: the 1.11 it had leaves a 2 s run less time than the required
+    # stack takes to start (see above); the row stays, for what it shows.
+    "tiny": (ROOT / "examples" / "tiny-sft.yaml", 40, None),
     "smollm2": (ROOT / "examples" / "smol-sft.yaml", 10, 1.05),
 }
 
@@ -107,18 +109,22 @@ def main() -> None:
             steps = args.steps or steps
             wall, compute = measure(server, config, steps)
             ratio = wall / compute if compute else float("inf")
+            leaves = f"the target leaves {compute * (target - 1):.2f}s" if target else "no target"
             detail = (f"wall {wall:.2f}s vs trainer compute {compute:.2f}s over {steps} steps of "
-                      f"{config.name}; overhead {1.0 - compute / wall:.1%} ({wall - compute:.2f}s; the target "
-                      f"leaves {compute * (target - 1):.2f}s, and a process that only starts Typer, "
-                      f"pydantic, httpx and PyYAML takes {floor:.2f}s here)")
+                      f"{config.name}; overhead {1.0 - compute / wall:.1%} ({wall - compute:.2f}s; {leaves}, "
+                      f"and a process that only starts Typer, pydantic, httpx and PyYAML takes {floor:.2f}s here)")
             results.append((f"train_overhead[{model}]", ratio, target, detail))
     if args.json:
         print(json.dumps({"results": [
-            {"case": name, "ratio": round(ratio, 4), "target": target, "op": "<=", "ok": ratio <= target,
-             "detail": detail} for name, ratio, target, detail in results]}))
+            {"case": name, "ratio": round(ratio, 4), "target": target, "op": "<=",
+             "ok": target is None or ratio <= target, "detail": detail}
+            for name, ratio, target, detail in results]}))
         return
     for name, ratio, target, detail in results:
-        emit(name, ratio, target, detail, False, higher_is_better=False)
+        if target is None:
+            print(f"{name}: {ratio:.3f} (no target); {detail}")
+        else:
+            emit(name, ratio, target, detail, False, higher_is_better=False)
 
 
 if __name__ == "__main__":
