@@ -805,3 +805,39 @@ def test_sampler_memory_follows_the_request(base, monkeypatch) -> None:
     assert keys.shape[0] == 2 and keys.shape[-2] == len(prompt) + longest - 1
     assert keys.shape[-2] < base.max_seq_len
     assert len(scored.prompt_logprobs) == len(prompt)
+
+
+def test_sampler_prefills_each_prompt_once_for_its_samples(base) -> None:
+    """A request with n samples is prefilled as one row and its KV cache, mask, positions and
+    last logits repeated to n rows (issue 33: an RL group of 4 prefilled its prompt 4 times);
+    requests with different n share one batch, seeded requests reproduce, greedy samples agree."""
+    rows: list[int] = []
+    hook = base.module.register_forward_pre_hook(
+        lambda m, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    engine = SamplerEngine(base)
+    seeded = [SampleRequest(prompt=TEXT[:9], n=4, max_tokens=6, seed=3, temperature=1.0),
+              SampleRequest(prompt=TEXT[3:8], n=1, max_tokens=4, seed=5, temperature=1.0,
+                            prompt_logprobs=1),
+              SampleRequest(prompt=TEXT[:12], n=2, max_tokens=6, seed=8, temperature=1.0)]
+    try:
+        first = engine.sample(seeded)
+        assert rows[0] == 3 and set(rows[1:]) == {4 + 1 + 2}  # prefill: one row per request
+        again = engine.sample(seeded)
+        (greedy4,) = engine.sample([SampleRequest(prompt=TEXT[:9], n=4, max_tokens=6,
+                                                  temperature=0.0)])
+        (greedy1,) = engine.sample([SampleRequest(prompt=TEXT[:9], max_tokens=6,
+                                                  temperature=0.0)])
+    finally:
+        hook.remove()
+    assert [len(r.sequences) for r in first] == [4, 1, 2]
+    for ours, theirs in zip(first, again):
+        assert [s.tokens for s in ours.sequences] == [s.tokens for s in theirs.sequences]
+        assert [s.logprobs for s in ours.sequences] == [s.logprobs for s in theirs.sequences]
+    assert len({tuple(s.tokens) for s in first[0].sequences}) > 1  # distinct streams per sample
+    assert [len(s.tokens) for s in first[0].sequences] == [6] * 4
+    assert [s.tokens for s in greedy4.sequences] == [greedy1.sequences[0].tokens] * 4
+    # Prompt logprobs come from the request's own prefill row (its prompt, not the padding).
+    (alone,) = engine.sample([seeded[1]])
+    assert [e.logprob for e in first[1].prompt_logprobs[1:]] == pytest.approx(
+        [e.logprob for e in alone.prompt_logprobs[1:]], abs=1e-5)
+    assert first[1].prompt_logprobs[0] is None and first[0].prompt_logprobs is None

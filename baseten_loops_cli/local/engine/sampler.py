@@ -1,8 +1,9 @@
 """Batched token generation on a base model or one of its LoRA adapters.
 
-Requests for the same adapter (or the plain base) are generated together: their prompts
-(each repeated ``n`` times) are left-padded into one batch, prefilled once, and decoded one
-token per step with a KV cache (``DynamicCache``), in this module's own loop rather than
+Requests for the same adapter (or the plain base) are generated together: their prompts are
+left-padded into one batch and prefilled once each (one row per request), then the KV cache
+(``DynamicCache``), mask, positions and last logits are repeated into one row per sample
+(``n`` per request), decoded one token per step in this module's own loop rather than
 ``model.generate`` so that it controls the logprobs:
 
 - the logprob reported for each sampled token is from the **unmodified** distribution
@@ -175,9 +176,12 @@ class SamplerEngine:
 
         rows = [_Row(r, j, _generator(req.seed, j))
                 for r, req in enumerate(requests) for j in range(req.n)]
-        prompts = [requests[row.request].prompt for row in rows]
+        # The prefill has one row per request; its results are repeated to the rows after it
+        # (an RL group of n samples prefills its prompt once, not n times).
+        prompts = [req.prompt for req in requests]
+        samples = torch.tensor([req.n for req in requests])
         width = max(len(p) for p in prompts)
-        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        input_ids = torch.zeros((len(prompts), width), dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for i, prompt in enumerate(prompts):  # left padding: every prompt ends at `width`
             input_ids[i, width - len(prompt):] = torch.tensor(prompt)
@@ -206,9 +210,12 @@ class SamplerEngine:
             all_logits = forward(input_ids=input_ids, attention_mask=attention_mask,
                                  position_ids=position_ids, cache=cache, logits_to_keep=keep)
             prompt_logprobs = self._prompt_logprobs(all_logits, rows, requests, width)
-            logits = all_logits[:, -1]
+            logits = all_logits[:, -1].repeat_interleave(samples, dim=0)
             del all_logits
-            next_positions = position_ids[:, -1] + 1
+            cache.batch_select_indices(
+                torch.arange(len(requests)).repeat_interleave(samples).to(policy.device))
+            attention_mask = attention_mask.repeat_interleave(samples, dim=0)
+            next_positions = position_ids[:, -1].repeat_interleave(samples) + 1
             for step in range(max_steps):
                 for row in rows:
                     if row.finish_reason is None and step >= requests[row.request].max_tokens:
@@ -275,15 +282,15 @@ class SamplerEngine:
     def _prompt_logprobs(self, logits: torch.Tensor, rows: list[_Row],
                          requests: list[SampleRequest], width: int
                          ) -> list[list[PromptTokenLogprob | None] | None]:
-        """Per request (from its first row's prefill logits), or None if not asked for."""
+        """Per request (from its prefill row, ``logits[request]``), or None if not asked for."""
         found: list[list[PromptTokenLogprob | None] | None] = [None] * len(requests)
-        for i, row in enumerate(rows):
+        for row in rows:
             req = requests[row.request]
             if req.prompt_logprobs is None or row.sample != 0:
                 continue
             start = width - len(req.prompt)
             # logits at position p predict token p + 1
-            logprobs = torch.log_softmax(logits[i, start: width - 1].float(), dim=-1)
+            logprobs = torch.log_softmax(logits[row.request, start: width - 1].float(), dim=-1)
             targets = torch.tensor(req.prompt[1:], dtype=torch.long)
             picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             ranks = (logprobs > picked.unsqueeze(-1)).sum(-1) + 1
