@@ -637,12 +637,16 @@ def test_lm_head_runs_only_where_outputs_are_read(make_trainer, base, monkeypatc
     datum["loss_fn_inputs"]["target_tokens"]["data"][:2] = [-100, -100]
     lean, full = make_trainer(seed=3), make_trainer(seed=3)
     calls: list[tuple[int, bool]] = []
-    head = base.module.get_output_embeddings()
-    hook = head.register_forward_hook(lambda m, i, o: calls.append((i[0].shape[0], o.requires_grad)))
-    try:
-        lean_out = lean.forward_backward([datum])
-    finally:
-        hook.remove()
+    real = trainer_module.HeadLogprobs.apply
+
+    def recorded(hidden, *args):
+        out = real(hidden, *args)
+        calls.append((hidden.shape[0], out[0].requires_grad))
+        return out
+
+    monkeypatch.setattr(trainer_module.HeadLogprobs, "apply", recorded)
+    lean_out = lean.forward_backward([datum])
+    monkeypatch.undo()
     assert calls == [(6, True), (3, False)]  # 6 trained, 3 read (weight 0), 2 ignored
     monkeypatch.setattr(trainer_module, "_lm_head", lambda model: None)
     full_out = full.forward_backward([datum])
