@@ -544,7 +544,7 @@ def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top
     # With a head: which positions of each datum are read with and without a gradient; the
     # head then runs once per kind over every datum's positions (one (P, V) matmul instead of
     # one per datum: 8 small ones took ~0.17 s of a 1.2 s SmolLM2 SFT step).
-    pending: list[tuple[int, torch.Tensor, bool, torch.Tensor]] = []  # (datum, positions, grad, targets)
+    groups: dict[bool, list[tuple[int, torch.Tensor, torch.Tensor]]] = {True: [], False: []}  # grad -> (datum, positions, targets)
     for d, (out, datum) in enumerate(zip(outputs, parsed)):
         loss_inputs = datum.inputs if device == "cpu" else {
             key: value.to(device) for key, value in datum.inputs.items()}
@@ -569,7 +569,7 @@ def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top
         for rows, grad in ((trained, True), (read & ~trained, False)):
             at = rows.nonzero().squeeze(-1)
             if at.numel():
-                pending.append((d, at, grad, index[at]))
+                groups[grad].append((d, at, index[at]))
         inputs.append(losses.DatumLossInput(valid, valid, loss_inputs))  # logprobs filled below
         if top_k:
             top.append((torch.zeros((n, top_k), dtype=torch.float32, device=out.device),
@@ -578,23 +578,21 @@ def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top
         return inputs, top
     picked_by_datum = [torch.zeros(d.valid.shape, dtype=torch.float32, device=out.device)
                        for d, out in zip(inputs, outputs)]
-    for grad in (True, False):
-        group = [(d, at, index) for d, at, wants, index in pending if wants == grad]
+    for grad, group in groups.items():
         if not group:
             continue
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             part, values, ids = HeadLogprobs.apply(
                 torch.cat([outputs[d][at] for d, at, _ in group]), head.weight,
                 torch.cat([index for _, _, index in group]), autocast, top_k)
-        pair = (values.detach(), ids) if top_k else None
         offset = 0
         for d, at, _ in group:
             count = at.shape[0]
             # out of place, with autograd as the caller has it: keeps the trained part's graph
             picked_by_datum[d] = picked_by_datum[d].index_put((at,), part[offset: offset + count])
-            if pair is not None:
-                values, ids = top[d]
-                values[at], ids[at] = pair[0][offset: offset + count], pair[1][offset: offset + count]
+            if top_k:
+                top[d][0][at] = values[offset: offset + count].detach()
+                top[d][1][at] = ids[offset: offset + count]
             offset += count
     for d, datum in enumerate(inputs):
         datum.target_logprobs = picked_by_datum[d] * datum.valid
