@@ -12,7 +12,7 @@ tiny model's weights are a few hundred KiB, so its ratio is not the target's). F
 
 Where the peaks came from (issue 33, bf16 default, under load): the RL example's one backward
 over its 32-sequence PPO batch held every layer's activations at once (peak 3326 MiB, 6.5x;
-now a backward per chunk of tokens, trainer.BACKWARD_CHUNK_TOKENS), and a bf16 base kept the
+now a backward per chunk of tokens, trainer.BACKWARD_CHUNK_BYTES), and a bf16 base kept the
 whole mmapped safetensors file resident beside its bf16 weights (now unmapped). SFT 1923 ->
 1502 MiB (3.75 -> 2.93x), RL 3326 -> 1826 MiB (6.48 -> 3.56x) with 512-token chunks, and
 1246 MiB (2.43x) and 1390 MiB (2.71x) with 256-token chunks (no slower: 103 s and 82 s).

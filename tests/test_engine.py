@@ -309,7 +309,7 @@ def test_rl_loss_runs_through_the_trainer(make_trainer) -> None:
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
 def test_a_large_batch_backward_runs_in_chunks_with_one_pass_results(
         make_trainer, monkeypatch, loss_fn) -> None:
-    """Over BACKWARD_CHUNK_TOKENS, forward_backward runs per chunk (bounding the activations
+    """Over BACKWARD_CHUNK_BYTES of activations, forward_backward runs per chunk (bounding the activations
     held at once): the same outputs, metrics and update as one pass."""
     from baseten_loops_cli.local.engine import trainer as trainer_module
 
@@ -324,7 +324,9 @@ def test_a_large_batch_backward_runs_in_chunks_with_one_pass_results(
     monkeypatch.setattr(trainer_module, "_datum_outputs",
                         lambda model, seqs, *a, **k: calls.append(len(seqs)) or original(
                             model, seqs, *a, **k))
-    monkeypatch.setattr(trainer_module, "BACKWARD_CHUNK_TOKENS", 30)
+    per_token = trainer_module.activation_bytes_per_token(one.base.module.config, "float32")
+    monkeypatch.setattr(trainer_module, "BACKWARD_CHUNK_BYTES", 30 * per_token)
+    assert trainer_module.backward_chunk_tokens(one.base.module.config, "float32") == 30
     parts = chunked.forward_backward(data, loss_fn)
     assert len(calls) > 1 and sum(calls) == len(data)
     # Equal up to float32 summation order (the chunks pack their rows differently).

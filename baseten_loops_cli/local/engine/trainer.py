@@ -122,11 +122,12 @@ class LoraTrainer:
 
         policy = precision.current()
         # A backward pass keeps every layer's activations until it runs: for a large batch
-        # it runs per chunk of at most BACKWARD_CHUNK_TOKENS tokens (the gradients add up in
-        # .grad), so the autograd graph of one chunk is alive at a time. Every loss but DPO
+        # it runs per chunk of at most BACKWARD_CHUNK_BYTES of activations (the gradients add
+        # up in .grad), so the autograd graph of one chunk is alive at a time. Every loss but DPO
         # is a sum over datums; DPO's pairs are not split, so it stays one pass.
         if backward and loss_fn != "dpo":
-            chunks = backward_chunks([len(p.tokens) for p in parsed], BACKWARD_CHUNK_TOKENS)
+            chunks = backward_chunks([len(p.tokens) for p in parsed],
+                                     backward_chunk_tokens(self.base.module.config, policy.dtype))
         else:
             chunks = [list(range(len(parsed)))]
         loss_inputs: list[Any] = [None] * len(parsed)
@@ -288,12 +289,31 @@ class LoraTrainer:
 
 # ── helpers ──
 
-# The most tokens one backward pass holds activations for (see LoraTrainer._run). SmolLM2 in
-# bf16 keeps about 1 MB of activations per token across its 30 layers, so the RL example's
-# 32-sequence batch held ~2 GB at once. bench/memory.py (under load): RL example peak 2178 MiB
-# with 512-token chunks, 1390 with 256 (steps no slower: 256-row matmuls stay large); small
-# batches (most tests) are one chunk, bit-identical to one pass.
-BACKWARD_CHUNK_TOKENS = 256
+# The most activation bytes one backward pass holds (see LoraTrainer._run). SmolLM2's RL
+# example (32 sequences) held ~2 GB at once in one pass; bench/memory.py (under load): RL
+# example peak 2178 MiB with 512-token chunks, 1390 with 256 (steps no slower: 256-row matmuls
+# stay large). The budget is in bytes, not tokens, because a token's activations scale with
+# the model: 256 SmolLM2 tokens hold as much as ~10,000 of the tiny model's, whose batches
+# chunked by tokens ran 30% slower (bench/train_throughput.py: 0.92 -> 1.28 of plain PEFT).
+BACKWARD_CHUNK_BYTES = 272 * 2**20
+# Saved activations per token, per layer and per unit of hidden_size + intermediate_size
+# (torch.autograd.graph.saved_tensors_hooks over one forward_backward, frozen weights left
+# out): SmolLM2 1069 KB/token in bf16 (16.9), 1420 in float32 (22.4); the tiny model 19.2.
+ACTIVATION_BYTES_PER_WIDTH = {"bfloat16": 17, "float32": 23}
+
+
+def activation_bytes_per_token(config: Any, dtype: str) -> int:
+    """The activation bytes a backward pass keeps per token of a model with ``config`` (a
+    transformers config) computing in ``dtype``: the estimate the chunk budget divides."""
+    width = int(getattr(config, "hidden_size", 0) or 0) + int(
+        getattr(config, "intermediate_size", 0) or 0)
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    return max(1, layers * width * ACTIVATION_BYTES_PER_WIDTH.get(dtype, 23))
+
+
+def backward_chunk_tokens(config: Any, dtype: str) -> int:
+    """How many tokens one backward pass takes under :data:`BACKWARD_CHUNK_BYTES`."""
+    return max(1, BACKWARD_CHUNK_BYTES // activation_bytes_per_token(config, dtype))
 
 
 def backward_chunks(lengths: list[int], budget: int) -> list[list[int]]:
