@@ -117,6 +117,8 @@ class BaseModel:
                 self._peft = get_peft_model(self.module, config, adapter_name=safe)
             else:
                 self._peft.add_adapter(safe, config)
+            if self.bf16_weights:
+                precision.share_input_casts(self.module)
             self._adapter_names[name] = safe
 
     def load_adapter(self, name: str, path: str | Path) -> None:
