@@ -485,6 +485,47 @@ def test_sampler_logprobs_match_trainer_logprobs(make_trainer, base, tmp_path) -
     assert not engine.loaded_adapters
 
 
+def test_a_full_sampler_refills_its_oldest_adapter_with_a_new_version(make_trainer, base,
+                                                                      tmp_path) -> None:
+    """At MAX_LOADED_ADAPTERS, a new adapter of the same shape takes over the least recently
+    used one's layers (no PEFT layer surgery: the base keeps as many adapters) and samples
+    exactly as a freshly loaded copy does; one of another rank is loaded anew."""
+    from baseten_loops_cli.local.engine import sampler as sampler_module
+
+    trainer = make_trainer(seed=2)
+    versions = []
+    for v in range(sampler_module.MAX_LOADED_ADAPTERS + 2):
+        trainer.forward_backward([sft_datum(TEXT[: 10 + v])])
+        trainer.optim_step({"learning_rate": 1e-2})
+        trainer.save_sampler_weights(tmp_path / f"v{v}")
+        versions.append(tmp_path / f"v{v}")
+    engine = SamplerEngine(base.twin)
+    fresh = SamplerEngine(base.twin)
+    request = dict(prompt=TEXT[:5], n=2, max_tokens=6, seed=3)
+    try:
+        slots = {}
+        for v, path in enumerate(versions):
+            [ours] = engine.sample([SampleRequest(**request, adapter=f"v{v}", adapter_path=path)])
+            slots[v] = engine._adapters[f"v{v}"]
+        assert len(engine.loaded_adapters) == sampler_module.MAX_LOADED_ADAPTERS
+        full = sampler_module.MAX_LOADED_ADAPTERS
+        assert (slots[full], slots[full + 1]) == (slots[0], slots[1])  # refilled in place
+        assert engine.loaded_adapters[0] == "v2" and "v0" not in engine.loaded_adapters
+        [theirs] = fresh.sample([SampleRequest(**request, adapter="last",
+                                               adapter_path=versions[-1])])
+        assert [(s.tokens, s.logprobs) for s in ours.sequences] == [
+            (s.tokens, s.logprobs) for s in theirs.sequences]
+        other = make_trainer(seed=2, rank=2)
+        other.save_sampler_weights(tmp_path / "rank2")
+        engine.load_adapter("rank2", tmp_path / "rank2")
+        assert base.twin.adapter_config(engine._adapters["rank2"]).r == 2
+        assert len(engine.loaded_adapters) == sampler_module.MAX_LOADED_ADAPTERS
+    finally:
+        for key in engine.loaded_adapters:
+            engine.unload_adapter(key)
+        fresh.unload_adapter("last")
+
+
 def test_sampler_stops_and_greedy_base(base) -> None:
     engine = SamplerEngine(base)
     greedy = SampleRequest(prompt=TEXT[:5], max_tokens=8, temperature=0.0)

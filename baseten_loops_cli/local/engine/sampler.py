@@ -75,6 +75,7 @@ class SamplerEngine:
     def __init__(self, base: BaseModel) -> None:
         self.base = base
         self._adapters: OrderedDict[str, str] = OrderedDict()  # key -> name on the base
+        self._slots = 0  # adapters loaded so far: names them on the base
         self._tokenizer: Any = None
 
     @property
@@ -92,9 +93,13 @@ class SamplerEngine:
         if key in self._adapters:
             self._adapters.move_to_end(key)
             return
-        while len(self._adapters) >= MAX_LOADED_ADAPTERS:
-            self.unload_adapter(next(iter(self._adapters)))
-        name = f"sampler:{key}"
+        while len(self._adapters) > MAX_LOADED_ADAPTERS - 1:
+            oldest = next(iter(self._adapters))
+            if len(self._adapters) == MAX_LOADED_ADAPTERS and self._refill(oldest, key, path):
+                return
+            self.unload_adapter(oldest)
+        self._slots += 1
+        name = f"sampler:{id(self):x}:{self._slots}"  # unique on the base, whatever the key
         try:
             self.base.load_adapter(name, path)
         except (OSError, ValueError, RuntimeError) as exc:  # missing, malformed, wrong shapes
@@ -102,6 +107,22 @@ class SamplerEngine:
             raise EngineInputError(f"Cannot load the adapter at {path}: {exc}",
                                    "InvalidCheckpoint") from exc
         self._adapters[key] = name
+
+    def _refill(self, oldest: str, key: str, path: str | Path) -> bool:
+        """Give the least recently used adapter's layers the weights at ``path`` under
+        ``key`` if their shapes match (an RL run's successive versions): no PEFT layer
+        surgery. False if they do not (nothing changed)."""
+        name = self._adapters[oldest]
+        try:
+            if not self.base.reload_adapter(name, path):
+                return False
+        except (OSError, ValueError, RuntimeError) as exc:  # its old weights may be half gone
+            self.unload_adapter(oldest)
+            raise EngineInputError(f"Cannot load the adapter at {path}: {exc}",
+                                   "InvalidCheckpoint") from exc
+        del self._adapters[oldest]
+        self._adapters[key] = name
+        return True
 
     def unload_adapter(self, key: str) -> None:
         name = self._adapters.pop(key, None)
