@@ -52,6 +52,8 @@ class BaseModel:
         # True once the frozen matmul weights are bf16 (precision.store_matmul_weights_bf16):
         # every forward pass must then run under a bf16 policy.
         self.bf16_weights = False
+        # False for the sampling twin: nothing there runs a backward pass.
+        self.trains = True
 
     @property
     def twin(self) -> "BaseModel":
@@ -69,6 +71,7 @@ class BaseModel:
         shared = {id(t): t for t in (*self.module.parameters(), *self.module.buffers())}
         self._twin = BaseModel(self.name, self.info, copy.deepcopy(self.module, memo=shared))
         self._twin.bf16_weights = self.bf16_weights
+        self._twin.trains = False
         return self._twin
 
     def store_matmul_weights_bf16(self) -> None:
@@ -117,7 +120,7 @@ class BaseModel:
                 self._peft = get_peft_model(self.module, config, adapter_name=safe)
             else:
                 self._peft.add_adapter(safe, config)
-            if self.bf16_weights:
+            if self.bf16_weights and self.trains:  # a backward pass keeps the copies
                 precision.share_input_casts(self.module)
             self._adapter_names[name] = safe
 

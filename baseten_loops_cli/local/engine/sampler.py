@@ -245,14 +245,19 @@ class SamplerEngine:
                 if not active:
                     break
                 logprobs = torch.log_softmax(logits, dim=-1)
-                chosen = torch.zeros(len(rows), dtype=torch.long)
+                # Draw every active row's token, then read their logprobs in one gather (a
+                # Python-level op per row costs more than the tiny model's matmuls).
+                picked = [0] * len(rows)
+                for i in active:
+                    picked[i] = _draw(logits[i], requests[rows[i].request], rows[i].generator)
+                chosen = torch.tensor(picked, dtype=torch.long)
+                chosen_logprobs = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
                 for i in active:
                     row = rows[i]
                     req = requests[row.request]
-                    token = _draw(logits[i], req, row.generator)
-                    chosen[i] = token
+                    token = picked[i]
                     row.tokens.append(token)
-                    row.logprobs.append(float(logprobs[i, token]))
+                    row.logprobs.append(chosen_logprobs[i])
                     top: list[tuple[int, float]] = []
                     if req.top_logprobs:
                         values, ids = logprobs[i].topk(req.top_logprobs)
