@@ -11,6 +11,16 @@ with production timings. Prints wall(async) / wall(sync), best of ``--rounds`` e
 Overlap pays on one CPU server because the server samples and trains on two threads (the
 sampler on the base model's twin, ``local/engine/registry.py``) and splits the torch threads
 between them while both are busy (``local/server/compute.ModelWorker``).
+
+Where the time goes (2026-12-05, bf16, server instrumented per sample batch): synchronous,
+24 steps sample for 3.5 s (the engine 105 ms a batch of 8 prompts x 8 samples x 8 tokens, the
+batching window 11 ms, HTTP and the client the rest) and train for ~2.7 s; asynchronous, the
+steps are sampling-bound (4.8 of 5.2 s), the engine slower (133 ms) while training shares the
+cores and the GIL. So what shortens sampling shows here: adapter loads refilled in place,
+the twin without the trainer's cast hooks, and the tiny model trained in one backward chunk
+(run_all 0.98 before them; 0.91 with the chunk change alone; with all three 0.83, 0.84 and
+0.75 run alone on a quiet machine, but 0.92 inside run_all at 13:00 UTC: a 6-second run
+swings by a second with the machine's load).
 """
 
 from __future__ import annotations
