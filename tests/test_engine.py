@@ -309,8 +309,8 @@ def test_rl_loss_runs_through_the_trainer(make_trainer) -> None:
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
 def test_a_large_batch_backward_runs_in_chunks_with_one_pass_results(
         make_trainer, monkeypatch, loss_fn) -> None:
-    """Over BACKWARD_CHUNK_BYTES of activations, forward_backward runs per chunk (bounding the activations
-    held at once): the same outputs, metrics and update as one pass."""
+    """Over BACKWARD_CHUNK_BYTES of activations, forward_backward runs per chunk (bounding
+    the activations held at once): the same outputs, metrics and update as one pass."""
     from baseten_loops_cli.local.engine import trainer as trainer_module
 
     assert trainer_module.backward_chunks([5, 5, 5, 12], 10) == [[0, 1], [2], [3]]

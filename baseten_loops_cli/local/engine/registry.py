@@ -126,16 +126,9 @@ class BaseModel:
 
     def load_adapter(self, name: str, path: str | Path) -> None:
         """Attach an adapter saved in PEFT format at ``path``."""
-        from peft import LoraConfig
-        from safetensors.torch import load_file
-
-        config = LoraConfig.from_pretrained(str(path))
-        if config.base_model_name_or_path not in (None, self.name):
-            raise ValueError(f"it was trained on {config.base_model_name_or_path}, not {self.name}")
-        config.inference_mode = True
+        config = self._saved_config(path)
         self.add_adapter(name, config)
-        state = load_file(str(Path(path) / "adapter_model.safetensors"))
-        self.set_adapter_state(name, state)
+        self.set_adapter_state(name, _saved_weights(path))
 
     def reload_adapter(self, name: str, path: str | Path) -> bool:
         """Replace adapter ``name``'s weights with the PEFT adapter at ``path`` if both have
@@ -143,18 +136,20 @@ class BaseModel:
         adapter makes PEFT walk and wrap every layer (SmolLM2's 210 LoRA layers; 16 ms a load
         even on the tiny model, a sixth of an RL step's sampling there), copying weights in
         does not. Raises like :meth:`load_adapter` for a missing or malformed folder."""
+        if _layer_fields(self._saved_config(path)) != _layer_fields(self.adapter_config(name)):
+            return False
+        self.set_adapter_state(name, _saved_weights(path))
+        return True
+
+    def _saved_config(self, path: str | Path) -> Any:
+        """The LoraConfig of the PEFT folder ``path`` (for inference), if trained on this base."""
         from peft import LoraConfig
-        from safetensors.torch import load_file
 
         config = LoraConfig.from_pretrained(str(path))
-        config.inference_mode = True
-        current = self.adapter_config(name)
-        if _layer_fields(config) != _layer_fields(current):
-            return False
         if config.base_model_name_or_path not in (None, self.name):
             raise ValueError(f"it was trained on {config.base_model_name_or_path}, not {self.name}")
-        self.set_adapter_state(name, load_file(str(Path(path) / "adapter_model.safetensors")))
-        return True
+        config.inference_mode = True
+        return config
 
     def delete_adapter(self, name: str) -> None:
         safe = self._adapter_names.pop(name, None)
@@ -222,6 +217,12 @@ class BaseModel:
                 lora.set_adapter(safe)
                 self._active = safe
             yield self.module
+
+
+def _saved_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "adapter_model.safetensors"))
 
 
 def _layer_fields(config: Any) -> dict[str, Any]:

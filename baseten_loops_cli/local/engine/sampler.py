@@ -93,11 +93,11 @@ class SamplerEngine:
         if key in self._adapters:
             self._adapters.move_to_end(key)
             return
-        while len(self._adapters) > MAX_LOADED_ADAPTERS - 1:
-            oldest = next(iter(self._adapters))
-            if len(self._adapters) == MAX_LOADED_ADAPTERS and self._refill(oldest, key, path):
-                return
-            self.unload_adapter(oldest)
+        if len(self._adapters) >= MAX_LOADED_ADAPTERS and self._refill(
+                next(iter(self._adapters)), key, path):
+            return
+        while len(self._adapters) >= MAX_LOADED_ADAPTERS:
+            self.unload_adapter(next(iter(self._adapters)))
         self._slots += 1
         name = f"sampler:{id(self):x}:{self._slots}"  # unique on the base, whatever the key
         try:

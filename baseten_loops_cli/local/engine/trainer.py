@@ -309,7 +309,8 @@ def activation_bytes_per_token(config: Any, dtype: str) -> int:
     width = int(getattr(config, "hidden_size", 0) or 0) + int(
         getattr(config, "intermediate_size", 0) or 0)
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    return max(1, layers * width * ACTIVATION_BYTES_PER_WIDTH.get(dtype, 23))
+    per_width = ACTIVATION_BYTES_PER_WIDTH.get(dtype, ACTIVATION_BYTES_PER_WIDTH["float32"])
+    return max(1, layers * width * per_width)
 
 
 def backward_chunk_tokens(config: Any, dtype: str) -> int:
