@@ -106,3 +106,45 @@ def _flat(raw: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def test_a_sweeps_parallel_runs_share_one_experiment_and_one_parent_run(tmp_path, monkeypatch):
+    """Two runs of a sweep opening MLflow at the same moment: the file store lets both create the
+    sweep's experiment (or one fails 'already exists' and loses its MLflow run); the sweep's lock
+    makes one experiment, one parent, and a run for each."""
+    import threading
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from baseten_loops_cli.training.rundir import SWEEP_INDEX, RunDir
+    from baseten_loops_cli.training.trackers import open_trackers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    config = SimpleNamespace(name="swept", logging=SimpleNamespace(trackers=["mlflow"], tracker_dir=None))
+    for trial in range(6):
+        sweep = tmp_path / f"sweep{trial}"
+        sweep.mkdir()
+        (sweep / SWEEP_INDEX).write_text("{}")
+        rundirs = [RunDir(sweep / name) for name in ("00-seed=1", "01-seed=2")]
+        for rundir in rundirs:
+            rundir.path.mkdir()
+        barrier = threading.Barrier(len(rundirs))
+
+        def open_one(rundir: RunDir) -> None:
+            barrier.wait()
+            trackers, _ = open_trackers(config, rundir, raw_config={"seed": 1}, start_step=0)
+            trackers.finish()
+
+        threads = [threading.Thread(target=open_one, args=(r,)) for r in rundirs]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        client = MlflowClient(tracking_uri=(sweep / "trackers" / "mlruns").as_uri())
+        experiments = [e for e in client.search_experiments() if e.name == sweep.name]
+        assert len(experiments) == 1, experiments
+        parent = json.loads((sweep / "trackers.json").read_text())["mlflow_parent_run_id"]
+        for rundir in rundirs:
+            run = client.get_run(rundir.read_state()["trackers"]["mlflow_run_id"])  # KeyError: its MLflow run was lost
+            assert run.info.experiment_id == experiments[0].experiment_id
+            assert run.data.tags["mlflow.parentRunId"] == parent

@@ -25,9 +25,11 @@ ignored (metrics.jsonl has everything).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +169,6 @@ class TrackioLogger(TrackerLogger):
         self.run.log(_numbers(record), step=int(record.get("step", 0)))
 
     def finish(self) -> None:
-        import contextlib
         import sys
 
         from trackio import context_vars
@@ -251,12 +252,14 @@ def _open_mlflow(config: Any, rundir: RunDir, base: Path, sweep: Path | None, ru
     if run_id:
         client.update_run(run_id, status="RUNNING")
         return MlflowLogger(client, run_id), uri
-    experiment_name = sweep.name if sweep is not None else config.name
-    experiment = client.get_experiment_by_name(experiment_name)
-    experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(experiment_name)
     tags = {"loops.run_dir": str(rundir.path.resolve())}
-    if sweep is not None:
-        tags["mlflow.parentRunId"] = _mlflow_parent(client, experiment_id, sweep)
+    # A sweep's parallel runs share one experiment and one parent run: whichever comes first
+    # makes them, under a lock, since the file store lets two racing creates both succeed.
+    base.mkdir(parents=True, exist_ok=True)
+    with _locked((sweep if sweep is not None else base) / ".trackers.lock"):
+        experiment_id = _mlflow_experiment(client, sweep.name if sweep is not None else config.name)
+        if sweep is not None:
+            tags["mlflow.parentRunId"] = _mlflow_parent(client, experiment_id, sweep)
     run = client.create_run(experiment_id, run_name=run_name, tags=tags)
     from mlflow.entities import Param
 
@@ -266,32 +269,53 @@ def _open_mlflow(config: Any, rundir: RunDir, base: Path, sweep: Path | None, ru
     return MlflowLogger(client, run.info.run_id), uri
 
 
-def _mlflow_parent(client: Any, experiment_id: str, sweep: Path) -> str:
-    """The sweep's MLflow parent run: created once, by whichever of its runs comes first (the
-    sweep folder's trackers.json holds its id; a lock keeps two parallel runs from both making one)."""
+def _mlflow_experiment(client: Any, name: str) -> str:
+    """The id of the experiment called ``name``, made if missing. Under the caller's lock for a
+    local store; against a tracking server another machine's run can still win the create, and
+    then this one reads the winner's instead of losing its MLflow run."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:  # noqa: BLE001 - MLflow raises its own error types per store for "already exists"
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
     import fcntl
+
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _mlflow_parent(client: Any, experiment_id: str, sweep: Path) -> str:
+    """The sweep's MLflow parent run, made once by whichever of its runs comes first (the sweep
+    folder's trackers.json holds its id). The caller holds the sweep's lock."""
     import json
 
     record = sweep / "trackers.json"
-    with open(sweep / ".trackers.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            known = json.loads(record.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            known = {}
-        parent = known.get("mlflow_parent_run_id")
-        if not parent:
-            run = client.create_run(experiment_id, run_name=sweep.name, tags={"loops.sweep_dir": str(sweep)})
-            parent = run.info.run_id
-            known["mlflow_parent_run_id"] = parent
-            atomic_write(record, json.dumps(known, indent=2) + "\n")
+    try:
+        known = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    parent = known.get("mlflow_parent_run_id")
+    if not parent:
+        run = client.create_run(experiment_id, run_name=sweep.name, tags={"loops.sweep_dir": str(sweep)})
+        parent = run.info.run_id
+        known["mlflow_parent_run_id"] = parent
+        atomic_write(record, json.dumps(known, indent=2) + "\n")
     return parent
 
 
 def _open_trackio(config: Any, base: Path, sweep: Path | None, run_name: str, params: dict[str, str]) -> tuple[TrackioLogger, str]:
     if config.logging.tracker_dir:
         os.environ["TRACKIO_DIR"] = str(base / "trackio")  # read when trackio is first imported
-    import contextlib
     import sys
 
     with contextlib.redirect_stdout(sys.stderr):  # trackio prints; stdout is for -o json
