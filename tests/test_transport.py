@@ -43,9 +43,12 @@ TABLE = [
     ("accepted 404 returns", DEFAULT_POLICY, resp(404), S0, 0, True, (404,), ("return", 0.0, "")),
     ("accepted 408 is not retried", DEFAULT_POLICY, resp(408), S0, 0, True, (408,), ("return", 0.0, "")),
     ("502 repeatable: backoff", DEFAULT_POLICY, resp(502), S0, 0, True, (), ("retry", 0.5, "")),
-    ("502 backoff doubles", DEFAULT_POLICY, resp(502), RetryState(0.0, attempt=2), 0, True, (), ("retry", 2.0, "")),
-    ("backoff is capped", DEFAULT_POLICY.replace(max_retries=None), resp(502), RetryState(0.0, attempt=9), 0, True, (),
-     ("retry", 8.0, "")),
+    ("502 backoff doubles", DEFAULT_POLICY, resp(502), RetryState(0.0, attempt=2, backoffs=2), 0, True, (),
+     ("retry", 2.0, "")),
+    ("backoff is capped", DEFAULT_POLICY.replace(max_retries=None), resp(502), RetryState(0.0, attempt=9, backoffs=9), 0,
+     True, (), ("retry", 8.0, "")),
+    ("immediate resends and Retry-After waits do not double the backoff", DEFAULT_POLICY, resp(502),
+     RetryState(0.0, attempt=2, last="HTTP 429"), 0, True, (), ("retry", 0.5, "")),
     ("502 not repeatable: maybe applied", DEFAULT_POLICY, resp(502), S0, 0, False, (), ("raise", 0.0, "maybe_applied")),
     ("500 not repeatable: maybe applied", DEFAULT_POLICY, resp(500), S0, 0, False, (), ("raise", 0.0, "maybe_applied")),
     ("408 not repeatable: maybe applied", DEFAULT_POLICY, resp(408), S0, 0, False, (), ("raise", 0.0, "maybe_applied")),
@@ -66,10 +69,15 @@ TABLE = [
      0, False, (), ("retry", 0.0, "")),
     ("reset after send, repeatable: first retry at once", DEFAULT_POLICY, httpx.RemoteProtocolError("reset"), S0, 0,
      True, (), ("retry", 0.0, "")),
-    ("second reset backs off", DEFAULT_POLICY, httpx.ReadError("reset"), RetryState(0.0, attempt=1), 0, True, (),
-     ("retry", 1.0, "")),
+    ("second reset in a row backs off", DEFAULT_POLICY, httpx.ReadError("reset"),
+     RetryState(0.0, attempt=1, down_since=0.0, last="RemoteProtocolError"), 0, True, (), ("retry", 0.5, "")),
+    ("a reset after a 503 is resent at once", DEFAULT_POLICY, httpx.ReadError("reset"),
+     RetryState(0.0, attempt=1, backoffs=1, last="HTTP 503"), 0, True, (), ("retry", 0.0, "")),
     ("408 repeatable: first retry at once", DEFAULT_POLICY, resp(408), S0, 0, True, (), ("retry", 0.0, "")),
-    ("second 408 backs off", DEFAULT_POLICY, resp(408), RetryState(0.0, attempt=1), 0, True, (), ("retry", 1.0, "")),
+    ("second 408 in a row backs off", DEFAULT_POLICY, resp(408), RetryState(0.0, attempt=1, last="HTTP 408"), 0, True, (),
+     ("retry", 0.5, "")),
+    ("a 408 after a 502 is resent at once", DEFAULT_POLICY, resp(408), RetryState(0.0, attempt=1, backoffs=1, last="HTTP 502"),
+     0, True, (), ("retry", 0.0, "")),
     ("503 without Retry-After: backoff from the first", DEFAULT_POLICY, resp(503), S0, 0, True, (), ("retry", 0.5, "")),
     ("reset after send, not repeatable", DEFAULT_POLICY, httpx.ReadError("reset"), S0, 0, False, (),
      ("raise", 0.0, "maybe_applied")),
@@ -92,6 +100,10 @@ def test_decision_table(case):
     for name in ("gave_up", "maybe_applied", "shutdown"):
         assert getattr(decision, name) == (name == flag or (flag == "shutdown" and name == "gave_up")), name
     assert after.attempt == state.attempt + (action == "retry")
+    # Only a backoff wait raises the exponent: not a resend at once, not a server's Retry-After.
+    server_said = isinstance(outcome, httpx.Response) and {"retry-after", "retry-after-ms"} & set(outcome.headers)
+    backed_off = action == "retry" and delay > 0 and not server_said
+    assert after.backoffs == state.backoffs + backed_off
     assert after.last == (f"HTTP {outcome.status_code}" if isinstance(outcome, httpx.Response) else type(outcome).__name__)
 
 

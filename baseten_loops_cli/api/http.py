@@ -20,13 +20,15 @@ What :func:`decide` retries:
   before the gateway failed): the error is raised with ``maybe_applied = True`` and
   :meth:`HttpClient.create` reconciles instead of re-sending;
 * a wait is the response's ``Retry-After`` (``retry-after-ms``, seconds or an HTTP date), capped
-  at ``max_retry_after``, else full-jitter exponential backoff; never past the deadline. The
-  first retry after a transport failure (a reset, a lost response, a refused connection) or a
-  408 is immediate: these say one connection failed, not that the server is overloaded (a
-  keyed request that was applied is answered from the server's idempotency record, so the
-  resend costs it nothing), and backing off would only add the wait to every blip. Backoff
-  starts with the second consecutive failure of a request, and from the first for 5xx without
-  Retry-After (the server or its gateway is struggling).
+  at ``max_retry_after``, else full-jitter exponential backoff; never past the deadline. A
+  transport failure (a reset, a lost response, a refused connection) or a 408 is resent at
+  once unless the attempt before failed the same way: one of these says one connection
+  failed, not that the server is overloaded (a keyed request that was applied is answered from
+  the server's idempotency record, so the resend costs it nothing), and backing off would only
+  add the wait to every blip. Two in a row back off, and so does any 5xx without Retry-After
+  (the server or its gateway is struggling). The backoff's exponent counts the backoff waits
+  taken, not the attempts: an immediate resend or a server's Retry-After is not a guess at how
+  long the server needs, so it does not double the next one.
 
 Giving up (retries, deadline, unreachable or unavailable limits spent) raises the typed error
 of the last outcome, naming the URL, the last status or failure and the attempts made.
@@ -220,20 +222,20 @@ class RetryPolicy:
     def replace(self, **changes: Any) -> "RetryPolicy":
         return dataclasses.replace(self, **changes)
 
-    def backoff(self, attempt: int, rng: Callable[[], float] = random.random) -> float:
-        """Full-jitter exponential backoff: uniform in ``[0, min(max_backoff, initial * 2**attempt)]``.
+    def backoff(self, waits: int, rng: Callable[[], float] = random.random) -> float:
+        """Full-jitter exponential backoff: uniform in ``[0, min(max_backoff, initial * 2**waits)]``.
 
-        ``attempt`` counts retries already made (0 for the first). Full jitter (AWS architecture
-        blog) spreads a burst of clients better than the Stainless 0.75-1 factor."""
-        return min(self.max_backoff, self.initial_backoff * (2 ** min(attempt, 30))) * rng()
+        ``waits`` counts the backoff waits already taken (0 for the first). Full jitter (AWS
+        architecture blog) spreads a burst of clients better than the Stainless 0.75-1 factor."""
+        return min(self.max_backoff, self.initial_backoff * (2 ** min(waits, 30))) * rng()
 
 
 DEFAULT_POLICY = RetryPolicy()
 
 
-def backoff_delay(attempt: int, *, rng: Callable[[], float] = random.random) -> float:
-    """The default policy's backoff before retry number ``attempt + 1``."""
-    return DEFAULT_POLICY.backoff(attempt, rng)
+def backoff_delay(waits: int, *, rng: Callable[[], float] = random.random) -> float:
+    """The default policy's backoff after ``waits`` earlier backoff waits."""
+    return DEFAULT_POLICY.backoff(waits, rng)
 
 
 @dataclass(frozen=True)
@@ -243,6 +245,7 @@ class RetryState:
 
     started: float
     attempt: int = 0
+    backoffs: int = 0  # backoff waits taken: the exponent of the next
     unavailable: int = 0
     down_since: float | None = None
     last: str = ""
@@ -293,6 +296,7 @@ def decide(
     delay: float | None = None
     if isinstance(outcome, BaseException):
         reason = type(outcome).__name__
+        in_a_row = state.down_since is not None  # the attempt before also failed in transport
         state = dataclasses.replace(
             state, unavailable=0, last=reason, down_since=now if state.down_since is None else state.down_since
         )
@@ -305,11 +309,12 @@ def decide(
                 return Decision("raise", reason=reason), state
         if policy.unreachable_limit is not None and now - (state.down_since or now) >= policy.unreachable_limit:
             return Decision("raise", reason=reason, gave_up=True), state
-        if state.attempt == 0:
+        if not in_a_row:
             delay = 0.0  # a dropped connection is retried at once, on a fresh one (see module doc)
     else:
         status = outcome.status_code
         reason = f"HTTP {status}"
+        again = state.last == reason  # the attempt before got the same status
         retry_after = retry_after_seconds(outcome.headers, policy.max_retry_after)
         unavailable = state.unavailable + 1 if status == 503 and retry_after is None else 0
         state = dataclasses.replace(state, unavailable=unavailable, down_since=None, last=reason)
@@ -326,17 +331,20 @@ def decide(
         if unavailable and policy.unavailable_limit is not None and unavailable > policy.unavailable_limit:
             return Decision("raise", reason=reason, gave_up=True, shutdown=True), state
         delay = retry_after
-        if delay is None and status == 408 and state.attempt == 0:
+        if delay is None and status == 408 and not again:
             delay = 0.0  # the server closed an idle or slow request: it did nothing, resend at once
     if policy.max_retries is not None and state.attempt >= policy.max_retries:
         return Decision("raise", reason=reason, gave_up=True), state
     elapsed = now - state.started
     if policy.deadline is not None and elapsed >= policy.deadline:
         return Decision("raise", reason=reason, gave_up=True), state
-    wait = policy.backoff(state.attempt, rng) if delay is None else delay
+    backoffs = state.backoffs
+    if delay is None:
+        delay, backoffs = policy.backoff(backoffs, rng), backoffs + 1
     if policy.deadline is not None:
-        wait = min(wait, policy.deadline - elapsed)
-    return Decision("retry", delay=max(wait, 0.0), reason=reason), dataclasses.replace(state, attempt=state.attempt + 1)
+        delay = min(delay, policy.deadline - elapsed)
+    return Decision("retry", delay=max(delay, 0.0), reason=reason), dataclasses.replace(
+        state, attempt=state.attempt + 1, backoffs=backoffs)
 
 
 def _json_or_none(resp: httpx.Response) -> Any:
