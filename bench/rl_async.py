@@ -20,7 +20,13 @@ cores and the GIL. So what shortens sampling shows here: adapter loads refilled 
 the twin without the trainer's cast hooks, and the tiny model trained in one backward chunk
 (run_all 0.98 before them; 0.91 with the chunk change alone; with all three 0.83, 0.84 and
 0.75 run alone on a quiet machine, but 0.92 inside run_all at 13:00 UTC: a 6-second run
-swings by a second with the machine's load).
+swings by a second with the machine's load, so each mode is now timed three times, not twice).
+
+A faster sampler moves this ratio the wrong way: both modes are CPU-bound on two cores, so
+what the engine saves shortens the synchronous run by all of it and the overlapped one by
+about half. Vectorised draws (one inverse-CDF step for every row instead of a multinomial per
+row; branch wip-vectorised-draws, 2026-12-05) took sync from 6.4 to 5.5 s and async from 5.4
+to 5.1 s, the ratio from 0.84 to 0.93.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ TARGET = 0.85
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, help="max_steps (default: the example's 24)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each mode (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each mode (default 3)")
     parser.add_argument("--json", action="store_true", help="one JSON object for run_all.py")
     args = parser.parse_args()
     config = str(ROOT / "examples" / "tiny-rl.yaml")
