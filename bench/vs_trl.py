@@ -19,7 +19,8 @@ stderr, since the same curve is the evidence of the same work:
   tokens of the step (losses.py), TRL (transformers >= 4.46) divides the summed loss by
   ``num_items_in_batch``, counted over the shifted labels: both are the per-token mean. TRL in
   every combination of bf16, ``padding_free`` and gradient checkpointing (``--quick``: its
-  padded configuration in loops' dtype only); the ratio is against TRL's fastest.
+  padded configuration in loops' dtype only); the ratio is against TRL's fastest, with both
+  sides then timed again in turns (``--rounds``, default 3, best of each).
 - **DPO** (pairs/s, target >= 1.3): ``loops train run examples/smol-dpo.yaml`` (8 pairs a step,
   beta 0.1, reference = the base, scored once before step 1) with a constant learning rate and
   no shuffling, against ``DPOTrainer`` on the same pairs in the same order (conversational rows,
@@ -296,24 +297,40 @@ def compare_sft(args: Any, steps: int) -> tuple[dict, dict]:
     tokens = sum(len(s) - 1 for s in seqs)
     ours = loops_sft(seqs, steps)
     log(f"SFT loops ({ours['dtype']}) losses: {curve(ours['losses'])}")
-    bf16 = "bf16" in str(ours["dtype"])
+    bf16 = str(ours["dtype"]) in ("bfloat16", "bf16")
     grid = [(bf16, False, False)] if args.quick else list(itertools.product((False, True), repeat=3))
+    name_of = lambda b, p, c: f"bf16={onoff(b)} padding_free={onoff(p)} checkpointing={onoff(c)}"  # noqa: E731
     theirs = try_configs("SFT", [
-        (f"bf16={onoff(b)} padding_free={onoff(p)} checkpointing={onoff(c)}",
-         lambda b=b, p=p, c=c: trl_sft(seqs, steps, b, p, c)) for b, p, c in grid])
+        (name_of(b, p, c), lambda b=b, p=p, c=c: trl_sft(seqs, steps, b, p, c)) for b, p, c in grid])
     for name, side in theirs:
         log(f"SFT TRL {name} losses: {curve(side['losses'])}")
     rate = lambda side: tokens * (len(side["losses"]) - 1) / side["seconds"]  # noqa: E731
     best_name, best = max(theirs, key=lambda item: rate(item[1]))
-    same = "on" if "bf16" in str(ours["dtype"]) else "off"  # TRL in loops' dtype: the same curve
+    table = "; ".join(f"TRL {n}: {rate(s):.0f} tok/s" for n, s in theirs)
+    # The grid only picks TRL's fastest configuration. Its time there is the best of eight
+    # seven-second runs, one of them lucky on a machine whose load moves such a run by 20%
+    # (SFT ratio 1.29, 1.31, 1.51, 1.25 in four run_all of 2026-12-05), against one run of
+    # loops. So both sides are timed again, in turns, and each keeps its best of --rounds.
+    ours_times, best_times = [ours["seconds"]], [best["seconds"]]
+    flags = next(g for g in grid if name_of(*g) == best_name)
+    for _ in range(args.rounds - 1):
+        again = loops_sft(seqs, steps)
+        drift = max(abs(a - b) for a, b in zip(again["losses"], ours["losses"]))
+        assert drift < 1e-3, (again["losses"], ours["losses"])  # the same work each time
+        ours_times.append(again["seconds"])
+        best_times.append(trl_sft(seqs, steps, *flags)["seconds"])
+    ours = {**ours, "seconds": min(ours_times)}
+    best = {**best, "seconds": min(best_times)}
+    same = "on" if bf16 else "off"  # TRL in loops' dtype: the same curve
     twin_name, twin = next(((n, s) for n, s in theirs if n.startswith(f"bf16={same}")), (best_name, best))
     gap = max(abs(a - b) for a, b in zip(ours["losses"], twin["losses"]))
-    table = "; ".join(f"TRL {n}: {rate(s):.0f} tok/s" for n, s in theirs)
-    detail = (f"{args.batch} x 16-{args.seq_len} tokens, {steps} steps after a warm-up: loops "
-              f"({ours['dtype']}) {rate(ours):.0f} tok/s, loss {ours['losses'][0]:.4f}->"
-              f"{ours['losses'][-1]:.4f}; TRL fastest ({best_name}) {rate(best):.0f} tok/s, loss "
-              f"{best['losses'][0]:.4f}->{best['losses'][-1]:.4f}; largest per-step loss gap to "
-              f"TRL {twin_name} {gap:.4f}; {table}")
+    detail = (f"{args.batch} x 16-{args.seq_len} tokens, {steps} steps after a warm-up, best of "
+              f"{len(ours_times)} in turns: loops ({ours['dtype']}) {rate(ours):.0f} tok/s (runs "
+              f"{', '.join(f'{tokens * steps / t:.0f}' for t in ours_times)}), loss "
+              f"{ours['losses'][0]:.4f}->{ours['losses'][-1]:.4f}; TRL fastest ({best_name}) "
+              f"{rate(best):.0f} tok/s (runs {', '.join(f'{tokens * steps / t:.0f}' for t in best_times)}), "
+              f"loss {best['losses'][0]:.4f}->{best['losses'][-1]:.4f}; largest per-step loss gap to "
+              f"TRL {twin_name} {gap:.4f}; the grid, one run each: {table}")
     row = result("SFT tokens/s, loops / TRL fastest", rate(ours) / rate(best), TARGETS["sft"],
                  detail, rate(ours), "tok/s")
     return row, {"tokens_per_s": rate(ours), "threads": ours.get("threads"), "tokens_per_step": tokens}
@@ -437,6 +454,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="SFT sequences per step")
     parser.add_argument("--seq-len", type=int, default=64, help="SFT: tokens of the longest sequence")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="SFT: runs of loops and of TRL's fastest configuration, in turns (best of)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer steps, TRL's likely fastest configuration only")
     parser.add_argument("--json", action="store_true", help="one JSON object for run_all.py")
@@ -445,6 +464,8 @@ def main() -> None:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit("bench/vs_trl.py needs TRL: pip install trl==1.16.0 (it keeps torch 2.13.0)")
+    if args.quick:
+        args.rounds = 1
     bench_env(args.threads or None)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     rows: list[dict] = []
