@@ -209,7 +209,8 @@ def print_table(results: list[dict]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
     total = sum(res["seconds"] for res in results)
     print(f"({len(results)} benches in {total:.0f} s; each row's status uses its bench's own target)")
-    print(f"(bench servers' dtype: {bench_dtype()}; this CPU's bf16 instructions: {cpu_bf16() or 'none'})")
+    print(f"(bench servers' dtype: {bench_dtype()}, {compute_dtype()} compute; this CPU's bf16 "
+          f"instructions: {cpu_bf16() or 'none'})")
 
 
 README_START = "<!-- bench/run_all.py --readme: start -->"
@@ -223,7 +224,8 @@ def markdown(results: list[dict], started: str) -> str:
     lines = [
         f"Measured {started} by `python bench/run_all.py --readme` ({total / 60:.0f} min, "
         f"{statuses.count('ok')} of {len(statuses)} targets met) on {machine()}; bench servers' dtype "
-        f"`{bench_dtype()}` (this CPU's bf16 instructions: {cpu_bf16() or 'none'}).",
+        f"`{bench_dtype()}`, {compute_dtype()} compute (this CPU's bf16 instructions: "
+        f"{cpu_bf16() or 'none'}).",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
@@ -260,6 +262,15 @@ def bench_dtype() -> str:
     """The dtype bench servers are started with (train_throughput.SERVER_OPTIONS reads the
     same; auto is bfloat16 where this CPU has bf16 instructions, see cpu_bf16)."""
     return os.environ.get("LOOPS_BENCH_DTYPE", "auto")
+
+
+def compute_dtype() -> str:
+    """What the bench dtype resolves to here (local/engine/precision.resolve on a CPU: auto is
+    bfloat16 where the CPU has bf16 instructions), without importing torch into the driver."""
+    dtype = bench_dtype()
+    if dtype == "auto":
+        return "bfloat16" if cpu_bf16() else "float32"
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
 
 
 def cpu_bf16() -> str:
