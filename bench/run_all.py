@@ -265,21 +265,17 @@ def bench_dtype() -> str:
 
 
 def compute_dtype() -> str:
-    """What the bench dtype resolves to here (local/engine/precision.resolve on a CPU: auto is
-    bfloat16 where the CPU has bf16 instructions), without importing torch into the driver."""
-    dtype = bench_dtype()
-    if dtype == "auto":
-        return "bfloat16" if cpu_bf16() else "float32"
-    return {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
+    """What the bench dtype resolves to on this CPU: the engine's own rule (precision.resolve
+    imports no torch for a CPU)."""
+    from baseten_loops_cli.local.engine import precision
+
+    return precision.resolve(bench_dtype(), "cpu").dtype
 
 
 def cpu_bf16() -> str:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "").split()
-    except OSError:
-        return ""
-    return ", ".join(f for f in ("amx_bf16", "avx512_bf16") if f in flags)
+    from baseten_loops_cli.local.engine import precision
+
+    return ", ".join(precision.cpu_bf16_flags())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -290,7 +290,7 @@ def onoff(flag: bool) -> str:
 
 # ── the comparisons ──
 
-def compare_sft(args: Any, steps: int) -> tuple[dict, dict]:
+def compare_sft(args: Any, steps: int, rounds: int) -> tuple[dict, dict]:
     from baseten_loops_cli.local.engine.model_zoo import model_info
 
     seqs = make_batch(int(model_info(SMOLLM2).vocab_size), args.batch, args.seq_len)
@@ -299,41 +299,41 @@ def compare_sft(args: Any, steps: int) -> tuple[dict, dict]:
     log(f"SFT loops ({ours['dtype']}) losses: {curve(ours['losses'])}")
     bf16 = str(ours["dtype"]) in ("bfloat16", "bf16")
     grid = [(bf16, False, False)] if args.quick else list(itertools.product((False, True), repeat=3))
-    name_of = lambda b, p, c: f"bf16={onoff(b)} padding_free={onoff(p)} checkpointing={onoff(c)}"  # noqa: E731
-    theirs = try_configs("SFT", [
-        (name_of(b, p, c), lambda b=b, p=p, c=c: trl_sft(seqs, steps, b, p, c)) for b, p, c in grid])
+    configs = {f"bf16={onoff(b)} padding_free={onoff(p)} checkpointing={onoff(c)}": (b, p, c)
+               for b, p, c in grid}
+    theirs = try_configs("SFT", [(name, lambda flags=flags: trl_sft(seqs, steps, *flags))
+                                 for name, flags in configs.items()])
     for name, side in theirs:
         log(f"SFT TRL {name} losses: {curve(side['losses'])}")
-    rate = lambda side: tokens * (len(side["losses"]) - 1) / side["seconds"]  # noqa: E731
-    best_name, best = max(theirs, key=lambda item: rate(item[1]))
-    table = "; ".join(f"TRL {n}: {rate(s):.0f} tok/s" for n, s in theirs)
+    rate = lambda seconds: tokens * steps / seconds  # noqa: E731
+    best_name, best = min(theirs, key=lambda item: item[1]["seconds"])
+    table = "; ".join(f"TRL {n}: {rate(s['seconds']):.0f} tok/s" for n, s in theirs)
     # The grid only picks TRL's fastest configuration. Its time there is the best of eight
-    # seven-second runs, one of them lucky on a machine whose load moves such a run by 20%
-    # (SFT ratio 1.29, 1.31, 1.51, 1.25 in four run_all of 2026-12-05), against one run of
-    # loops. So both sides are timed again, in turns, and each keeps its best of --rounds.
+    # seven-second runs, one of them lucky on a machine whose load moves such a run by 10-15%
+    # (loops 311 then 351 tok/s on the same setup; SFT ratio 1.29, 1.31, 1.51, 1.25 in four
+    # run_all of 2026-12-05), against one run of loops. So both sides are timed again, in
+    # turns, and each keeps its best of --rounds.
     ours_times, best_times = [ours["seconds"]], [best["seconds"]]
-    flags = next(g for g in grid if name_of(*g) == best_name)
-    for _ in range(args.rounds - 1):
+    for _ in range(rounds - 1):
         again = loops_sft(seqs, steps)
         drift = max(abs(a - b) for a, b in zip(again["losses"], ours["losses"]))
         assert drift < 1e-3, (again["losses"], ours["losses"])  # the same work each time
         ours_times.append(again["seconds"])
-        best_times.append(trl_sft(seqs, steps, *flags)["seconds"])
-    ours = {**ours, "seconds": min(ours_times)}
-    best = {**best, "seconds": min(best_times)}
+        best_times.append(trl_sft(seqs, steps, *configs[best_name])["seconds"])
+    ours_rate, best_rate = rate(min(ours_times)), rate(min(best_times))
+    runs = lambda times: ", ".join(f"{rate(t):.0f}" for t in times)  # noqa: E731
     same = "on" if bf16 else "off"  # TRL in loops' dtype: the same curve
     twin_name, twin = next(((n, s) for n, s in theirs if n.startswith(f"bf16={same}")), (best_name, best))
     gap = max(abs(a - b) for a, b in zip(ours["losses"], twin["losses"]))
     detail = (f"{args.batch} x 16-{args.seq_len} tokens, {steps} steps after a warm-up, best of "
-              f"{len(ours_times)} in turns: loops ({ours['dtype']}) {rate(ours):.0f} tok/s (runs "
-              f"{', '.join(f'{tokens * steps / t:.0f}' for t in ours_times)}), loss "
-              f"{ours['losses'][0]:.4f}->{ours['losses'][-1]:.4f}; TRL fastest ({best_name}) "
-              f"{rate(best):.0f} tok/s (runs {', '.join(f'{tokens * steps / t:.0f}' for t in best_times)}), "
-              f"loss {best['losses'][0]:.4f}->{best['losses'][-1]:.4f}; largest per-step loss gap to "
+              f"{len(ours_times)} in turns: loops ({ours['dtype']}) {ours_rate:.0f} tok/s (runs "
+              f"{runs(ours_times)}), loss {ours['losses'][0]:.4f}->{ours['losses'][-1]:.4f}; TRL "
+              f"fastest ({best_name}) {best_rate:.0f} tok/s (runs {runs(best_times)}), loss "
+              f"{best['losses'][0]:.4f}->{best['losses'][-1]:.4f}; largest per-step loss gap to "
               f"TRL {twin_name} {gap:.4f}; the grid, one run each: {table}")
-    row = result("SFT tokens/s, loops / TRL fastest", rate(ours) / rate(best), TARGETS["sft"],
-                 detail, rate(ours), "tok/s")
-    return row, {"tokens_per_s": rate(ours), "threads": ours.get("threads"), "tokens_per_step": tokens}
+    row = result("SFT tokens/s, loops / TRL fastest", ours_rate / best_rate, TARGETS["sft"],
+                 detail, ours_rate, "tok/s")
+    return row, {"tokens_per_s": ours_rate, "threads": ours.get("threads"), "tokens_per_step": tokens}
 
 
 def compare_dpo(args: Any, steps: int) -> dict:
@@ -454,8 +454,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="SFT sequences per step")
     parser.add_argument("--seq-len", type=int, default=64, help="SFT: tokens of the longest sequence")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="SFT: runs of loops and of TRL's fastest configuration, in turns (best of)")
+    parser.add_argument("--rounds", type=int,
+                        help="SFT: runs of loops and of TRL's fastest configuration, in turns, "
+                             "best of each (default 3; --quick 1)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer steps, TRL's likely fastest configuration only")
     parser.add_argument("--json", action="store_true", help="one JSON object for run_all.py")
@@ -464,13 +465,12 @@ def main() -> None:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit("bench/vs_trl.py needs TRL: pip install trl==1.16.0 (it keeps torch 2.13.0)")
-    if args.quick:
-        args.rounds = 1
     bench_env(args.threads or None)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     rows: list[dict] = []
     sft_stats = None
-    jobs = [("sft", lambda: compare_sft(args, args.steps or (2 if args.quick else 6))),
+    jobs = [("sft", lambda: compare_sft(args, args.steps or (2 if args.quick else 6),
+                                        args.rounds or (1 if args.quick else 3))),
             ("dpo", lambda: compare_dpo(args, args.steps or (1 if args.quick else 4))),
             ("grpo", lambda: compare_grpo(args, args.steps or (1 if args.quick else 3))),
             ("mfu", lambda: compare_mfu(args, sft_stats))]
