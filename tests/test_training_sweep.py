@@ -149,6 +149,7 @@ def test_ctrl_c_stops_every_run_of_a_sweep_then_resume_finishes(local_server, tm
 def test_a_failed_run_does_not_stop_the_others(local_server, tmp_path, monkeypatch):
     """The first point fails in its own process (a value only its run checks: the index was
     edited after the sweep checked it); the second still trains; the result names the failure."""
+    from baseten_loops_cli.cli.train import sweep_child_command
     from baseten_loops_cli.training import sweep as sweeps
     from tests.test_reliability_faults import cli_env
 
@@ -159,7 +160,7 @@ def test_a_failed_run_does_not_stop_the_others(local_server, tmp_path, monkeypat
     sweep = sweeps.create(tmp_path / "sweep", EXAMPLES / "tiny-sft.yaml",
                           ["max_steps=1", "eval_every=0", "data.eval=null"], spec, points, parallel=1)
     events: list[str] = []
-    result = sweeps.run(sweep, parallel=1, loops_args=[], on_event=events.append)
+    result = sweeps.run(sweep, parallel=1, command=sweep_child_command([]), on_event=events.append)
     assert [o.status for o in result.outcomes] == ["failed", "completed"], events
     assert [o.point.name for o in result.failed] == ["00-lora_rank=lots"]
     assert "lora_rank" in result.failed[0].error and "integer" in result.failed[0].error

@@ -285,6 +285,23 @@ def _plot(state, records, metric, out_file) -> None:
     typer.echo(plot_terminal(runs, names, width=width, color=color))
 
 
+def sweep_child_command(loops_args: list[str]):
+    """A sweep point's process (training.sweep.ChildCommand): `loops train run CONFIG --set ...
+    --run-dir DIR --yes`, or `loops train resume DIR --yes`, with ``loops_args`` (the global
+    options that reach the same backend) and plain table output for its train.log."""
+    import sys
+
+    base = [sys.executable, "-m", "baseten_loops_cli", *loops_args, "--output", "table", "train"]
+
+    def command(job) -> list[str]:
+        if job.resume:
+            return [*base, "resume", str(job.run_dir), "--yes"]
+        return [*base, "run", str(job.config), *(a for o in job.overrides for a in ("--set", o)),
+                "--run-dir", str(job.run_dir), "--yes"]
+
+    return command
+
+
 def _loops_args(state) -> list[str]:
     """The global options a sweep's run processes need to reach the same backend."""
     return ["--profile", state.profile] if state.profile else []
@@ -340,7 +357,7 @@ def _run_sweep(state, sweep, parallel: int) -> None:
         out.emit({"sweep_dir": str(sweep.path), "runs": rows}, rows=rows, columns=columns, id_key="run_dir")
 
     try:
-        result = sweeps.run(sweep, parallel=parallel, loops_args=_loops_args(state), on_event=out.info)
+        result = sweeps.run(sweep, parallel=parallel, command=sweep_child_command(_loops_args(state)), on_event=out.info)
     except sweeps.SweepInterrupted as stopped:
         render(stopped.result)
         raise
@@ -402,38 +419,27 @@ def sweep(
 
       loops train sweep my.yaml --grid optimizer.learning_rate=1e-4,3e-4 --parallel 2 --yes
     """
-    from baseten_loops_cli.training import service
     from baseten_loops_cli.training import sweep as sweeps
-    from baseten_loops_cli.training.rundir import RunDir
 
     state = get_state(ctx)
     out = state.output
-    sets = list(overrides or [])
-    loaded = service.load(config, sets)
-    spec = sweeps.spec_of(loaded, sweeps.parse_grid(grid or []), random_n=random_n, seed=seed,
-                          max_runs=max_runs, parallel=parallel)
-    sweeps.check(config, sets, spec, loaded)
-    points = sweeps.points(spec)
-    target = sweep_dir or sweeps.default_sweep_dir(loaded.config.name)
-    sweeps.check_target(target)
-    point_configs = [service.load(config, [*sets, *p.overrides]) for p in points]
-    backend = state.backend(_profile_for(state, loaded))
-    prepared = [service.prepare(l, RunDir(target / p.name), backend) for p, l in zip(points, point_configs)]
-    at_once = min(len(points), spec.parallel or (len(points) if backend.capabilities.billable else 1))
+    plan = sweeps.plan_sweep(config, list(overrides or []), grid or [], random_n=random_n, seed=seed, max_runs=max_runs,
+                             parallel=parallel, sweep_dir=sweep_dir,
+                             open_backend=lambda loaded: state.backend(_profile_for(state, loaded)))
+    backend, target, points, at_once = plan.backend, plan.path, plan.points, plan.parallel
     desc = f"profile {backend.profile_name!r} ({backend.base_url})"
-    plan = sweeps.Sweep(target, {}, points)
-    lines = _sweep_plan_lines(plan, prepared, at_once, desc)
+    lines = _sweep_plan_lines(sweeps.Sweep(target, {}, points), plan.prepared, at_once, desc)
     if dry_run:
         out.report({"dry_run": True, "sweep_dir": str(target), "parallel": at_once,
-                    "runs": [{"run": p.name, "params": p.params, "plan": pr.plan.as_dict()} for p, pr in zip(points, prepared)]},
+                    "runs": [{"run": p.name, "params": p.params, "plan": pr.plan.as_dict()} for p, pr in zip(points, plan.prepared)]},
                    id_key="sweep_dir", lines=[*lines, f"Dry run: nothing provisioned (sweep folder would be {target})."])
         return
     for line in lines:
         out.note(line)
     if backend.capabilities.billable:
-        out.confirm(f"Provision {len(points)} {loaded.config.base_model} runs on {backend.base_url}, {at_once} at a time?", yes=yes)
-    created = sweeps.create(target, config, sets, spec, points, parallel=at_once)
-    _run_sweep(state, created, at_once)
+        config_of = plan.prepared[0].loaded.config
+        out.confirm(f"Provision {len(points)} {config_of.base_model} runs on {backend.base_url}, {at_once} at a time?", yes=yes)
+    _run_sweep(state, plan.create(), at_once)
 
 
 @app.command("compare")

@@ -10,7 +10,9 @@ How a point ended is its own state.json (the single truth, as for any run): `loo
 SWEEP_DIR` starts the points that never started, resumes those that stopped or failed, and leaves
 the completed ones, so every point trains exactly once.
 
-Each point runs as its own `loops train run|resume --run-dir` process, not a thread: Ctrl-C,
+Each point runs as a process of its own, not a thread: the caller says which, through a
+:data:`ChildCommand` (the CLI's is `loops train run|resume --run-dir`, so this module knows no
+command-line spelling), and Ctrl-C,
 the trainer's state and the run directory are per process already (session.StopRequested is a
 main-thread signal handler; a crash, OOM or `kill` of one point cannot take the others down; a
 point's output is one log file). The sweep process only starts, watches and stops them: it asks
@@ -19,6 +21,8 @@ from the kernel when the sweep process dies (PR_SET_PDEATHSIG), so `kill -9` of 
 no training behind: every point saves and stops as after Ctrl-C. A run directory's lock (.lock,
 held by the process that trains in it) makes a resume wait for a point still stopping.
 
+The orchestration is here too: :func:`plan_sweep` loads, checks and plans every point (what
+`loops train sweep` shows and confirms), :func:`create` writes the index, :func:`run` trains it.
 Nothing here prints: progress goes to ``on_event(text)``.
 """
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from baseten_loops_cli.api.polling import Poll
 from baseten_loops_cli.errors import ConfigError, InterruptedByUser, LoopsError, UsageError
 from baseten_loops_cli.training.rundir import SWEEP_INDEX, RunDir, atomic_write
 
@@ -108,6 +113,61 @@ class SweepResult:
     @property
     def failed(self) -> list[PointOutcome]:
         return [o for o in self.outcomes if o.status == "failed"]
+
+
+@dataclass(frozen=True)
+class PointJob:
+    """What the process of one point is to do: train ``config`` with ``overrides`` (``--set``
+    values) into ``run_dir``, or, with ``resume``, continue the run directory that is there."""
+
+    config: Path
+    overrides: list[str]
+    run_dir: Path
+    resume: bool
+
+
+# The entry point of a point's process: the argv that trains one PointJob and writes its
+# state.json (exit 0 completed, 130 interrupted). The command line supplies it.
+ChildCommand = Callable[[PointJob], list[str]]
+
+
+@dataclass
+class SweepPlan:
+    """A sweep checked and planned, nothing written or provisioned: its folder, the points, each
+    point's prepared run (``service.PreparedRun``: config, data, plan), the backend they train
+    on and how many train at a time."""
+
+    path: Path
+    config: Path
+    sets: list[str]
+    spec: SweepSpec
+    points: list[SweepPoint]
+    prepared: list[Any]
+    backend: Any
+    parallel: int
+
+    def create(self) -> Sweep:
+        return create(self.path, self.config, self.sets, self.spec, self.points, parallel=self.parallel)
+
+
+def plan_sweep(config: Path, sets: list[str], grid: list[str], *, random_n: int | None, seed: int | None,
+               max_runs: int | None, parallel: int | None, sweep_dir: Path | None,
+               open_backend: Callable[[Any], Any]) -> SweepPlan:
+    """Load and check the config and every point of the grid (files too), then plan each point on
+    the backend ``open_backend(loaded config)`` returns. Raises the first problem found."""
+    from baseten_loops_cli.training import service
+
+    loaded = service.load(config, sets)
+    spec = spec_of(loaded, parse_grid(grid), random_n=random_n, seed=seed, max_runs=max_runs, parallel=parallel)
+    check(config, sets, spec, loaded)
+    pts = points(spec)
+    target = sweep_dir or default_sweep_dir(loaded.config.name)
+    check_target(target)
+    point_configs = [service.load(config, [*sets, *p.overrides]) for p in pts]
+    backend = open_backend(loaded)
+    prepared = [service.prepare(one, RunDir(target / p.name), backend) for p, one in zip(pts, point_configs)]
+    at_once = min(len(pts), spec.parallel or (len(pts) if backend.capabilities.billable else 1))
+    return SweepPlan(target, config, sets, spec, pts, prepared, backend, at_once)
 
 
 # ------------------------------------------------------------------ the points
@@ -301,16 +361,12 @@ def _stop_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def _command(sweep: Sweep, point: SweepPoint, loops_args: list[str]) -> list[str]:
-    base = [sys.executable, "-m", "baseten_loops_cli", *loops_args, "--output", "table", "train"]
+def _job(sweep: Sweep, point: SweepPoint) -> PointJob:
     rundir = sweep.rundir(point)
-    if rundir.exists():
-        return [*base, "resume", str(rundir.path), "--yes"]
-    return [*base, "run", str(sweep.config), *(a for o in [*sweep.sets, *point.overrides] for a in ("--set", o)),
-            "--run-dir", str(rundir.path), "--yes"]
+    return PointJob(sweep.config, [*sweep.sets, *point.overrides], rundir.path, resume=rundir.exists())
 
 
-def run(sweep: Sweep, *, parallel: int, loops_args: list[str], on_event: Callable[[str], None],
+def run(sweep: Sweep, *, parallel: int, command: ChildCommand, on_event: Callable[[str], None],
         env: dict[str, str] | None = None) -> SweepResult:
     """Train every point that is not completed, ``parallel`` at a time, one process each.
 
@@ -340,7 +396,9 @@ def run(sweep: Sweep, *, parallel: int, loops_args: list[str], on_event: Callabl
     child_env.pop("FORCE_COLOR", None)
     total = len(sweep.points)
     try:
-        while (todo and not interrupts) or running:
+        for _ in Poll(interval=_POLL_S):
+            if not ((todo and not interrupts) or running):
+                break
             # Start what fits; a point whose directory a stopping process still holds waits.
             for point in list(todo):
                 if interrupts or len(running) >= parallel:
@@ -356,7 +414,7 @@ def run(sweep: Sweep, *, parallel: int, loops_args: list[str], on_event: Callabl
                 rundir.path.mkdir(parents=True, exist_ok=True)
                 log = open(rundir.path / LOG_NAME, "ab")
                 what = "resuming" if rundir.exists() else "starting"
-                proc = subprocess.Popen(_command(sweep, point, loops_args), stdin=subprocess.DEVNULL, stdout=log,
+                proc = subprocess.Popen(command(_job(sweep, point)), stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
                                         preexec_fn=_stop_with_parent if sys.platform.startswith("linux") else None)
                 running[point.name] = (point, proc, log)
@@ -371,7 +429,6 @@ def run(sweep: Sweep, *, parallel: int, loops_args: list[str], on_event: Callabl
                 outcome = _outcome(sweep, point, rc)
                 outcomes[name] = outcome
                 on_event(f"{name}: {outcome.status}" + (f" ({outcome.error})" if outcome.error else ""))
-            time.sleep(_POLL_S)
     finally:
         for _, proc, log in running.values():  # only on an exception of our own: stop them cleanly
             try:
