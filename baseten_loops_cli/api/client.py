@@ -14,6 +14,7 @@ session/run/trainer/sampler, list runs/samplers) use them.
 
 from __future__ import annotations
 
+import builtins  # `list` alone names a resource class's own list() method in its annotations
 import time
 from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import quote
@@ -236,7 +237,7 @@ class Checkpoints(_Resource):
                 return
             token = page.next_page_token
 
-    def list_files(self, checkpoint_id: str, **kw: Any) -> list[CheckpointFile]:
+    def list_files(self, checkpoint_id: str, **kw: Any) -> builtins.list[CheckpointFile]:
         return list(self.iter_files(checkpoint_id, **kw))
 
     def get_source(self, checkpoint_id: str) -> CheckpointSource:
@@ -250,7 +251,7 @@ class Checkpoints(_Resource):
 
     def deploy(
         self,
-        checkpoint_ids: list[str],
+        checkpoint_ids: builtins.list[str],
         *,
         model_name: str,
         instance_type_id: str,
@@ -296,7 +297,7 @@ class Deployments(_Resource):
         direction: str | None = None,
         limit: int | None = None,
         min_level: str | None = None,
-    ) -> list[Log]:
+    ) -> builtins.list[Log]:
         """Trainer logs in a time window (≤7 days; default last 30 min), ``limit`` 1-1000."""
         if direction is not None and direction not in ("asc", "desc"):
             raise UsageError(f"direction must be asc or desc, not {direction!r}")

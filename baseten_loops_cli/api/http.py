@@ -376,7 +376,7 @@ def error_fields(body: Any, text: str = "") -> tuple[str | None, str | None, str
             detail = msg if isinstance(msg, str) and msg.strip() else None
         if detail is None and isinstance(body.get("detail"), list):
             # FastAPI/pydantic validation errors: a list of {loc, msg}.
-            msgs = [d.get("msg") for d in body["detail"] if isinstance(d, dict) and d.get("msg")]
+            msgs = [str(d["msg"]) for d in body["detail"] if isinstance(d, dict) and d.get("msg")]
             detail = "; ".join(msgs) or None
         cls = body.get("error_class") or body.get("type") or (nested or {}).get("type")
         error_class = cls if isinstance(cls, str) else None
@@ -724,10 +724,11 @@ class HttpClient:
             self._log_request(request, state.attempt)
             started = time.monotonic()
             try:
-                outcome: httpx.Response | httpx.TransportError = self._client.send(request, stream=stream)
-                if stream and outcome.status_code >= 400:
-                    outcome.read()
-                    outcome.close()
+                response = self._client.send(request, stream=stream)
+                if stream and response.status_code >= 400:
+                    response.read()
+                    response.close()
+                outcome: httpx.Response | httpx.TransportError = response
             except httpx.TransportError as exc:
                 outcome = exc
             decision, state = self._decide(policy, outcome, state, request, started, repeat, accept, retry_if)

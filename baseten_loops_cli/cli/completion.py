@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -127,7 +127,7 @@ def defer_typer_coercion() -> None:
     when they are not there; tests/test_startup.py then fails and says pydantic is imported."""
     import typer.core
 
-    cls = getattr(typer.core, "_TyperParameter", None)
+    cls: Any = getattr(typer.core, "_TyperParameter", None)
     build = getattr(cls, "get_runtime_param", None)
     if build is None or getattr(build, "_loops_deferred", False):
         return

@@ -8,7 +8,7 @@ command bodies. ``main()`` is the one place where errors become messages and exi
 import contextlib
 import os
 import sys
-from typing import Annotated, Iterator, Optional
+from typing import Annotated, Any, Iterator, Optional
 
 import typer
 
@@ -298,7 +298,7 @@ def _typer_takes_the_sinks_colour_decision() -> Iterator[None]:
     if (streams.stdout_color and streams.stderr_color) or (mixed and not forced):
         yield
         return
-    rich_utils = sys.modules.get("typer.rich_utils")
+    rich_utils: Any = sys.modules.get("typer.rich_utils")  # FORCE_TERMINAL is set at import time
     before = rich_utils.FORCE_TERMINAL if rich_utils is not None else None
     os.environ[_TYPER_TERMINAL_OFF] = "1"
     if rich_utils is not None:

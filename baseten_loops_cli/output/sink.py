@@ -512,8 +512,8 @@ class LiveLine:
     def __init__(self, out: Output, spinner: str | None = None):
         self._out = out
         self._spinner_text = spinner
-        self._spinner = None
-        self._live = None
+        self._spinner: Any = None  # rich.spinner.Spinner while one turns
+        self._live: Any = None  # rich.live.Live while animated
 
     def __enter__(self) -> "LiveLine":
         if self._out.animate:

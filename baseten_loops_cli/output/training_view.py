@@ -136,9 +136,9 @@ class LiveTrainingView:
         self.main_metric = "loss"
         self.fields: Sequence[Any] = ()
         self.last: dict = {}
-        self._live = None
-        self._progress = None
-        self._task = None
+        self._live: Any = None  # rich.live.Live once started
+        self._progress: Any = None  # rich.progress.Progress once started
+        self._task: Any = None
 
     def start(self, total_steps: int, start_step: int, main_metric: str, fields: Sequence[Any]) -> None:
         from rich.live import Live

@@ -264,7 +264,7 @@ def wait_for_trainer(
         if status in ("RUNNING", "SCALED_TO_ZERO"):
             return run
         if status in TRAINER_TERMINAL:
-            reason = dep.status_reason
+            reason = dep.status_reason if dep else None
             exc = RunFailedError if status in TRAINER_FAILED else LoopsError
             raise exc(
                 f"run {run.id}'s trainer is {status}" + (f": {reason}" if reason else ""),

@@ -158,20 +158,19 @@ def _checkpoint_source(client: "LoopsClient", ref: str, cp: LoopsCheckpoint) -> 
             hint=f"Sample a sampler checkpoint: loops checkpoints list --run-id {cp.run_id} --target sampler",
         )
     uri = uri_of(cp) or ""
-    common = {"checkpoint": cp, "run_id": cp.run_id}
     try:
         run: LoopsRun | None = client.runs.get(cp.run_id)
     except ApiError:
         run = None
     if run is not None and run.is_active:
         sampler = paired_sampler(client, run)
-        return SampleSource(sampler=sampler, base_model=cp.base_model or sampler.base_model, run_header=run.id, pin=uri, **common)
+        return SampleSource(sampler=sampler, base_model=cp.base_model or sampler.base_model, run_header=run.id, pin=uri, checkpoint=cp, run_id=cp.run_id)
     for s in client.samplers.list():
         if s.model_path == uri and not sampler_is_terminal(s):
-            return SampleSource(sampler=s, base_model=cp.base_model or s.base_model, **common)
+            return SampleSource(sampler=s, base_model=cp.base_model or s.base_model, checkpoint=cp, run_id=cp.run_id)
     session_id = client.sessions.create().id
     sampler = client.samplers.create({"session_id": session_id, "model_path": uri})
-    return SampleSource(sampler=sampler, base_model=cp.base_model or sampler.base_model, started_sampler=True, **common)
+    return SampleSource(sampler=sampler, base_model=cp.base_model or sampler.base_model, started_sampler=True, checkpoint=cp, run_id=cp.run_id)
 
 
 def create_sampler(

@@ -101,6 +101,7 @@ def resolve_connection(profile_flag: str | None = None, *,
             f"no API key for profile {resolved.name!r}",
             hint=f"Run `loops auth login --profile {resolved.name}` or export BASETEN_API_KEY.",
         )
+    assert stored.key is not None and stored.source is not None  # found: get_key names where it came from
     credentials.check_key(stored.key, key_origin(stored.source, resolved.name))
     return Connection(resolved, base_url.rstrip("/"), stored.key, stored.source)
 

@@ -87,13 +87,12 @@ def compare(runs: list[RunRecord], *, main_metrics: dict[str, str] | None = None
     metric_columns += [*figure_names, "wall_s", "tokens", "cost_usd"]
     best: dict[str, list[str]] = {}
     for column in metric_columns:
-        values = [(row["run"], _num(row.get(column))) for row in rows]
-        values = [(label, v) for label, v in values if v is not None]
-        if len(values) < 2 or len({v for _, v in values}) == 1:
+        scored = [(str(row["run"]), v) for row in rows if (v := _num(row.get(column))) is not None]
+        if len(scored) < 2 or len({v for _, v in scored}) == 1:
             continue  # nothing to choose between
         lower_wins = column in ("wall_s", "tokens", "cost_usd") or not higher_is_better(column)
-        target = (min if lower_wins else max)(v for _, v in values)
-        best[column] = [label for label, v in values if v == target]
+        target = (min if lower_wins else max)(v for _, v in scored)
+        best[column] = [label for label, v in scored if v == target]
     for row in rows:
         row["best"] = [c for c, labels in best.items() if row["run"] in labels]
     if sort is not None:
@@ -114,7 +113,8 @@ def compare(runs: list[RunRecord], *, main_metrics: dict[str, str] | None = None
 
 def _cost(r: RunRecord) -> float | None:
     """What the config's prices make of the run's trained tokens and wall time (None unpriced)."""
-    pricing = r.config.get("pricing") if isinstance(r.config.get("pricing"), dict) else {}
+    raw = r.config.get("pricing")
+    pricing: dict = raw if isinstance(raw, dict) else {}
     per_train = _num(pricing.get("usd_per_million_train_tokens"))
     per_hour = _num(pricing.get("usd_per_hour"))
     if per_train is None and per_hour is None:

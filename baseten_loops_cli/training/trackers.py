@@ -31,7 +31,7 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.rundir import SWEEP_INDEX, RunDir, atomic_write
@@ -45,7 +45,7 @@ TRACKERS = {
 PACKAGE = "baseten-loops-cli"
 
 
-def check_installed(names: list[str], *, where: str = "logging.trackers") -> None:
+def check_installed(names: Sequence[str], *, where: str = "logging.trackers") -> None:
     """Every named tracker can be imported: one line naming the extra otherwise (before
     anything is provisioned)."""
     for name in names:
@@ -228,8 +228,8 @@ def open_trackers(config: Any, rundir: RunDir, *, raw_config: dict, start_step: 
                 loggers.append(logger)
                 notes.append(f"MLflow run {logger.run_id} in {where}")
             elif name == "trackio":
-                logger, where = _open_trackio(config, base, sweep, run_name, params)
-                loggers.append(logger)
+                trackio_logger, where = _open_trackio(config, base, sweep, run_name, params)
+                loggers.append(trackio_logger)
                 notes.append(f"trackio run {run_name!r} in project {where}")
         except Exception as exc:  # noqa: BLE001 - a tracker outage is not a reason not to train
             notes.append(f"{name}: could not start ({type(exc).__name__}: {exc}); metrics go to metrics.jsonl")

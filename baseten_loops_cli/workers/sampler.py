@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence
 from urllib.parse import quote
 
 import httpx
@@ -65,7 +65,7 @@ def parse_token_id(tok: str | int) -> int:
     return int(suffix)
 
 
-def _stop_reason(finish_reason: Any) -> str:
+def _stop_reason(finish_reason: Any) -> Literal["stop", "length"]:
     return "stop" if finish_reason == "stop" else "length"
 
 
@@ -205,7 +205,7 @@ class SampleChunk(NamedTuple):
     """One streamed ``/sample`` chunk: a decoded token of sample ``index`` (its text delta,
     possibly empty while held back), or that sample's end (``finish_reason`` set)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index(): the sample's number is what callers read
     text: str
     token_ids: list[int]
     logprobs: list[float]
