@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from baseten_loops_cli import __version__
+from baseten_loops_cli.api.polling import Poll
 from baseten_loops_cli.errors import ExitCode, LoopsError
 from baseten_loops_cli.settings import paths
 from baseten_loops_cli.settings.local_server import INFO_FILE, LOG_FILE, PID_FILE, TOKEN_FILE
@@ -162,8 +163,7 @@ def _wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None
                   log_path: Path | None = None) -> None:
     import httpx
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    for _ in Poll(interval=0.1, timeout=timeout):
         if proc is not None and proc.poll() is not None:
             raise ServerError(f"The local server exited during startup (code {proc.returncode}).",
                               hint=_log_hint(log_path))
@@ -172,7 +172,6 @@ def _wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.1)
     raise ServerError(f"The local server at {url} did not answer /health within {timeout:.0f}s.",
                       hint=_log_hint(log_path))
 
@@ -277,22 +276,20 @@ def start(
             start_new_session=True,  # survives the CLI exiting and its terminal's Ctrl-C
             close_fds=True, env=child_env,
         )
-    deadline = time.monotonic() + timeout
-    info = None
-    while time.monotonic() < deadline:
+    poll = Poll(interval=0.05, timeout=timeout)
+    for _ in poll:
         info = _read_info(state_dir)
         if info is not None and info.get("pid") == proc.pid:
             break
         if proc.poll() is not None:
             raise ServerError(f"The local server exited during startup (code {proc.returncode}).",
                               hint=_log_hint(log_path))
-        time.sleep(0.05)
     else:
         proc.kill()
         raise ServerError(f"The local server did not start within {timeout:.0f}s.",
                           hint=_log_hint(log_path))
     if wait:
-        _wait_healthy(info["url"], max(deadline - time.monotonic(), 1.0), proc, log_path)
+        _wait_healthy(info["url"], max(poll.remaining(), 1.0), proc, log_path)
     return status(state_dir) or ServerInfo(
         url=info["url"], port=info["port"], pid=proc.pid, version=info["version"],
         started_at=info["started_at"], state_dir=str(state_dir), data_dir=str(data_dir))
@@ -325,11 +322,9 @@ def stop(state_dir: Path | None = None, *, timeout: float = STOP_TIMEOUT_S) -> b
         return False
     _info, pid = live
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    for _ in Poll(interval=0.1, timeout=timeout):
         if not _pid_alive(pid):
             break
-        time.sleep(0.1)
     else:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -384,8 +379,9 @@ def _stop_when_gone(owner_pid: int, interval_s: float = 1.0) -> None:
     import threading
 
     def watch() -> None:
-        while _pid_alive(owner_pid):
-            time.sleep(interval_s)
+        for _ in Poll(interval=interval_s):
+            if not _pid_alive(owner_pid):
+                break
         print(f"owner process {owner_pid} exited; shutting down", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
