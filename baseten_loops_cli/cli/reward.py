@@ -30,7 +30,7 @@ def test(
       loops reward test examples/tiny-guess.yaml --rows 2 -o json
     """
     from baseten_loops_cli.errors import LoopsError
-    from baseten_loops_cli.services.rewards import test_rewards
+    from baseten_loops_cli.training.reward_test import test_rewards
     from baseten_loops_cli.training import service
     from baseten_loops_cli.training.samples import sample_lines
 

@@ -1,7 +1,7 @@
 """What `loops eval` scores and which samplers serve it.
 
 :func:`candidates` turns checkpoint names (``RUN:NAME``, ids, ``bt://`` URIs, ``RUN:*``) and
-``--base`` into :class:`~baseten_loops_cli.training.evaluation.Candidate` rows. A
+``--base`` into :class:`Candidate` rows (which training/evaluation.py scores). A
 :class:`SamplerPool` opens a sampler for a row only on a cache miss:
 
 - a checkpoint of an active run: the run's paired sampler, pinned to it (``X-Checkpoint-Path``);
@@ -12,7 +12,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from baseten_loops_cli.errors import LoopsError, UsageError
 from baseten_loops_cli.services.resolve import (
@@ -27,7 +28,27 @@ from baseten_loops_cli.services.resolve import (
 
 if TYPE_CHECKING:
     from baseten_loops_cli.services import Connected
-    from baseten_loops_cli.training.evaluation import Candidate
+
+
+class SamplerLike(Protocol):
+    async def asample(self, prompt_tokens: Sequence[int], **kwargs: Any) -> Any: ...
+    async def aclose(self) -> None: ...
+
+
+@dataclass
+class Candidate:
+    """One row of the table: a sampler checkpoint or a base model.
+
+    ``identity`` is what makes a cached result reusable (the backend, the checkpoint's id, URI
+    and creation time); ``open`` returns a client of a sampler serving the weights (with any
+    pin set) and is called only on a cache miss. ``close`` (optional) runs after scoring."""
+
+    label: str
+    base_model: str
+    identity: str
+    open: Callable[[], SamplerLike]
+    uri: str | None = None
+    is_base: bool = False
 
 
 def run_checkpoints(client: Any, text: str) -> list:
@@ -102,11 +123,9 @@ class SamplerPool:
 
 
 def candidates(backend: "Connected", refs: list[str], pool: SamplerPool, *, base: bool,
-               config_base_model: Callable[[], str] | None = None) -> list["Candidate"]:
+               config_base_model: Callable[[], str] | None = None) -> list[Candidate]:
     """The table's rows: the base model(s) first when ``base``, then each named checkpoint once.
     ``config_base_model`` gives the base model when ``--base`` comes without a checkpoint."""
-    from baseten_loops_cli.training.evaluation import Candidate
-
     client = backend.client
     resolved: list = []
     for text in refs:

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, Sequence
 
 from baseten_loops_cli.errors import ConfigError, LoopsError
+# The rows: services/evaluation.py makes them from checkpoint names (training sits above services).
+from baseten_loops_cli.services.evaluation import Candidate, SamplerLike
 from baseten_loops_cli.training.config import RewardConfig, SamplingConfig
 
 # Bump when the numbers a cached result holds would change for the same inputs.
@@ -78,25 +80,6 @@ def metrics_of(kind: str) -> tuple[Metric, ...]:
 # ── what is evaluated, on what ─────────────────────────────────────────────────────────────
 
 
-class SamplerLike(Protocol):
-    async def asample(self, prompt_tokens: Sequence[int], **kwargs: Any) -> Any: ...
-    async def aclose(self) -> None: ...
-
-
-@dataclass
-class Candidate:
-    """One row of the table: a sampler checkpoint or a base model.
-
-    ``identity`` is what makes a cached result reusable (the backend, the checkpoint's id, URI
-    and creation time); ``open`` returns a client of a sampler serving the weights (with any
-    pin set) and is called only on a cache miss. ``close`` (optional) runs after scoring."""
-
-    label: str
-    base_model: str
-    identity: str
-    open: Callable[[], SamplerLike]
-    uri: str | None = None
-    is_base: bool = False
 
 
 @dataclass(frozen=True)
