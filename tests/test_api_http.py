@@ -19,7 +19,8 @@ from baseten_loops_cli.api.errors import (
     RequestTimeoutError,
     ServerError,
 )
-from baseten_loops_cli.api.http import HttpClient, backoff_delay, retry_after_seconds
+from baseten_loops_cli.api.http import HttpClient
+from baseten_loops_cli.api.retry import backoff_delay, retry_after_seconds
 from baseten_loops_cli.errors import ExitCode, LoopsError
 
 KEY = "sk-very-secret-key-42"

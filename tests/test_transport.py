@@ -19,7 +19,8 @@ from baseten_loops_cli.api.errors import (
     ServerError,
     ServerShutdownError,
 )
-from baseten_loops_cli.api.http import DEFAULT_POLICY, HttpClient, RetryPolicy, RetryState, decide
+from baseten_loops_cli.api.http import HttpClient
+from baseten_loops_cli.api.retry import DEFAULT_POLICY, RetryPolicy, RetryState, decide
 from baseten_loops_cli.workers import SamplerClient, TrainerClient
 
 # ── the decision function, as a table ────────────────────────────────────────────────────────

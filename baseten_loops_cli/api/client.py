@@ -22,7 +22,8 @@ from urllib.parse import quote
 import httpx
 
 from baseten_loops_cli.api.errors import NotFoundError
-from baseten_loops_cli.api.http import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, USER_AGENT, HttpClient, Sleep
+from baseten_loops_cli.api.http import DEFAULT_TIMEOUT, USER_AGENT, HttpClient, Sleep
+from baseten_loops_cli.api.retry import DEFAULT_MAX_RETRIES
 from baseten_loops_cli.api.models import (
     CapabilitiesResponse,
     CheckpointFile,

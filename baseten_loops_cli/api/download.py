@@ -1,7 +1,7 @@
 """Download a checkpoint's files from their presigned URLs: parallel, resumable, verified.
 
 A transfer in three parts: :func:`plan` (validate the names, claim the target, list what is
-left), :func:`fetch_file` (one file: attempts decided by ``api.http.decide``, resume, verify,
+left), :func:`fetch_file` (one file: attempts decided by ``api.retry.decide``, resume, verify,
 rename) and :func:`run` (the files in parallel on the shared transport).
 ``download_files(files, dest, ...)`` (plan, then run) is what ``loops checkpoints download``
 runs. The file list
@@ -48,7 +48,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 
-from baseten_loops_cli.api.http import HttpClient, RetryPolicy, RetryState, decide
+from baseten_loops_cli.api.http import HttpClient
+from baseten_loops_cli.api.retry import RetryPolicy, RetryState, decide
 from baseten_loops_cli.errors import ExitCode, InterruptedByUser, LoopsError, UsageError
 
 MARKER_NAME = ".loops-download.json"
@@ -369,7 +370,7 @@ class _Links:
 # no Authorization: presigned URLs carry their own credentials) and streamed to disk as the
 # chunks arrive (httpx's raw stream costs no more CPU than a hand-made http.client loop: 0.35
 # vs 0.45 s per 256 MiB measured on loopback). Each attempt's outcome goes to
-# ``api.http.decide`` under DOWNLOAD_POLICY: Retry-After honoured, backoff with jitter, and at
+# ``api.retry.decide`` under DOWNLOAD_POLICY: Retry-After honoured, backoff with jitter, and at
 # most MAX_ATTEMPTS attempts without progress (an attempt that received bytes restarts the count).
 
 # httpcore reads a response 64 KiB at a time (``HTTP11Connection.READ_NUM_BYTES``, a class

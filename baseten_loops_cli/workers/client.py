@@ -24,7 +24,8 @@ from baseten_loops_cli.api.errors import (
     RemoteOpError,
     RequestTimeoutError,
 )
-from baseten_loops_cli.api.http import USER_AGENT, HttpClient, RetryPolicy
+from baseten_loops_cli.api.http import USER_AGENT, HttpClient
+from baseten_loops_cli.api.retry import RetryPolicy
 from baseten_loops_cli.api.polling import Clock, Poll, Sleep
 
 # Retries of plain GETs (health, policy version, model list) on transport errors / 5xx / 408.

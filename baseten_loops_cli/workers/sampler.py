@@ -27,7 +27,8 @@ from baseten_loops_cli.api.errors import (
     RequestTimeoutError,
     SampleTimeoutError,
 )
-from baseten_loops_cli.api.http import USER_AGENT, RetryPolicy, connection_error
+from baseten_loops_cli.api.http import USER_AGENT, connection_error
+from baseten_loops_cli.api.retry import RetryPolicy
 from baseten_loops_cli.api.polling import Clock, Poll, Sleep
 from baseten_loops_cli.workers.client import (
     DEFAULT_GET_RETRIES,

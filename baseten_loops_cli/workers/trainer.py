@@ -36,7 +36,8 @@ from baseten_loops_cli.api.errors import (
     ServerShutdownError,
     UnknownOperationError,
 )
-from baseten_loops_cli.api.http import USER_AGENT, RetryPolicy, is_permanent_rejection
+from baseten_loops_cli.api.http import USER_AGENT, is_permanent_rejection
+from baseten_loops_cli.api.retry import RetryPolicy
 from baseten_loops_cli.api.polling import Clock, Sleep
 from baseten_loops_cli.workers.client import DEFAULT_GET_RETRIES, DEFAULT_POLL_HOLD_TIMEOUT, WorkerClient, json_body
 from baseten_loops_cli.workers.types import (
