@@ -153,6 +153,10 @@ def _write_peft(adapter_dir: Path, base_model: str, adapted: Any, staging: Path,
         # point the adapter at it, so AutoPeftModelForCausalLM.from_pretrained(DIR) just works.
         base = load_base(TINY)
         base.save_pretrained(staging / "base", safe_serialization=True)
+        # Its byte tokenizer beside both (built in code too): AutoTokenizer loads the export
+        # folder and its base/ alike.
+        _write_tokenizer(TINY, staging / "base")
+        _write_tokenizer(TINY, staging)
         config["base_model_name_or_path"] = str(final / "base")
     else:
         local = Path(base_model).expanduser()
@@ -388,7 +392,8 @@ def model_card(fmt: str, dtype: str, base_model: str, card: dict[str, Any], diff
                  "model = AutoPeftModelForCausalLM.from_pretrained(\"THIS_FOLDER\")\n```\n\n"
                  + ("The base model (`loops-local/tiny`, built in code) is in `base/`; `adapter_config.json` names it by "
                     "its absolute path. After moving the folder, load it with "
-                    "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER/base\"), \"THIS_FOLDER\")`."
+                    "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER/base\"), \"THIS_FOLDER\")`. "
+                    "Its byte tokenizer is in both folders (`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)."
                     if base_model == TINY else
                     f"`adapter_config.json` names the base as `{card.get('named_base') or base_model}`. Offline (no hub; "
                     f"`AutoPeftModelForCausalLM` would retry the hub first) load it from the base's local folder"
