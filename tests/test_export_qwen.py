@@ -104,6 +104,7 @@ def test_qwen_gguf_answers_like_loops_sample(kind, local_server, smollm2_tokeniz
     assert got.code == 0, got
     assert got.json()["max_abs_diff"] <= 1e-4
     path = Path(got.json()["path"])
+    assert path == out / f"{kind}.gguf"  # named by the folder, not its whole path
     reader = gguf.GGUFReader(str(path))
     assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == kind
     names = {t.name for t in reader.tensors}

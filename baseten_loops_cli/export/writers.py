@@ -127,6 +127,11 @@ def _write(adapter_dir: Path, base_model: str, staging: Path, final: Path, *, fm
 
 
 def _safe_name(name: str) -> str:
+    """A file name for a base: a hub id's ``/`` as ``--``; a local folder by its own name (not
+    its whole path)."""
+    folder = Path(name).expanduser()
+    if (folder / "config.json").is_file():
+        return folder.resolve().name
     return name.replace("/", "--")
 
 
