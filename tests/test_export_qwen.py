@@ -113,6 +113,9 @@ def test_qwen_gguf_answers_like_loops_sample(kind, local_server, smollm2_tokeniz
     assert (norms <= names, biases <= names) == ((kind == "qwen3"), (kind == "qwen2"))
     if kind == "qwen3":
         assert int(reader.fields["qwen3.attention.key_length"].parts[-1][0]) == 128
+    # SmolLM2's tokenizer as rebuilt from its GGUF: GPT-2's byte-level regex, no BOS prepended.
+    assert bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]).decode() == "gpt2"
+    assert bool(reader.fields["tokenizer.ggml.add_bos_token"].parts[-1][0]) is False
 
     sampled = loops(local_server, "sample", f"{run_id}:s1", "--prompt", PROMPT, "--temperature", "0",
                     "--max-tokens", str(NEW_TOKENS), "-o", "json")
@@ -130,3 +133,27 @@ def test_qwen_gguf_answers_like_loops_sample(kind, local_server, smollm2_tokeniz
         generated = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False,
                                    eos_token_id=None, pad_token_id=0)
     assert generated[0, len(prompt):].tolist() == ours
+
+
+# The pre-tokenizers of Qwen2.5/Qwen3's and SmolLM2's tokenizer.json, as published.
+QWEN_PRE = {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+     "behavior": "Isolated", "invert": False},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+SMOLLM2_PRE = {"type": "Sequence", "pretokenizers": [
+    {"type": "Digits", "individual_digits": True},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+
+
+def test_llama_cpp_pre_tokenizer_names():
+    """llama.cpp picks its pre-tokenizer regexes by this name: Qwen's split, SmolLM2's digits +
+    GPT-2 regex, GPT-2's regex alone, and the tiny model's bytes (no regex)."""
+    from baseten_loops_cli.export.writers import tokenizer_pre
+    from baseten_loops_cli.tokenization.byte_tokenizer import tokenizer_json
+
+    assert tokenizer_pre({"pre_tokenizer": QWEN_PRE}) == "qwen2"
+    assert tokenizer_pre({"pre_tokenizer": SMOLLM2_PRE}) == "smollm"
+    assert tokenizer_pre({"pre_tokenizer": SMOLLM2_PRE["pretokenizers"][1]}) == "gpt2"
+    import json
+
+    assert tokenizer_pre(json.loads(tokenizer_json())) == "default"

@@ -379,15 +379,18 @@ _QWEN2_SPLIT = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N
 def tokenizer_pre(spec: dict[str, Any]) -> str:
     """llama.cpp's name for a tokenizer.json's pre-tokenizer (what convert_hf_to_gguf finds by
     hashing a test string; here by the pre-tokenizer itself): ``qwen2`` for Qwen's split regex,
-    ``smollm`` for SmolLM2's single digits + byte level, else ``default`` (GPT-2's)."""
+    ``smollm`` for single digits + GPT-2's byte-level regex (SmolLM2's tokenizer.json), ``gpt2``
+    for that regex alone (SmolLM2 as transformers rebuilds it from a GGUF file, which the local
+    engine converts once), else ``default`` (the tiny model's bytes: no regex)."""
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     for step in steps:
         if step.get("type") == "Split" and (step.get("pattern") or {}).get("Regex", "").startswith(_QWEN2_SPLIT):
             return "qwen2"
-    if any(step.get("type") == "Digits" and step.get("individual_digits") for step in steps):
+    byte_regex = any(step.get("type") == "ByteLevel" and step.get("use_regex", True) for step in steps)
+    if byte_regex and any(step.get("type") == "Digits" and step.get("individual_digits") for step in steps):
         return "smollm"
-    return "default"
+    return "gpt2" if byte_regex else "default"
 
 
 def _tokenizer_config(directory: Path) -> dict[str, Any]:
