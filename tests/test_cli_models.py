@@ -35,7 +35,7 @@ def llama_folder(path):
     return path
 
 
-def test_models_lists_the_catalog_as_table_and_json(server, tmp_path):
+def test_models_lists_the_catalog_as_table_and_json(server, tmp_path, monkeypatch):
     got = loops(server, "models", "-o", "json")
     assert got.code == 0, got
     rows = {r["model"]: r for r in got.json()}
@@ -57,6 +57,10 @@ def test_models_lists_the_catalog_as_table_and_json(server, tmp_path):
     assert [(r["model"], r["max_seq_len"], r["source"], r["ready"]) for r in named.json()] == [
         (folder, 512, "local folder", True)]
     assert folder not in {r["model"] for r in loops(server, "models", "-o", "json").json()}
+    with monkeypatch.context() as here:  # a relative path names the folder here, not in the server's cwd
+        here.chdir(tmp_path)
+        relative = loops(server, "models", "./llama", "-o", "json")
+    assert [r["model"] for r in relative.json()] == [folder], relative
     session = api(server, "POST", "/v1/loops/sessions", json={})["session"]["id"]
     api(server, "POST", "/v1/loops/runs", json={"session_id": session, "base_model": folder, "lora_rank": 4})
     listed = loops(server, "models", "--use-case", "rl", "-o", "json").json()

@@ -40,6 +40,14 @@ def models(
 
     if use_case is not None and use_case not in service.USE_CASES:
         raise UsageError(f"--use-case must be sft or rl, not {use_case!r}", hint="e.g. --use-case sft")
+    if model is not None:
+        from pathlib import Path
+
+        from baseten_loops_cli.settings.model_files import local_model_dir
+
+        # A folder is named to the server by its absolute path (the server has its own cwd).
+        folder = local_model_dir(model, Path.cwd())
+        model = str(folder) if folder is not None else model
     state = get_state(ctx)
     out = state.output
     rows = service.catalog(state.backend(), model=model, use_case=use_case)
