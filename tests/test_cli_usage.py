@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from baseten_loops_cli.api.models import LoopsDeployment, LoopsSampler
 from baseten_loops_cli.cli import usage as usage_cmd
 from baseten_loops_cli.services import usage as usage_service
@@ -184,3 +186,64 @@ def test_rows_and_summary_from_baseten_shaped_payloads():
     assert usage_cmd._gpu_cell("H100:8", 16, 2) == "H100:8 (16 GPUs across 2 nodes)"
     assert usage_cmd._gpu_cell("H100:1", 1, 1) == "H100:1 (1 GPU)"
     assert usage_cmd._gpu_cell(None, None, None) is None
+
+
+# ── usage over time: --since / --until ─────────────────────────────────────────────────────
+
+
+def test_usage_since_lists_the_window_per_owner_as_csv_with_cost(seeded, tmp_path):
+    """The seeded run trained within the last hour: `--since 1h` has all its tokens (as
+    `--by-run` counts them), a window that ends an hour ago has none of them, and --pricing
+    (a training config's pricing: section) prices each row and the total."""
+    import csv
+    import io
+    from datetime import datetime
+
+    by_run = loops(seeded.server, "usage", "--by-run", "--all", "-o", "json").json()
+    trained = next(r for r in by_run["runs"] if r["run_id"] == seeded.run_id)["tokens_trained"]
+    assert trained > 0
+
+    got = loops(seeded.server, "usage", "--since", "1h", "-o", "csv")
+    assert got.code == 0, got
+    rows = list(csv.DictReader(io.StringIO(got.stdout)))
+    assert list(rows[0]) == ["PERIOD", "OWNER", "KIND", "RUN", "TOKENS TRAINED", "TOKENS SAMPLED", "COMPUTE S", "REQUESTS"]
+    mine = [r for r in rows if r["OWNER"] == seeded.run_id]
+    assert sum(int(r["TOKENS TRAINED"]) for r in mine) == trained
+    assert all(r["KIND"] == "run" and r["RUN"] == seeded.run_id for r in mine)
+    assert {r["PERIOD"] for r in mine} <= {datetime.utcnow().strftime("%Y-%m-%d"), rows[0]["PERIOD"]}
+
+    before = loops(seeded.server, "usage", "--since", "2d", "--until", "1h", "-o", "json")
+    assert before.code == 0, before
+    assert before.json()["periods"] == [] and before.json()["totals"]["tokens_trained"] == 0
+    # A date (local midnight) and an hour's periods.
+    today = datetime.now().strftime("%Y-%m-%d")
+    hourly = loops(seeded.server, "usage", "--since", today, "--period", "hour", "-o", "json").json()
+    assert sum(p["tokens_trained"] for p in hourly["periods"] if p["owner_id"] == seeded.run_id) == trained
+
+    prices = tmp_path / "config.yaml"
+    prices.write_text("kind: sft\npricing:\n  usd_per_million_train_tokens: 2.0\n  usd_per_hour: 3.6\n")
+    priced = loops(seeded.server, "usage", "--since", "1h", "--pricing", str(prices), "-o", "json")
+    assert priced.code == 0, priced
+    doc = priced.json()
+    assert doc["pricing"] == {"usd_per_million_train_tokens": 2.0, "usd_per_hour": 3.6}
+    totals = doc["totals"]
+    want = totals["tokens_trained"] / 1e6 * 2.0 + totals["compute_seconds"] / 3600 * 3.6
+    assert totals["cost_usd"] == pytest.approx(want, rel=1e-4) and totals["cost_usd"] > 0
+    for p in doc["periods"]:
+        assert p["cost_usd"] == pytest.approx(p["tokens_trained"] / 1e6 * 2.0 + p["compute_seconds"] / 3600 * 3.6, abs=1e-6)
+    table = loops(seeded.server, "usage", "--since", "1h", "--pricing", str(prices))
+    assert "COST USD" in table.lines[0] and re.search(r"Total: [\d,]+ tokens trained, .*, \$\d", table.stderr), table
+
+
+def test_usage_since_bad_input(seeded, tmp_path):
+    one_line_error(loops(seeded.server, "usage", "--since", "yesterday"), 2, "--since", "ISO 8601")
+    one_line_error(loops(seeded.server, "usage", "--since", "1h", "--until", "2h"), 2, "is not before --until")
+    one_line_error(loops(seeded.server, "usage", "--until", "1h"), 2, "--since")
+    one_line_error(loops(seeded.server, "usage", "--since", "1h", "--by-run"), 2, "--by-run")
+    one_line_error(loops(seeded.server, "usage", "--since", "1h", "--period", "week"), 2, "--period", "hour or day")
+    bad = tmp_path / "prices.yaml"
+    bad.write_text("pricing:\n  usd_per_hour: -1\n")
+    one_line_error(loops(seeded.server, "usage", "--since", "1h", "--pricing", str(bad)), 1, f"{bad}:2", "usd_per_hour")
+    none = tmp_path / "none.yaml"
+    none.write_text("kind: sft\n")
+    one_line_error(loops(seeded.server, "usage", "--since", "1h", "--pricing", str(none)), 1, "no pricing: section")

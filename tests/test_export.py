@@ -60,6 +60,10 @@ def test_peft_folder_loads_with_plain_peft(seeded, reference, tmp_path):
     card = (out / "README.md").read_text()
     assert TINY in card and seeded.run_id in card and "loops checkpoints export" in card
     assert not list(tmp_path.glob(".*partial"))
+    # The folder and its base/ each load with AutoTokenizer (the README's promise for every export).
+    assert {"tokenizer.json", "tokenizer_config.json", "base/tokenizer.json", "base/tokenizer_config.json"} <= set(doc["files"])
+    assert_tokenizer_is_the_byte_tokenizer(out)
+    assert_tokenizer_is_the_byte_tokenizer(out / "base")
 
 
 def test_hf_merged_folder_matches_base_plus_adapter(seeded, reference, tmp_path):

@@ -476,6 +476,15 @@ class LoopsClient:
         data = self.http.request_json("GET", "/v1/local/usage", params={"run_id": run_id}, max_retries=0)
         return list((data or {}).get("usage") or []) if isinstance(data, dict) else []
 
+    def local_usage_periods(self, since: int, until: int, period_s: int) -> list[dict[str, Any]]:
+        """``GET /v1/local/usage?since=&until=&period_s=`` (the local backend only): the counters
+        of each ``period_s``-second period (UTC-aligned) of ``[since, until)`` in epoch seconds,
+        per owner and the run they count for ``[{start, owner_id, owner_kind, run_id,
+        tokens_trained, tokens_sampled, compute_seconds, operations, sample_requests}]``."""
+        params = {"since": since, "until": until, "period_s": period_s}
+        data = self.http.request_json("GET", "/v1/local/usage", params=params, max_retries=0)
+        return list((data or {}).get("periods") or []) if isinstance(data, dict) else []
+
     def close(self) -> None:
         self.http.close()
 

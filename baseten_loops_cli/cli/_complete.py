@@ -1,4 +1,4 @@
-"""Dynamic tab completion: run ids, checkpoint references and profile names.
+"""Dynamic tab completion: run ids, checkpoint references, model names and profile names.
 
 A TAB must never wait on the network for more than a moment, so answers come from a small cache
 file (``$LOOPS_CACHE_DIR/completion.json``, entries fresh for :data:`TTL_S` seconds, keyed by
@@ -167,7 +167,21 @@ def _fetch_samplers(profile_flag: str | None, _arg: str) -> list[Item]:
     ]
 
 
+def _fetch_models(profile_flag: str | None, _arg: str) -> list[Item]:
+    """The backend's catalog (``GET /v1/loops/capabilities``, both use cases) with each model's
+    max sequence length and use cases (what ``loops models`` lists)."""
+    found: dict[str, tuple[Any, list[str]]] = {}
+    for case in ("sft", "rl"):
+        for m in _get_json(profile_flag, "/v1/loops/capabilities", {"use_case": case}).get("supported_models") or []:
+            name = str(m.get("model_name") or "")
+            if name:
+                found.setdefault(name, (m.get("max_seq_len") or m.get("max_context_length"), []))[1].append(case)
+    return [(name, " · ".join(x for x in [f"{limit:,} tokens" if isinstance(limit, int) else "", ", ".join(cases)] if x))
+            for name, (limit, cases) in found.items()]
+
+
 FETCHERS: dict[str, Callable[[str | None, str], list[Item]]] = {
+    "models": _fetch_models,
     "runs": _fetch_runs,
     "checkpoints": _fetch_checkpoints,
     "samplers": _fetch_samplers,
@@ -185,7 +199,7 @@ def cached_items(
     budget_s: float = REFRESH_BUDGET_S,
     spawn: bool = True,
 ) -> list[Item]:
-    """Items of ``kind`` (``runs``, ``checkpoints`` of run ``arg``, ``samplers``): fresh from the
+    """Items of ``kind`` (``runs``, ``checkpoints`` of run ``arg``, ``samplers``, ``models``): fresh from the
     cache, else refreshed within ``budget_s``, else stale (and refreshed in the background)."""
     backend = _backend_key(profile_flag)
     if backend is None:
@@ -258,6 +272,11 @@ def complete_run(ctx: Any, incomplete: str) -> list[Item]:
 
 def complete_sampler(ctx: Any, incomplete: str) -> list[Item]:
     return _filter(cached_items(_profile_flag(ctx), "samplers"), incomplete)
+
+
+def complete_model(ctx: Any, incomplete: str) -> list[Item]:
+    """Model names of the backend's catalog with their max sequence length and use cases."""
+    return _filter(cached_items(_profile_flag(ctx), "models"), incomplete)
 
 
 def complete_checkpoint(ctx: Any, incomplete: str) -> list[Item]:

@@ -29,6 +29,7 @@ from baseten_loops_cli.cli import (
     deploy,
     reward,
     eval as eval_,
+    models,
     runs,
     sample,
     samplers,
@@ -78,6 +79,7 @@ SETUP = "Setup"
 app.add_typer(runs.app, name="runs", rich_help_panel=RUNS)
 app.add_typer(samplers.app, name="samplers", rich_help_panel=RUNS)
 app.command("usage", rich_help_panel=RUNS)(usage.usage)
+app.command("models", rich_help_panel=RUNS)(models.models)
 app.command("sample", rich_help_panel=RUNS)(sample.sample)
 app.add_typer(checkpoints.app, name="checkpoints", rich_help_panel=CHECKPOINTS)
 app.add_typer(deploy.app, name="deploy", rich_help_panel=CHECKPOINTS)

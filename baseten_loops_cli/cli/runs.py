@@ -56,7 +56,7 @@ def hidden_hint(hidden: int, what: str, *, recent: bool = False) -> str:
 @app.command("create")
 def create(
     ctx: typer.Context,
-    base_model: Annotated[str, typer.Option("--base-model", "-m", help="Base model to train a LoRA adapter on.", show_default=False)],
+    base_model: Annotated[str, typer.Option("--base-model", "-m", help="Base model to train a LoRA adapter on (see `loops models`).", show_default=False, autocompletion=_complete.complete_model)],
     name: Annotated[Optional[str], typer.Option("--name", help="A name for the run (default: the base model).")] = None,
     lora_rank: Annotated[Optional[int], typer.Option("--lora-rank", min=1, help="LoRA rank (backend default: 64).")] = None,
     max_seq_len: Annotated[

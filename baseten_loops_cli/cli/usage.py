@@ -61,6 +61,10 @@ def usage(
     user: Annotated[Optional[str], typer.Option("--user", help="Only this user's allocations (by email; implies --org).")] = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="Also show allocations holding no live GPUs (idle, scaled to zero, stopped).")] = False,
     by_run: Annotated[bool, typer.Option("--by-run", help="One row per run: tokens trained and sampled (its checkpoints' sampling anywhere, deployments' share apart), compute time (active runs, or the last 24 hours' when none is active; --all for every run).")] = False,
+    since: Annotated[Optional[str], typer.Option("--since", help="Usage over time from this moment: a date or ISO time (2026-12-01, 2026-12-01T10:00Z; local time without a zone) or a duration back from now (7d, 12h, 90m).", show_default=False)] = None,
+    until: Annotated[Optional[str], typer.Option("--until", help="With --since: up to this moment (same forms; default now).", show_default=False)] = None,
+    period: Annotated[str, typer.Option("--period", help="With --since: one row per owner and UTC hour or day.")] = "day",
+    pricing: Annotated[Optional[str], typer.Option("--pricing", help="With --since: a YAML file whose pricing: section (a training config's) prices the usage (COST column).", show_default=False)] = None,
 ) -> None:
     """GPU allocations of your runs and samplers, and the tokens and time they used.
 
@@ -68,7 +72,9 @@ def usage(
     where the backend reports them. Your own allocations by default (--org for everyone's). Rows holding no live GPUs are
     hidden unless --all. On the local backend the allocations are CPU workers. -o json prints
     {"summary": {...}, "rows": [...]} with the Go CLI's keys; --by-run -o json prints
-    {"runs": [...], "totals": {...}}.
+    {"runs": [...], "totals": {...}}. --since/--until: tokens, compute and (with --pricing)
+    cost per hour or day of a window, per run, sampler and deployment (local backend; kept to
+    the minute); -o json prints {"since", "until", "period", "pricing", "periods", "totals"}.
 
     Examples:
 
@@ -77,6 +83,8 @@ def usage(
       loops usage --org --all
 
       loops usage --by-run -o json --jq '.totals'
+
+      loops usage --since 7d --pricing examples/tiny-sft.yaml -o csv
     """
     from baseten_loops_cli.cli.runs import hidden_hint
     from baseten_loops_cli.services import usage as service
@@ -85,6 +93,9 @@ def usage(
     out = state.output
     backend = state.backend()
     org = org or bool(user)
+    if since is not None or until is not None or pricing is not None:
+        _over_time(out, backend, since, until, period, pricing, org=org, by_run=by_run, all_=all_)
+        return
     if by_run:
         _by_run(out, service.usage_by_run(backend, org=org, user=user, include_inactive=all_), org, all_)
         return
@@ -140,3 +151,61 @@ def _by_run(out, report, org: bool, all_: bool) -> None:
     )
     if report.runs and report.hidden:
         out.hint(hidden_hint(report.hidden, "inactive run", recent=report.recent))
+
+
+def _when(text: str, flag: str):
+    """A moment as typed: a duration back from now (``7d``, ``1h30m``) or a date / ISO time."""
+    from datetime import datetime, timedelta, timezone
+
+    from baseten_loops_cli.cli.runs import _DURATION_RE, parse_duration, parse_when
+
+    if _DURATION_RE.match(text.strip()):
+        return datetime.now(timezone.utc) - timedelta(seconds=parse_duration(text))
+    return parse_when(text, flag)
+
+
+def _over_time(out, backend, since: str | None, until: str | None, period: str, pricing: str | None, *,
+               org: bool, by_run: bool, all_: bool) -> None:
+    from datetime import datetime, timezone
+
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.services import usage as service
+
+    if since is None:
+        raise UsageError("--until and --pricing go with --since", hint="e.g. loops usage --since 7d")
+    if org or by_run or all_:
+        raise UsageError("--since cannot be combined with --org, --user, --by-run or --all",
+                         hint="--since lists every run, sampler and deployment of the window.")
+    if period not in service.PERIODS:
+        raise UsageError(f"--period must be hour or day, not {period!r}", hint="e.g. --period hour")
+    prices = None
+    if pricing is not None:
+        from baseten_loops_cli.training.config import load_pricing
+
+        prices = load_pricing(pricing)
+    start = _when(since, "--since")
+    end = _when(until, "--until") if until is not None else datetime.now(timezone.utc)
+    report = service.usage_over_time(backend, since=start, until=end, period=period, pricing=prices)
+    cols: list = [
+        ("PERIOD", lambda r: r.period_start.strftime("%Y-%m-%d %H:%M" if period == "hour" else "%Y-%m-%d")),
+        ("OWNER", "owner_id"),
+        ("KIND", "owner_kind"),
+        ("RUN", "run_id"),
+        ("TOKENS TRAINED", "tokens_trained"),
+        ("TOKENS SAMPLED", "tokens_sampled"),
+        ("COMPUTE S", "compute_seconds"),
+        ("REQUESTS", "sample_requests"),
+    ]
+    if prices is not None:
+        cols.append(("COST USD", "cost_usd"))
+    totals = report.totals
+    out.emit(
+        report.document(),
+        rows=report.periods,
+        columns=cols,
+        id_key="owner_id",
+        empty=f"No usage between {start.isoformat(timespec='seconds')} and {end.isoformat(timespec='seconds')}.",
+        hint=(f"Total: {totals.tokens_trained:,} tokens trained, {totals.tokens_sampled:,} sampled, "
+              f"{_compute(totals.compute_seconds)} of compute"
+              + (f", ${totals.cost_usd:,.4f}" if totals.cost_usd is not None else "") + " (UTC periods)."),
+    )

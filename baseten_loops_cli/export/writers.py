@@ -127,6 +127,11 @@ def _write(adapter_dir: Path, base_model: str, staging: Path, final: Path, *, fm
 
 
 def _safe_name(name: str) -> str:
+    """A file name for a base: a hub id's ``/`` as ``--``; a local folder by its own name (not
+    its whole path)."""
+    folder = Path(name).expanduser()
+    if (folder / "config.json").is_file():
+        return folder.resolve().name
     return name.replace("/", "--")
 
 
@@ -153,6 +158,10 @@ def _write_peft(adapter_dir: Path, base_model: str, adapted: Any, staging: Path,
         # point the adapter at it, so AutoPeftModelForCausalLM.from_pretrained(DIR) just works.
         base = load_base(TINY)
         base.save_pretrained(staging / "base", safe_serialization=True)
+        # Its byte tokenizer beside both (built in code too): AutoTokenizer loads the export
+        # folder and its base/ alike.
+        _write_tokenizer(TINY, staging / "base")
+        _write_tokenizer(TINY, staging)
         config["base_model_name_or_path"] = str(final / "base")
     else:
         local = Path(base_model).expanduser()
@@ -224,15 +233,32 @@ def llama_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+# transformers model_type -> llama.cpp architecture, and whether q/k rows are permuted: llama's
+# rotate-half RoPE becomes llama.cpp's interleaved one; Qwen's runs as NEOX RoPE in llama.cpp,
+# which is HF's layout already (convert_hf_to_gguf permutes llama only).
+GGUF_ARCHITECTURES = {"llama": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False)}
+
+
+def gguf_architecture(config: Any) -> tuple[Any, bool]:
+    """(gguf.MODEL_ARCH, permute q/k) of a base's config; refused for architectures we do not map."""
+    import gguf
+
+    found = GGUF_ARCHITECTURES.get(config.model_type)
+    if found is None:
+        raise LoopsError(f"GGUF export supports {', '.join(GGUF_ARCHITECTURES)} bases; "
+                         f"{config._name_or_path} is {config.model_type}",
+                         hint="Export with --format hf and convert with llama.cpp's convert_hf_to_gguf.py.")
+    return gguf.MODEL_ARCH[found[0]], found[1]
+
+
 def gguf_tensors(merged: Any) -> dict[str, torch.Tensor]:
-    """The merged state dict under llama.cpp's tensor names (q/k permuted)."""
+    """The merged state dict under llama.cpp's tensor names (q/k permuted for llama; Qwen2's
+    q/k/v biases and Qwen3's q/k norms by the same name map)."""
     import gguf
 
     config = merged.config
-    if config.model_type != "llama":
-        raise LoopsError(f"GGUF export supports llama-architecture bases; {config._name_or_path} is {config.model_type}",
-                         hint="Export with --format hf and convert with llama.cpp's convert_hf_to_gguf.py.")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    arch, permute = gguf_architecture(config)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     out: dict[str, torch.Tensor] = {}
     for key, value in merged.state_dict().items():
         if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -240,9 +266,9 @@ def gguf_tensors(merged: Any) -> dict[str, torch.Tensor]:
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise LoopsError(f"no GGUF name for tensor {key}")
-        if key.endswith("q_proj.weight"):
+        if permute and key.endswith("q_proj.weight"):
             value = llama_permute(value, config.num_attention_heads)
-        elif key.endswith("k_proj.weight"):
+        elif permute and key.endswith("k_proj.weight"):
             value = llama_permute(value, config.num_key_value_heads)
         out[name] = value
     return out
@@ -254,9 +280,10 @@ def _write_gguf(base_model: str, adapted: Any, path: Path, dtype: str, reference
     merged = merged_model(adapted, "float32")
     config = merged.config
     tensors = gguf_tensors(merged)
+    arch, _ = gguf_architecture(config)
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
                  "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(base_model)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -264,8 +291,8 @@ def _write_gguf(base_model: str, adapted: Any, path: Path, dtype: str, reference
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    # Llama-architecture configs may set head_dim apart from hidden_size / heads (e.g. Llama 3.2
-    # 3B's siblings, Mistral-style bases); llama.cpp reads it from key_length / value_length.
+    # head_dim may differ from hidden_size / heads (Qwen3: 128 at every size; Mistral-style
+    # llama bases); llama.cpp reads it from key_length / value_length.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
@@ -308,9 +335,10 @@ def _add_tokenizer(writer: Any, base_model: str, config: Any) -> None:
     if directory is None:  # the tiny byte tokenizer, in its tokenizer.json form
         from baseten_loops_cli.tokenization.byte_tokenizer import CHAT_TEMPLATE, tokenizer_json
 
-        spec, template = json.loads(tokenizer_json()), CHAT_TEMPLATE
+        spec, template, add_bos = json.loads(tokenizer_json()), CHAT_TEMPLATE, False
     elif (directory / "tokenizer.json").is_file():
         spec, template = json.loads((directory / "tokenizer.json").read_text()), _chat_template(directory)
+        add_bos = bool(_tokenizer_config(directory).get("add_bos_token", False))
     else:
         return
     import gguf
@@ -331,7 +359,10 @@ def _add_tokenizer(writer: Any, base_model: str, config: Any) -> None:
         types[i] = gguf.TokenType.CONTROL if special else (gguf.TokenType.USER_DEFINED if text in added else gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm" if "smollm" in base_model.lower() else "default")
+    writer.add_tokenizer_pre(tokenizer_pre(spec))
+    # Said outright: llama.cpp's default for a BPE vocabulary is to prepend BOS, which neither
+    # SmolLM2's nor Qwen's tokenizer does.
+    writer.add_add_bos_token(add_bos)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -341,14 +372,37 @@ def _add_tokenizer(writer: Any, base_model: str, config: Any) -> None:
         writer.add_chat_template(template)
 
 
+# Qwen2's pre-tokenizer split (Qwen2.5 and Qwen3 share it): words, single digits, punctuation runs.
+_QWEN2_SPLIT = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
+
+
+def tokenizer_pre(spec: dict[str, Any]) -> str:
+    """llama.cpp's name for a tokenizer.json's pre-tokenizer (what convert_hf_to_gguf finds by
+    hashing a test string; here by the pre-tokenizer itself): ``qwen2`` for Qwen's split regex,
+    ``smollm`` for single digits + GPT-2's byte-level regex (SmolLM2's tokenizer.json), ``gpt2``
+    for that regex alone (SmolLM2 as transformers rebuilds it from a GGUF file, which the local
+    engine converts once), else ``default`` (the tiny model's bytes: no regex)."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    for step in steps:
+        if step.get("type") == "Split" and (step.get("pattern") or {}).get("Regex", "").startswith(_QWEN2_SPLIT):
+            return "qwen2"
+    byte_regex = any(step.get("type") == "ByteLevel" and step.get("use_regex", True) for step in steps)
+    if byte_regex and any(step.get("type") == "Digits" and step.get("individual_digits") for step in steps):
+        return "smollm"
+    return "gpt2" if byte_regex else "default"
+
+
+def _tokenizer_config(directory: Path) -> dict[str, Any]:
+    path = directory / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def _chat_template(directory: Path) -> str | None:
     if (directory / "chat_template.jinja").is_file():
         return (directory / "chat_template.jinja").read_text()
-    config = directory / "tokenizer_config.json"
-    if config.is_file():
-        value = json.loads(config.read_text()).get("chat_template")
-        return value if isinstance(value, str) else None
-    return None
+    value = _tokenizer_config(directory).get("chat_template")
+    return value if isinstance(value, str) else None
 
 
 def _verify_gguf(path: Path, merged: Any, tensors: dict[str, torch.Tensor], reference: torch.Tensor) -> float:
@@ -388,7 +442,8 @@ def model_card(fmt: str, dtype: str, base_model: str, card: dict[str, Any], diff
                  "model = AutoPeftModelForCausalLM.from_pretrained(\"THIS_FOLDER\")\n```\n\n"
                  + ("The base model (`loops-local/tiny`, built in code) is in `base/`; `adapter_config.json` names it by "
                     "its absolute path. After moving the folder, load it with "
-                    "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER/base\"), \"THIS_FOLDER\")`."
+                    "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER/base\"), \"THIS_FOLDER\")`. "
+                    "Its byte tokenizer is in both folders (`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)."
                     if base_model == TINY else
                     f"`adapter_config.json` names the base as `{card.get('named_base') or base_model}`. Offline (no hub; "
                     f"`AutoPeftModelForCausalLM` would retry the hub first) load it from the base's local folder"
@@ -398,7 +453,7 @@ def model_card(fmt: str, dtype: str, base_model: str, card: dict[str, Any], diff
         "hf": "Base and adapter merged into one transformers model: `AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\")`, "
               "or serve it with vLLM (`vllm serve THIS_FOLDER`)."
               + (" The tiny model's byte tokenizer is included as `tokenizer.json` (`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)." if base_model == TINY else ""),
-        "gguf": "Base and adapter merged into one GGUF file (llama architecture) for llama.cpp-compatible runtimes."
+        "gguf": "Base and adapter merged into one GGUF file (the base's architecture: llama, qwen2 or qwen3) for llama.cpp-compatible runtimes."
                 + (" The tiny model's byte tokenizer is in the file's metadata (a byte vocabulary without merges) and "
                    "beside it as `tokenizer.json` (`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)." if base_model == TINY else ""),
     }[fmt]

@@ -6,16 +6,22 @@ row per allocation, and a summary of GPUs in use vs scaled to zero. The keys are
 plus tokens trained and sampled and compute time per run where the backend reports them (the
 local backend does, through ``/v1/local/usage``). On the local backend allocations are CPU
 workers: the summary counts allocations instead of GPUs (``summary.unit``).
+
+With ``--since/--until`` (:func:`usage_over_time`): tokens and compute per hour or day of a
+window, per owner, priced by a training config's ``pricing:`` section. The local backend keeps
+its counters by the minute for that; Baseten has no such route.
 """
 
 from __future__ import annotations
 
+import math
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from baseten_loops_cli.api.models import SAMPLER_LIVE, TRAINER_LIVE, InstanceType, LoopsDeployment, LoopsSampler
-from baseten_loops_cli.errors import LoopsError
+from baseten_loops_cli.errors import LoopsError, UsageError
 from baseten_loops_cli.services.resolve import created_key
 from baseten_loops_cli.services.runs import select_runs
 
@@ -243,3 +249,86 @@ def usage_by_run(backend: "Backend", *, org: bool = False, user: str | None = No
             compute_seconds=round(sum(r.compute_seconds or 0 for r in rows), 3),
         )
     return RunUsageReport(runs=rows, totals=totals, hidden=hidden, recent=recent)
+
+
+# ── usage over time (`loops usage --since/--until`) ─────────────────────────────────────────
+
+PERIODS = {"hour": 3600, "day": 86400}
+
+
+class PeriodUsage(BaseModel):
+    """What one owner (run, standalone sampler, deployment) used in one period, for the run it
+    counts for (its own, or the run whose checkpoint it served)."""
+
+    period_start: datetime
+    owner_id: str
+    owner_kind: str
+    run_id: str | None = None
+    tokens_trained: int = 0
+    tokens_sampled: int = 0
+    compute_seconds: float = 0.0
+    sample_requests: int = 0
+    cost_usd: float | None = None  # with --pricing
+
+
+class PeriodTotals(BaseModel):
+    tokens_trained: int
+    tokens_sampled: int
+    compute_seconds: float
+    cost_usd: float | None = None
+
+
+class UsageOverTime(BaseModel):
+    """``loops usage --since ... -o json``: ``{since, until, period, pricing, periods, totals}``."""
+
+    since: datetime
+    until: datetime
+    period: str
+    pricing: dict[str, Any] | None = None
+    periods: list[PeriodUsage]
+    totals: PeriodTotals
+
+    def document(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+def cost_usd(pricing: Any, *, tokens_trained: int, tokens_sampled: int, compute_seconds: float) -> float | None:
+    """What a training config's ``pricing:`` (training.config.PricingConfig) makes of some use:
+    tokens trained and sampled at their per-million prices, compute at its hourly price. None
+    when no price is set."""
+    prices = (pricing.usd_per_million_train_tokens, pricing.usd_per_million_sample_tokens, pricing.usd_per_hour)
+    if all(p is None for p in prices):
+        return None
+    train, sample, hour = (p or 0.0 for p in prices)
+    return round(tokens_trained / 1e6 * train + tokens_sampled / 1e6 * sample + compute_seconds / 3600 * hour, 6)
+
+
+def usage_over_time(backend: "Backend", *, since: datetime, until: datetime, period: str = "day",
+                    pricing: Any = None) -> UsageOverTime:
+    """Tokens and compute per period (UTC hours or days) of ``[since, until)``, per owner, and
+    their cost under ``pricing`` (a training.config.PricingConfig). Only backends that keep
+    usage counters (the local one, to the minute) report it."""
+    if not backend.capabilities.usage_counters:
+        raise LoopsError(f"the {backend.kind} backend does not report usage over time",
+                         hint="Run `loops usage` (allocations now) or `loops usage --by-run`; Baseten bills on your workspace's usage page.")
+    if since >= until:
+        raise UsageError(f"--since ({since.isoformat()}) is not before --until ({until.isoformat()})",
+                         hint="e.g. --since 7d, or --since 2026-12-01 --until 2026-12-08")
+    raw = backend.client.local_usage_periods(int(since.timestamp()), math.ceil(until.timestamp()), PERIODS[period])
+    rows = []
+    for r in raw:
+        row = PeriodUsage(period_start=datetime.fromtimestamp(r["start"], tz=timezone.utc), owner_id=r["owner_id"],
+                          owner_kind=r["owner_kind"], run_id=r.get("run_id"), tokens_trained=r["tokens_trained"],
+                          tokens_sampled=r["tokens_sampled"], compute_seconds=r["compute_seconds"],
+                          sample_requests=r["sample_requests"])
+        if pricing is not None:
+            row.cost_usd = cost_usd(pricing, tokens_trained=row.tokens_trained, tokens_sampled=row.tokens_sampled,
+                                    compute_seconds=row.compute_seconds)
+        rows.append(row)
+    trained, sampled = sum(r.tokens_trained for r in rows), sum(r.tokens_sampled for r in rows)
+    seconds = round(sum(r.compute_seconds for r in rows), 3)
+    totals = PeriodTotals(tokens_trained=trained, tokens_sampled=sampled, compute_seconds=seconds,
+                          cost_usd=None if pricing is None else cost_usd(pricing, tokens_trained=trained,
+                                                                         tokens_sampled=sampled, compute_seconds=seconds))
+    return UsageOverTime(since=since, until=until, period=period, periods=rows, totals=totals,
+                         pricing=pricing.model_dump(exclude_none=True) if pricing is not None else None)

@@ -600,6 +600,25 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
     return LoadedConfig(config, path.resolve(), raw, lines, applied)
 
 
+def load_pricing(path: str | Path) -> PricingConfig:
+    """The ``pricing:`` section of a YAML file (a training config, or a file holding only that
+    section), for ``loops usage --pricing``; errors name the file, line and key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}", hint="Name a YAML file with a pricing: section.") from None
+    raw, lines = _load_yaml_with_lines(text, path)
+    if not isinstance(raw, dict) or not isinstance(raw.get("pricing"), dict):
+        raise ConfigError(f"{path}: no pricing: section",
+                          hint="Add e.g. `pricing: {usd_per_million_train_tokens: 2.0, usd_per_million_sample_tokens: 0.5}`.")
+    try:
+        return PricingConfig.model_validate(raw["pricing"])
+    except ValidationError as exc:
+        problems = [_problem({**err, "loc": ("pricing", *err["loc"])}, lines, raw) for err in exc.errors()]
+        raise ConfigProblems(path, problems) from None
+
+
 def _base_model_folder(raw: dict, lines: dict[tuple, int], base_dir: Path, overrides: dict[tuple, str],
                        problems: list[Problem] | None) -> Path | None:
     """``base_model`` written as a folder (relative to the config): its absolute path, and (with

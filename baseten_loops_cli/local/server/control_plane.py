@@ -314,26 +314,7 @@ async def capabilities(request: Request) -> Response:
         raise bad_request(f"use_case must be 'rl' or 'sft', got {use_case!r}.", "InvalidQuery")
     wanted = request.query_params.get("model")
     max_seq = query_int(request, "max_seq_len", 0, minimum=0) or None
-    models = await ctx.models.all()
-    if wanted and wanted not in models:  # a local model folder is offered by asking for it
-        found = await ctx.models.find(wanted)
-        models = {wanted: found} if found is not None else {}
-    out = []
-    for spec in models.values():
-        if wanted and spec.name != wanted:
-            continue
-        entry: dict[str, Any] = {
-            "model_name": spec.name, "max_seq_len": spec.max_seq_len,
-            "max_enabled_seq_len": spec.max_seq_len, "max_context_length": spec.max_seq_len,
-            "supports_vision_language": spec.supports_vision_language, "enabled": True,
-            "serverless": False, "enablement_details": None, "description": spec.description,
-        }
-        if max_seq is not None and max_seq > spec.max_seq_len:
-            entry.update(enabled=False, enablement_details={
-                "reason": "sequence_length_unsupported",
-                "reason_detail": f"{spec.name} supports up to {spec.max_seq_len} tokens.",
-                "remediation": f"Use max_seq_len <= {spec.max_seq_len}."})
-        out.append(entry)
+    out = await ctx.models.supported(wanted=wanted, max_seq_len=max_seq)
     return JSONResponse({"supported_models": out})
 
 

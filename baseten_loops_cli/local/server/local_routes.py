@@ -11,9 +11,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from baseten_loops_cli.local.server.context import get_ctx
-from baseten_loops_cli.local.server.errors import ApiError
+from baseten_loops_cli.local.server.errors import ApiError, bad_request
 from baseten_loops_cli.local.server.files import file_response, safe_relative_path
-from baseten_loops_cli.local.server.schemas import iso
+from baseten_loops_cli.local.server.schemas import iso, query_int
 
 
 async def health(request: Request) -> Response:
@@ -41,6 +41,14 @@ async def local_status(request: Request) -> Response:
 async def local_usage(request: Request) -> Response:
     """Per-run (and per standalone sampler / deployment) counters, for `loops usage`."""
     ctx = get_ctx(request)
+    if "since" in request.query_params:  # usage over time: `loops usage --since/--until`
+        since = query_int(request, "since", 0, minimum=0)
+        until = query_int(request, "until", int(time.time()) + 1, minimum=0)
+        period = query_int(request, "period_s", 86400, minimum=60)
+        if period % 60:
+            raise bad_request(f"Query parameter 'period_s' must be a multiple of 60, got {period}.", "InvalidQuery")
+        return JSONResponse({"since": since, "until": until, "period_s": period,
+                             "periods": ctx.usage.periods(since, until, period)})
     return JSONResponse({"usage": ctx.usage.report(request.query_params.get("run_id"))})
 
 

@@ -43,23 +43,53 @@ class ModelCatalog:
             )
         return spec
 
+    async def supported(self, *, wanted: str | None = None, max_seq_len: int | None = None) -> list[dict[str, Any]]:
+        """``GET /v1/loops/capabilities``' ``supported_models``: every model of :meth:`listing`
+        (built in, pulled, local folders runs used; or ``wanted`` alone, a local folder too)
+        as Baseten's SupportedModel, plus where it comes from (``source``, ``ready``). Both use
+        cases (sft, rl) are served by every local model."""
+        if wanted:
+            models = await self.all()
+            found = [e for e in [await asyncio.to_thread(self._entry, wanted, models)] if e is not None]
+        else:
+            found = await self.listing()
+        specs = await self.all()
+        out = []
+        for entry in found:
+            name, limit = entry["name"], entry["max_seq_len"]
+            spec = specs.get(name)
+            row: dict[str, Any] = {
+                "model_name": name, "max_seq_len": limit, "max_enabled_seq_len": limit, "max_context_length": limit,
+                "supports_vision_language": bool(spec and spec.supports_vision_language), "enabled": True,
+                "serverless": False, "enablement_details": None, "description": entry["description"],
+                "source": entry["source"], "ready": entry["ready"],
+            }
+            if max_seq_len is not None and max_seq_len > limit:
+                row.update(enabled=False, enablement_details={
+                    "reason": "sequence_length_unsupported",
+                    "reason_detail": f"{name} supports up to {limit} tokens.",
+                    "remediation": f"Use max_seq_len <= {limit}."})
+            out.append(row)
+        return out
+
     async def listing(self) -> list[dict[str, Any]]:
         """``GET /v1/local/models``: the built-in models, then every other model a run used
         (local Hugging Face folders), each with its max_seq_len and where its files are
         (``files`` None: built in code, or not pulled yet; ``ready`` says which)."""
         models = await self.all()
         names = list(models) + [n for n in self.store.run_base_models() if n not in models]
-
-        def entry(name: str) -> dict[str, Any] | None:
-            spec = models.get(name) or self.engine.spec(name)
-            if spec is None:  # a folder since moved or deleted: nothing to offer
-                return None
-            files = self.engine.model_files(name)
-            return {"name": name, "max_seq_len": spec.max_seq_len,
-                    "source": "built-in" if name in models else "local folder",
-                    "ready": files is not None or not self.engine.needs_files(name),
-                    "files": str(files) if files is not None else None,
-                    "description": spec.description}
-
-        found = await asyncio.to_thread(lambda: [entry(n) for n in names])
+        found = await asyncio.to_thread(lambda: [self._entry(n, models) for n in names])
         return [e for e in found if e is not None]
+
+    def _entry(self, name: str, models: dict[str, ModelSpec]) -> dict[str, Any] | None:
+        """One model's row of :meth:`listing`; None for a folder since moved or deleted. On a
+        worker thread (reads the folder's config.json)."""
+        spec = models.get(name) or self.engine.spec(name)
+        if spec is None:
+            return None
+        files = self.engine.model_files(name)
+        return {"name": name, "max_seq_len": spec.max_seq_len,
+                "source": "built-in" if name in models else "local folder",
+                "ready": files is not None or not self.engine.needs_files(name),
+                "files": str(files) if files is not None else None,
+                "description": spec.description}

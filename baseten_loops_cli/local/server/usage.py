@@ -1,5 +1,6 @@
 """The usage counters ``loops usage`` reads (``UsageLedger``): per run, standalone sampler
-and checkpoint deployment. Routes call this, never the store."""
+and checkpoint deployment, in total and by the minute (``--since/--until``). Routes call this,
+never the store."""
 
 from __future__ import annotations
 
@@ -17,3 +18,8 @@ class UsageLedger:
         """``GET /v1/local/usage``: every owner's counters (or one owner's); a run's row also
         says who else sampled its checkpoints (``checkpoints_sampled_by``)."""
         return self.store.usage_report(owner_id)
+
+    def periods(self, since: float, until: float, period_s: int) -> list[dict]:
+        """``GET /v1/local/usage?since=&until=&period_s=``: the counters of each period in the
+        window (kept to the minute), per owner and the run they count for."""
+        return self.store.usage_periods(since, until, period_s)

@@ -1,8 +1,10 @@
-"""Usage counters per allocation, and the sampling of a run's checkpoints by others."""
+"""Usage counters per allocation (totals, and by the minute for `usage --since`), and the sampling of
+a run's checkpoints by others."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from baseten_loops_cli.local.store.base import StoreBase
@@ -40,6 +42,22 @@ CREATE TABLE IF NOT EXISTS checkpoint_sampling (
     sample_requests INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, owner_id)
 );
+-- The same counters by the minute they were used (epoch seconds, a multiple of 60), so
+-- `loops usage --since/--until` can sum a window. run_id: the run the use counts for (the owner
+-- itself, or the run whose checkpoint a sampler or deployment served; '' when none).
+CREATE TABLE IF NOT EXISTS usage_minutes (
+    owner_id TEXT NOT NULL,
+    owner_kind TEXT NOT NULL,
+    run_id TEXT NOT NULL DEFAULT '',
+    minute INTEGER NOT NULL,
+    tokens_trained INTEGER NOT NULL DEFAULT 0,
+    tokens_sampled INTEGER NOT NULL DEFAULT 0,
+    compute_seconds REAL NOT NULL DEFAULT 0,
+    operations INTEGER NOT NULL DEFAULT 0,
+    sample_requests INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (owner_id, run_id, minute)
+);
+CREATE INDEX IF NOT EXISTS usage_minutes_by_minute ON usage_minutes(minute);
 """
 
 
@@ -63,9 +81,22 @@ class UsageTable(StoreBase):
                 (tokens_trained, tokens_sampled, compute_seconds, operations, sample_requests,
                  owner_id),
             )
-            if checkpoint_pk is None or owner_kind == "run":
-                return
-            found = db.execute("SELECT run_id FROM checkpoints WHERE pk = ?", (checkpoint_pk,)).fetchone()
+            found = None
+            if checkpoint_pk is not None and owner_kind != "run":
+                found = db.execute("SELECT run_id FROM checkpoints WHERE pk = ?", (checkpoint_pk,)).fetchone()
+            run_id = owner_id if owner_kind == "run" else (found[0] if found else "")
+            db.execute(
+                "INSERT INTO usage_minutes (owner_id, owner_kind, run_id, minute, tokens_trained, tokens_sampled,"
+                " compute_seconds, operations, sample_requests) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (owner_id, run_id, minute) DO UPDATE SET"
+                " tokens_trained = tokens_trained + excluded.tokens_trained,"
+                " tokens_sampled = tokens_sampled + excluded.tokens_sampled,"
+                " compute_seconds = compute_seconds + excluded.compute_seconds,"
+                " operations = operations + excluded.operations,"
+                " sample_requests = sample_requests + excluded.sample_requests",
+                (owner_id, owner_kind, run_id, int(time.time()) // 60 * 60, tokens_trained, tokens_sampled,
+                 compute_seconds, operations, sample_requests),
+            )
             if found is None:
                 return
             db.execute("INSERT OR IGNORE INTO checkpoint_sampling (run_id, owner_id, owner_kind)"
@@ -99,6 +130,25 @@ class UsageTable(StoreBase):
             if u.owner_kind == "run":
                 row["checkpoints_sampled_by"] = by_run.get(u.owner_id, [])
             out.append(row)
+        return out
+
+    def usage_periods(self, since: float, until: float, period_s: int) -> list[dict[str, Any]]:
+        """The counters of the minutes that overlap ``[since, until)`` (epoch seconds: usage is
+        kept to the minute) summed per owner, run and period of ``period_s`` seconds
+        (UTC-aligned), oldest first."""
+        first, end = int(since) // 60 * 60, int(until)
+        rows = self._conn().execute(
+            "SELECT (minute / ?) * ? AS start, owner_id, owner_kind, run_id, SUM(tokens_trained),"
+            " SUM(tokens_sampled), SUM(compute_seconds), SUM(operations), SUM(sample_requests)"
+            " FROM usage_minutes WHERE minute >= ? AND minute < ?"
+            " GROUP BY start, owner_id, owner_kind, run_id ORDER BY start, owner_kind DESC, owner_id, run_id",
+            (period_s, period_s, first, end)).fetchall()
+        keys = ("start", "owner_id", "owner_kind", "run_id", "tokens_trained", "tokens_sampled",
+                "compute_seconds", "operations", "sample_requests")
+        out = [dict(zip(keys, row)) for row in rows]
+        for row in out:
+            row["compute_seconds"] = round(row["compute_seconds"], 3)
+            row["run_id"] = row["run_id"] or None
         return out
 
     def get_usage(self, owner_id: str) -> UsageRow | None:
