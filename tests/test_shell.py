@@ -554,3 +554,14 @@ def test_zsh_completes_run_ids_from_the_local_backend(backend_env, run_id):
     term = _zsh_terminal(backend_env, [f"fpath=({COMPLETIONS} $fpath)", "autoload -Uz compinit",
                                        f"compinit -u -d {dump}"])
     _tab_completes(term, "loops runs describe " + run_id[:-1], re.escape(run_id.encode()))
+
+
+@needs_bash
+def test_bash_completes_checkpoint_refs_after_deploy(backend_env, run_id):
+    """`loops deploy CKPT` is `loops deploy create CKPT`: `loops deploy <TAB>` offers RUN:NAME
+    references beside the subcommands."""
+    prefix = run_id[:-1]
+    completed = wait_for(lambda: any(c.startswith(f"{run_id}:") for c in _bash_complete(backend_env, ["loops", "deploy", prefix])),
+                         interval=COMPLETION_POLL_S, what="RUN: among the deploy completions")
+    assert completed, _bash_complete(backend_env, ["loops", "deploy", prefix])
+    assert {"create", "list", "describe", "stop"} <= set(_bash_complete(backend_env, ["loops", "deploy", ""]))

@@ -1,15 +1,15 @@
-"""`loops train`: write, check and run YAML-defined SFT, RL and DPO loops; resume and plot them."""
+"""`loops train`: write, check and run YAML-defined training loops (every kind of the registry); resume and plot them."""
 
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from baseten_loops_cli.cli import train_samples
+from baseten_loops_cli.cli import _help, train_samples
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(
-    help="Run YAML-defined SFT, RL and DPO loops on Baseten or the local backend.",
+    help=f"Run YAML-defined training loops ({_help.kinds_text()}) on Baseten or the local backend.",
     no_args_is_help=True,
 )
 
@@ -44,7 +44,7 @@ def _plan_lines(plan, loaded, backend_desc: str) -> list[str]:
 @app.command("init")
 def init(
     ctx: typer.Context,
-    kind: Annotated[str, typer.Option("--kind", help="sft, rl, dpo, kto or distill.")] = "sft",
+    kind: Annotated[str, typer.Option("--kind", help=f"{_help.kinds_text()}.")] = "sft",
     output_file: Annotated[
         Optional[Path], typer.Option("-O", "--output-file", help="Write here instead of stdout.")
     ] = None,
