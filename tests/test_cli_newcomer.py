@@ -121,3 +121,30 @@ def test_plot_legend_is_outside_the_plot_area():
     assert flat_row.count("•") >= 55, flat_row  # nothing covers the flat curve (60 steps on 66 columns)
     legend = "\n".join(lines[bottom + 1:])
     assert "│ • flat-a │ x fall-b │" in legend
+
+
+def _plan_under_load(server, monkeypatch, load: float, cores: int):
+    from baseten_loops_cli.training import calibration
+
+    monkeypatch.setattr(calibration, "machine_load", lambda: (load, cores))  # a load figure, not spinning CPUs
+    config = str(ROOT / "examples" / "tiny-sft.yaml")
+    return loops(server, "train", "validate", config, "-o", "json"), loops(server, "train", "validate", config)
+
+
+def test_the_plan_gives_a_range_on_a_busy_machine(local_server, monkeypatch):
+    as_json, text = _plan_under_load(local_server, monkeypatch, load=10.0, cores=2)
+    assert as_json.code == 0 and text.code == 0, (as_json, text)
+    plan = as_json.json()["plan"]
+    low, high = plan["estimated_seconds_range"]
+    assert low == plan["estimated_seconds"] and high == pytest.approx(6.0 * low)  # (2 + 10) / 2
+    assert any("busy (load average 10.0 on 2 cores)" in note and "6.0x" in note for note in plan["notes"])
+    line = next(ln for ln in text.stdout.splitlines() + text.stderr.splitlines() if "estimated time:" in ln)
+    assert "-" in line.split("estimated time:")[1] and "busy machine" in line, line
+
+
+def test_the_plan_gives_one_figure_on_an_idle_machine(local_server, monkeypatch):
+    as_json, text = _plan_under_load(local_server, monkeypatch, load=0.4, cores=2)
+    plan = as_json.json()["plan"]
+    assert plan["estimated_seconds_range"] is None and not any("busy" in n for n in plan["notes"])
+    line = next(ln for ln in text.stdout.splitlines() + text.stderr.splitlines() if "estimated time:" in ln)
+    assert "busy" not in line

@@ -35,6 +35,7 @@ def _plan_lines(plan, loaded, backend_desc: str) -> list[str]:
         + f", {plan.steps} steps",
         f"  ~{plan.train_tokens:,} tokens trained" + (f", ~{plan.sample_tokens:,} sampled" if plan.sample_tokens else ""),
         f"  estimated time: {human_duration(plan.est_seconds)}"
+        + (f"-{human_duration(plan.est_range[1])} (busy machine: see the note)" if plan.est_range else "")
         + (f", estimated cost: ${plan.est_cost_usd:,.2f}" if plan.est_cost_usd is not None else ""),
     ]
     lines += [f"  note: {n}" for n in plan.notes]
