@@ -180,7 +180,7 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan
         if factor is not None:
             est_range = (est, est * factor)
             notes.append(f"this machine is busy (load average {load:.1f} on {cores} cores): the run may take up to "
-                         f"{factor:.1f}x the calibrated time, as long as that load lasts")
+                         f"{factor:.1f}x the estimate, as long as that load lasts")
     if capabilities.billable:
         notes.append("the time estimate leaves out provisioning (a cold trainer can take minutes)")
         if cost is None:
