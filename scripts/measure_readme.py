@@ -137,16 +137,21 @@ def markdown(cases: list[Case], repeat: int, started: str, argv: list[str]) -> s
         f"Measured {started} by `{command}` at {commit()} on {machine()}: 1-minute load average "
         f"{span(loads, digits=1)} during the runs (/proc/loadavg, before and after each command; on this machine "
         f"other jobs were using the cores at the time). Wall time of the whole command, "
-        + ("one run each." if repeat == 1 else f"the fastest and slowest of {repeat} runs each."),
+        + ("one run each" if repeat == 1 else f"the fastest and slowest of {repeat} runs each")
+        + f"; on an idle machine, about the wall time times cores / (cores + load) (the rule the plan's "
+        f"time range uses; an estimate, not a measurement).",
         "",
-        "| command | what | wall time |",
-        "|---|---|---|",
+        "| command | what | wall time | load average | idle machine (estimate) |",
+        "|---|---|---|---|---|",
     ]
+    cores = os.cpu_count() or 1
     for case in cases:
         if case.seconds:
             low, high = min(case.seconds), max(case.seconds)
             took = duration(low) if high - low < 0.5 else f"{duration(low)} - {duration(high)}"
-            lines.append(f"| `loops {' '.join(case.args)}` | {case.label} | {took} |")
+            load = sum(case.loads) / len(case.loads)
+            idle = sum(case.seconds) / len(case.seconds) * cores / (cores + load)
+            lines.append(f"| `loops {' '.join(case.args)}` | {case.label} | {took} | {load:.1f} | {duration(idle)} |")
     return "\n".join(lines)
 
 
