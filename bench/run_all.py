@@ -213,16 +213,18 @@ def print_table(results: list[dict]) -> None:
           f"instructions: {cpu_bf16() or 'none'})")
 
 
-README_START = "<!-- bench/run_all.py --readme: start -->"
-README_END = "<!-- bench/run_all.py --readme: end -->"
+# The table's place: docs/benchmarks.md, between these markers (the README links there).
+DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
+DOCS_START = "<!-- bench/run_all.py --docs: start -->"
+DOCS_END = "<!-- bench/run_all.py --docs: end -->"
 
 
 def markdown(results: list[dict], started: str) -> str:
-    """The run as the README shows it: when, where, with which dtype, then one row per result."""
+    """The run as docs/benchmarks.md shows it: when, where, with which dtype, then one row per result."""
     total = sum(res["seconds"] for res in results)
     statuses = [row[-1] for row in table_rows(results) if row[-1] != "-"]
     lines = [
-        f"Measured {started} by `python bench/run_all.py --readme` ({total / 60:.0f} min, "
+        f"Measured {started} by `python bench/run_all.py --docs` ({total / 60:.0f} min, "
         f"{statuses.count('ok')} of {len(statuses)} targets met) on {machine()}; bench servers' dtype "
         f"`{bench_dtype()}`, {compute_dtype()} compute (this CPU's bf16 instructions: "
         f"{cpu_bf16() or 'none'}).",
@@ -238,13 +240,13 @@ def markdown(results: list[dict], started: str) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
-    """Replace what lies between the README's two markers with ``text``."""
-    body = readme.read_text()
-    start, end = body.find(README_START), body.find(README_END)
+def write_docs(text: str, page: Path = DOCS_PAGE) -> None:
+    """Replace what lies between the page's two markers with ``text``."""
+    body = page.read_text()
+    start, end = body.find(DOCS_START), body.find(DOCS_END)
     if start < 0 or end < start:
-        raise SystemExit(f"{readme} has no {README_START} ... {README_END} section to replace")
-    readme.write_text(body[: start + len(README_START)] + "\n" + text + "\n" + body[end:])
+        raise SystemExit(f"{page} has no {DOCS_START} ... {DOCS_END} section to replace")
+    page.write_text(body[: start + len(DOCS_START)] + "\n" + text + "\n" + body[end:])
 
 
 def machine() -> str:
@@ -286,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when any row is not ok")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--list", action="store_true", help="list the benches and exit")
-    parser.add_argument("--readme", action="store_true",
-                        help="also write the table into README.md, between its bench markers")
+    parser.add_argument("--docs", action="store_true",
+                        help="also write the table into docs/benchmarks.md, between its bench markers")
     parser.add_argument("--save", type=Path, help="also write every bench's rows and details as JSON here")
     args = parser.parse_args(argv)
 
@@ -329,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.save:
         args.save.write_text(json.dumps({"started": started, "dtype": bench_dtype(), "machine": machine(),
                                          "benches": results}, indent=2) + "\n")
-    if args.readme:
-        write_readme(markdown(results, started))
+    if args.docs:
+        write_docs(markdown(results, started))
     return 1 if args.check and not all_ok else 0
 
 

@@ -52,7 +52,7 @@ def test_version_and_help(env):
 
 def test_help_names_every_training_kind_and_export(env):
     root = loops(env, "--help").stdout
-    assert "SFT, RL and DPO loops" in " ".join(root.split())
+    assert "training loops of every kind (sft, rl, dpo, kto or distill)" in " ".join(root.split())
     checkpoints = next(line for line in root.splitlines() if "checkpoints " in line and "List" in line)
     assert "export" in checkpoints, root
 

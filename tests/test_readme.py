@@ -1,5 +1,8 @@
 """The README is executable: its first command's training step and every command of the
-five-minute tour run against the local backend, as a newcomer would type them.
+five-minute tour run against the local backend, as a newcomer would type them. The reference in
+docs/ is checked too: its deploy lines run after the tour, every YAML config in it validates
+with `loops train validate`, its tables are whole, and the README's wall times are the measuring
+script's.
 
 The README stays the source: a small parser reads its fenced ``bash`` blocks, so a command
 changed there is the command tested here. What is run:
@@ -9,6 +12,10 @@ changed there is the command tested here. What is run:
 - the block under "## A five-minute tour": every command, in order, through ``bash`` in a
   scratch directory that holds ``examples/`` (so globs such as ``runs/tiny-sft-*/`` expand as
   for a user), with ``RUN_ID`` replaced by the id of the tour's tiny-sft run.
+
+- docs/deploy.md's first ``bash`` block, after the tour, as one script (its lines share
+  ``eval`` and ``export``), with a second, newer deployment of another name made before its
+  ``--jq`` line: the line must pick the deployment it names, not the newest.
 
 Left out on purpose: the SmolLM2 section (a ~270 MB model download and minutes of training, not
 for CI), the SDK section (a separate Python 3.12 venv; tests/test_local_sdk_compat.py), and the
@@ -34,6 +41,7 @@ pytestmark = pytest.mark.local
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
 # Commands whose report is on stderr by design (stdout is kept for data); all others must print
 # something on stdout.
@@ -46,13 +54,13 @@ class Block:
     lines: list[str]
 
 
-def bash_blocks(text: str) -> list[Block]:
-    """The fenced ```bash blocks of a Markdown text, with the heading each sits under."""
+def bash_blocks(text: str, language: str = "bash") -> list[Block]:
+    """The fenced ```bash (or ``language``) blocks of a Markdown text, with the heading each sits under."""
     blocks, heading, inside, current = [], "", False, []
     for line in text.splitlines():
         if not inside and line.startswith("#") and not line.startswith("#!"):
             heading = line.lstrip("#").strip()
-        if line.strip() == "```bash" and not inside:
+        if line.strip() == f"```{language}" and not inside:
             inside, current = True, []
         elif line.strip() == "```" and inside:
             inside = False
@@ -160,3 +168,117 @@ def test_readme_first_command_and_tour_run_as_written(local_server, tmp_path):
             assert result.stdout.strip() == "ANSWER: 5", (command, result.stdout)  # what the README says
         if command.startswith("loops train plot"):
             assert result.stdout.count("tiny-sft-") >= 2  # both tiny-sft runs overlaid
+
+    # docs/deploy.md: deploy, then select the URL by name and ask it. A deployment of another name
+    # made between them is the newest: `.deployments[0]` would pick it, and it has no "my-adapter".
+    deploy = bash_blocks((DOCS / "deploy.md").read_text(encoding="utf-8"))[0]
+    lines = [line.replace("RUN_ID", run_id) for line in deploy.lines]
+    assert lines[0].startswith("loops deploy ") and "--model-name my-adapter" in lines[0], lines[0]
+    script = "\n".join(["set -e", lines[0], f"loops deploy {run_id}:final --model-name decoy --yes >/dev/null", *lines[1:]])
+    result = _run(script, env, workdir)
+    assert result.returncode == 0, (script, result.stdout, result.stderr)
+    assert "ANSWER: 5" in result.stdout, (script, result.stdout, result.stderr)  # what the page says
+
+
+# ── docs/: YAML configs, tables, and the README's figures ─────────────────────────────────────
+
+FRAGMENT = "# fragment"  # the first line of a YAML snippet that is part of a config, not a whole one
+
+
+def test_every_yaml_config_in_docs_validates(tmp_path):
+    """Each ```yaml block of docs/ is a whole config that `loops train validate --offline`
+    accepts (its data paths relative to a folder holding examples/data and examples/envs), or is
+    marked as a fragment on its first line and is at least valid YAML."""
+    import yaml
+
+    full, fragments = [], []
+    for page in sorted(DOCS.glob("*.md")):
+        for n, block in enumerate(bash_blocks(page.read_text(encoding="utf-8"), "yaml")):
+            text = "\n".join(block.lines) + "\n"
+            if block.lines and block.lines[0].startswith(FRAGMENT):
+                assert yaml.safe_load(text) is not None, (page.name, block.heading)
+                fragments.append(page.name)
+                continue
+            folder = tmp_path / f"{page.stem}-{n}"
+            folder.mkdir()
+            for sub in ("data", "envs"):
+                (folder / sub).symlink_to(ROOT / "examples" / sub, target_is_directory=True)
+            (folder / "config.yaml").write_text(text)
+            result = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "train", "validate", "config.yaml", "--offline"],
+                                    cwd=folder, capture_output=True, text=True, timeout=300,
+                                    env={**os.environ, "LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1"})
+            assert result.returncode == 0, (page.name, block.heading, text, result.stderr)
+            full.append(page.name)
+    # The configs pages are meant to hold: a whole one in the reference and one per environment page.
+    assert {"training-config.md", "environments.md"} <= set(full), (full, fragments)
+
+
+def _tables(text: str) -> list[list[str]]:
+    """The Markdown tables of ``text`` (runs of lines that start with ``|``, outside code)."""
+    tables, current, inside = [], [], False
+    for line in text.splitlines() + [""]:
+        if line.startswith("```"):
+            inside = not inside
+        if not inside and line.startswith("|"):
+            current.append(line)
+            continue
+        if current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.name for p in DOCS.glob("*.md"))])
+def test_tables_are_whole(page):
+    """Every table has its header separator (a table split by a blank line shows its second part
+    as raw pipes), and no key is listed twice in one table (the RL rows were repeated)."""
+    text = (README if page == "README.md" else DOCS / page).read_text(encoding="utf-8")
+    for table in _tables(text):
+        assert len(table) >= 2 and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", table[1].strip()), (page, table[:2])
+        keys = [tuple(cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:3]) for row in table[2:]]  # the first two columns
+        assert len(keys) == len(set(keys)), (page, [k for k in keys if keys.count(k) > 1])
+
+
+def test_readme_wall_times_come_from_the_measuring_script():
+    """The README's wall times are the block scripts/measure_readme.py wrote (with its date,
+    machine and load), and the first command's figure is that block's figure for it."""
+    text = README.read_text(encoding="utf-8")
+    start, end = text.index("<!-- scripts/measure_readme.py: start -->"), text.index("<!-- scripts/measure_readme.py: end -->")
+    block = text[start:end]
+    assert re.search(r"Measured \d{4}-\d\d-\d\d \d\d:\d\d UTC by `python scripts/measure_readme.py", block), block
+    assert "load average" in block and "cores" in block
+    rows = {m.group(1): [c.strip() for c in m.group(2).split("|")]
+            for m in re.finditer(r"^\| `loops ([^`]+)` \| [^|]+ \|(.+)\|$", block, re.M)}
+    first = rows.get("train run examples/tiny-sft.yaml --yes")
+    assert first, block
+    wall, load, idle = first
+    setup = bash_blocks(text)[0].lines[0]
+    assert f"{wall} on" in setup and idle in setup and f"load {load}" in setup, (setup, first)
+    outside = text[:start] + text[end:]
+    times = re.findall(r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?(?:s|min|seconds|minutes)\b(?![-\w])", outside)
+    assert sorted(times) == sorted([wall, idle]), times  # only the first command's, checked above
+
+
+def test_measuring_script_block_is_what_the_readme_test_reads(tmp_path):
+    """scripts/measure_readme.py's block carries date, machine and load, one row per command, and
+    --readme replaces what lies between the README's markers and nothing else."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import measure_readme
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    sft = measure_readme.Case("tiny SFT", ["train", "run", "examples/tiny-sft.yaml", "--yes"], cold=True,
+                              seconds=[40.2, 95.0], loads=[9.5, 12.25, 11.0, 10.0])
+    rl = measure_readme.Case("tiny RL", ["train", "run", "examples/tiny-rl.yaml", "--yes"], seconds=[150.0, 150.2], loads=[8.0, 9.0])
+    block = measure_readme.markdown([sft, rl], 2, "2026-12-06 01:30 UTC", ["--repeat", "2"])
+    assert block.startswith("Measured 2026-12-06 01:30 UTC by `python scripts/measure_readme.py --repeat 2` at ")
+    assert "load average 8.0-12.2 during the runs" in block and "fastest and slowest of 2 runs" in block
+    cores = os.cpu_count() or 1
+    idle = measure_readme.duration(150.1 * cores / (cores + 8.5))
+    assert "| `loops train run examples/tiny-sft.yaml --yes` | tiny SFT | 40 s - 95 s | 10.7 |" in block
+    assert f"| `loops train run examples/tiny-rl.yaml --yes` | tiny RL | 2.5 min | 8.5 | {idle} |" in block
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\nbefore\n{measure_readme.START}\nold\n{measure_readme.END}\nafter\n")
+    measure_readme.write_readme(block, readme)
+    body = readme.read_text()
+    assert "old" not in body and block in body and body.startswith("# x\nbefore\n") and body.endswith("after\n")

@@ -67,14 +67,14 @@ def test_run_all_lists_every_bench_and_tabulates(tmp_path):
                                     "b: ratio 0.114 (target <= 10%); y\nc: ratio 0.95 (target >= 0.9); z")
     assert [(r["case"], r["op"], r["ok"]) for r in doc["results"]] == [("a", "<", True), ("b", "<=", False), ("c", ">=", True)]
     assert [r["detail"] for r in doc["results"]] == ["x", "y", "z"]
-    # --readme: the table replaces what lies between the README's markers, and nothing else.
+    # --docs: the table replaces what lies between docs/benchmarks.md's markers, and nothing else.
     results = [{"name": "one", "rows": run_all.normalise(doc), "seconds": 60.0},
                {"name": "two", "rows": [], "seconds": 1.0, "error": "timed out after 1200 s"}]
     table = run_all.markdown(results, "2026-12-05 07:00 UTC")
     assert "| one | b | - | 0.114 | <= 0.1 | **MISSED** |" in table and "| two | (bench failed) |" in table
     assert "2 of 4 targets met" in table
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\nbefore\n{run_all.README_START}\nold table\n{run_all.README_END}\nafter\n")
-    run_all.write_readme(table, readme)
+    readme.write_text(f"# x\nbefore\n{run_all.DOCS_START}\nold table\n{run_all.DOCS_END}\nafter\n")
+    run_all.write_docs(table, readme)
     body = readme.read_text()
     assert "old table" not in body and table in body and body.startswith("# x\nbefore\n") and body.endswith("after\n")

@@ -241,6 +241,39 @@ def test_man_pages_render_without_warnings(renderer):
     assert not problems, problems
 
 
+@needs("man")
+def test_an_installed_wheel_puts_the_man_pages_where_man_looks(tmp_path):
+    """`pip install` of the wheel puts man/ in PREFIX/share/man/man1 (pyproject.toml's
+    data-files), and `man loops` finds it from the venv's PATH alone (man-db maps PATH's
+    PREFIX/bin to PREFIX/share/man), with no MANPATH set. The wheel is built from a copy of the
+    files it needs, so the checkout gets no build/ folder."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "man", src / "man")
+    shutil.copytree(ROOT / "baseten_loops_cli", src / "baseten_loops_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    built = subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    prefix = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(prefix)], check=True, timeout=120)
+    wheel = next((tmp_path / "dist").glob("*.whl"))
+    installed = subprocess.run([*pip, "install", "-q", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel)],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    shipped = sorted(p.name for p in MAN.glob("*.1"))
+    assert sorted(p.name for p in (prefix / "share" / "man" / "man1").glob("*.1")) == shipped
+    env = {k: v for k, v in os.environ.items() if k not in ("MANPATH", "MANOPT")}
+    env.update(PATH=f"{prefix / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin", MANPAGER="cat", PAGER="cat", MANWIDTH="80")
+    for page in ("loops", "loops-train-run"):
+        found = subprocess.run(["man", "-w", page], env=env, capture_output=True, text=True, timeout=60)
+        assert found.stdout.strip() == str(prefix / "share" / "man" / "man1" / f"{page}.1"), (found.stdout, found.stderr)
+    shown = subprocess.run(["man", "loops"], env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "SYNOPSIS" in shown.stdout, shown.stderr
+
+
 # --------------------------------------------------------------------------- completion show
 def test_completion_show_prints_the_shipped_scripts(env):
     for shell, name in (("bash", "loops.bash"), ("zsh", "_loops"), ("fish", "loops.fish"), ("powershell", "loops.ps1")):
@@ -554,3 +587,14 @@ def test_zsh_completes_run_ids_from_the_local_backend(backend_env, run_id):
     term = _zsh_terminal(backend_env, [f"fpath=({COMPLETIONS} $fpath)", "autoload -Uz compinit",
                                        f"compinit -u -d {dump}"])
     _tab_completes(term, "loops runs describe " + run_id[:-1], re.escape(run_id.encode()))
+
+
+@needs_bash
+def test_bash_completes_checkpoint_refs_after_deploy(backend_env, run_id):
+    """`loops deploy CKPT` is `loops deploy create CKPT`: `loops deploy <TAB>` offers RUN:NAME
+    references beside the subcommands."""
+    prefix = run_id[:-1]
+    completed = wait_for(lambda: any(c.startswith(f"{run_id}:") for c in _bash_complete(backend_env, ["loops", "deploy", prefix])),
+                         interval=COMPLETION_POLL_S, what="RUN: among the deploy completions")
+    assert completed, _bash_complete(backend_env, ["loops", "deploy", prefix])
+    assert {"create", "list", "describe", "stop"} <= set(_bash_complete(backend_env, ["loops", "deploy", ""]))

@@ -81,3 +81,13 @@ def use_click_names() -> None:
     argument.get_usage_pieces = get_usage_pieces
     option.display_type_rich = display_type_rich
     argument._loops_click_names = True
+
+
+def kinds_text() -> str:
+    """``sft, rl, dpo, kto or distill``: the training kinds as the registry names them, for help
+    texts. The registry module lists them without importing any kind (``loops --help`` stays free
+    of pydantic, yaml and torch)."""
+    from baseten_loops_cli.training.kinds import names
+
+    kinds = list(names())
+    return kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + f" or {kinds[-1]}"

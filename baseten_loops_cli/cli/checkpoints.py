@@ -363,7 +363,10 @@ def export(
                                    progress=progress, command=command, base_path=str(base_path) if base_path else None)
     out.success(f"Exported {result.checkpoint} as {fmt} ({dtype}) to {result.path}; reloaded and verified "
                 f"(max abs diff {result.max_abs_diff:.3g}).")
-    if result.base_path:
+    if result.base_path and base_path is not None:  # already named: suggesting --base-path again would be wrong
+        out.info(f"Base model files: {result.base_path}, named in adapter_config.json (--base-path), so the adapter "
+                 "loads offline while that folder is there.")
+    elif result.base_path:
         out.info(f"Base model files: {result.base_path} (load offline from there, or pass --base-path to name it in "
                  "adapter_config.json; see the README.md written beside the adapter).")
     out.emit(result.to_json(), id_key="path", text=[])

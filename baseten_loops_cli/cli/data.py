@@ -5,11 +5,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from baseten_loops_cli.cli import _help
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(help="Check and preview training data in any format loops reads.", no_args_is_help=True)
 
-KindOpt = Annotated[Optional[str], typer.Option("--kind", "-k", help="sft, rl or dpo (default: what the format trains with).", show_default=False)]
+KindOpt = Annotated[Optional[str], typer.Option("--kind", "-k", help=f"{_help.kinds_text()} (default: what the format trains with).", show_default=False)]
 BaseModelOpt = Annotated[str, typer.Option("--base-model", "-m", help="The model whose tokenizer and chat template render the rows.")]
 TrainOnOpt = Annotated[str, typer.Option("--train-on", help="SFT: last_assistant, all_assistant or all.")]
 

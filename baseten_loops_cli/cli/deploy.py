@@ -12,14 +12,30 @@ of the workspace), so ``deploy list`` shows the deployments this machine created
 
 from typing import Annotated, Optional
 
+import click
 import typer
+from click.shell_completion import CompletionItem
+from typer.core import TyperGroup
 
 from baseten_loops_cli.cli import _complete
 from baseten_loops_cli.cli._state import get_state
 
 SUBCOMMANDS = ("create", "list", "describe", "stop")
 
+
+class _DeployGroup(TyperGroup):
+    """``loops deploy <TAB>`` offers checkpoint references (``RUN:NAME``) beside the subcommands:
+    ``loops deploy CKPT`` is ``loops deploy create CKPT``, so a checkpoint may come next."""
+
+    def shell_complete(self, ctx: click.Context, incomplete: str) -> list[CompletionItem]:
+        results = super().shell_complete(ctx, incomplete)
+        if not incomplete.startswith("-"):
+            results += [CompletionItem(value, help=help_) for value, help_ in _complete.complete_checkpoint(ctx, incomplete)]
+        return results
+
+
 app = typer.Typer(
+    cls=_DeployGroup,
     help="Deploy sampler checkpoints as an OpenAI-compatible endpoint; list, describe and stop deployments.\n\n"
     "`loops deploy CKPT... --model-name NAME` is short for `loops deploy create CKPT... --model-name NAME`.",
     no_args_is_help=True,

@@ -43,7 +43,7 @@ from baseten_loops_cli.errors import EXIT_CODE_HELP, ExitCode
 HELP = f"""\
 Loops: LoRA post-training of LLMs on Baseten, or on the embedded local backend.
 
-Manage runs, samplers, checkpoints and deployments; run YAML-defined SFT, RL and DPO loops with `loops train`. With no Baseten key set up, commands use the local backend (`loops server`).
+Manage runs, samplers, checkpoints and deployments; run YAML-defined training loops of every kind ({_help.kinds_text()}) with `loops train`. With no Baseten key set up, commands use the local backend (`loops server`).
 
 Global options (-o, --jq, -q, --profile, --debug) may be given anywhere on the line.
 

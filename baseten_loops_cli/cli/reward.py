@@ -41,9 +41,13 @@ def test(
     results = test_rewards(backend, loaded, rows=rows,
                            on_started=lambda sampler_id, what: out.info(f"Started sampler {sampler_id} for {what}."))
     failed = [r for r in results if r.get("failed")]
-    text = [line for r in results for line in sample_lines(r)]
+    text = []
+    for r in results:
+        text += sample_lines(r)
+        if r.get("failed") and r.get("traceback"):  # what the hint below points at
+            text += ["  " + line for line in str(r["traceback"]).rstrip("\n").splitlines()]
     out.emit({"config": str(config), "rows": results}, text=text,
              hint=None if failed else "Every row scored; the reward runs as it will in training.")
     if failed:
         raise LoopsError(f"{len(failed)} of {len(results)} rows failed: {failed[0]['error']}",
-                         hint="The traceback is in the output above (-o json: rows[].traceback).")
+                         hint="Each failed row's traceback is printed above, under its FAILED line (-o json: rows[].traceback).")

@@ -1,15 +1,15 @@
-"""`loops train`: write, check and run YAML-defined SFT, RL and DPO loops; resume and plot them."""
+"""`loops train`: write, check and run YAML-defined training loops (every kind of the registry); resume and plot them."""
 
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from baseten_loops_cli.cli import train_samples
+from baseten_loops_cli.cli import _help, train_samples
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(
-    help="Run YAML-defined SFT, RL and DPO loops on Baseten or the local backend.",
+    help=f"Run YAML-defined training loops ({_help.kinds_text()}) on Baseten or the local backend.",
     no_args_is_help=True,
 )
 
@@ -35,6 +35,7 @@ def _plan_lines(plan, loaded, backend_desc: str) -> list[str]:
         + f", {plan.steps} steps",
         f"  ~{plan.train_tokens:,} tokens trained" + (f", ~{plan.sample_tokens:,} sampled" if plan.sample_tokens else ""),
         f"  estimated time: {human_duration(plan.est_seconds)}"
+        + (f"-{human_duration(plan.est_range[1])} (busy machine: see the note)" if plan.est_range else "")
         + (f", estimated cost: ${plan.est_cost_usd:,.2f}" if plan.est_cost_usd is not None else ""),
     ]
     lines += [f"  note: {n}" for n in plan.notes]
@@ -44,7 +45,7 @@ def _plan_lines(plan, loaded, backend_desc: str) -> list[str]:
 @app.command("init")
 def init(
     ctx: typer.Context,
-    kind: Annotated[str, typer.Option("--kind", help="sft, rl, dpo, kto or distill.")] = "sft",
+    kind: Annotated[str, typer.Option("--kind", help=f"{_help.kinds_text()}.")] = "sft",
     output_file: Annotated[
         Optional[Path], typer.Option("-O", "--output-file", help="Write here instead of stdout.")
     ] = None,

@@ -445,7 +445,11 @@ def model_card(fmt: str, dtype: str, base_model: str, card: dict[str, Any], diff
                     "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER/base\"), \"THIS_FOLDER\")`. "
                     "Its byte tokenizer is in both folders (`AutoTokenizer.from_pretrained(\"THIS_FOLDER\")`)."
                     if base_model == TINY else
-                    f"`adapter_config.json` names the base as `{card.get('named_base') or base_model}`. Offline (no hub; "
+                    f"`adapter_config.json` names the base's local folder `{card['named_base']}` (exported with "
+                    "`--base-path`), so `AutoPeftModelForCausalLM.from_pretrained(\"THIS_FOLDER\")` loads it without the "
+                    "hub while that folder is there."
+                    if card.get("named_base") else
+                    f"`adapter_config.json` names the base as `{base_model}`. Offline (no hub; "
                     f"`AutoPeftModelForCausalLM` would retry the hub first) load it from the base's local folder"
                     + (f", `{card['base_path']}` on the machine that exported it" if card.get("base_path") else "")
                     + ": `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"BASE_FOLDER\"), \"THIS_FOLDER\")`, "

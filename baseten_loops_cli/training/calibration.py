@@ -11,11 +11,15 @@ dominates there and the rates belong to the service.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 STARTUP_S = 3.0  # fixed cost of a run when an old calibration file does not say
+# Other load per core above which a plan's time becomes a range: under it a run gets the CPU it
+# was calibrated with; over it, a CPU-bound run shares the cores with that many runnable processes.
+BUSY_PER_CORE = 0.5
 
 
 @dataclass
@@ -32,6 +36,25 @@ class Measured:
             return (f"time estimate calibrated from this model's last {self.kind} run on this machine, scaled by "
                     "tokens (this kind has no measured run yet)")
         return f"time estimate calibrated by the last {self.kind} run of {base_model} on this machine"
+
+
+def machine_load() -> tuple[float, int]:
+    """(load average, CPU cores) of this machine: the higher of the 1- and 5-minute load
+    averages (/proc/loadavg), so a dip of a minute does not hide a busy machine."""
+    try:
+        load = max(os.getloadavg()[:2])
+    except (OSError, AttributeError):  # no load average on this platform: assume idle
+        load = 0.0
+    return load, os.cpu_count() or 1
+
+
+def slowdown(load: float, cores: int) -> float | None:
+    """How many times longer a CPU-bound run may take on ``cores`` cores with ``load`` runnable
+    processes besides it (its threads get ``cores / (cores + load)`` of the CPU), or None when
+    the machine is not busy (the calibrated time holds)."""
+    if load / cores < BUSY_PER_CORE:
+        return None
+    return (cores + load) / cores
 
 
 def _file() -> Path:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from baseten_loops_cli.errors import ConfigError, UsageError
+from baseten_loops_cli.errors import ConfigError, ExitCode, UsageError
 from baseten_loops_cli.training.formats.spec import SOURCE_TAGS
 
 
@@ -418,15 +418,18 @@ class ConfigProblems(ConfigError):
     def __init__(self, path: Path, problems: list[Problem]):
         self.path = path
         self.problems = sorted(problems, key=lambda p: p.line or 0)
+        # Only --set items are wrong: a bad value on the command line is a usage error (2), as a
+        # bad flag is; a problem in the file itself is an error (1).
+        code = ExitCode.USAGE if all(p.override is not None for p in self.problems) else None
         if len(self.problems) == 1:
             only = self.problems[0]
-            super().__init__(f"{only.where(path)}: {only.message}", hint=only.fix)
+            super().__init__(f"{only.where(path)}: {only.message}", hint=only.fix, exit_code=code)
             return
         lines = [f"{path}: {len(self.problems)} problems"]
         for p in self.problems:
             sep = " " if p.message.endswith(("?", ".")) else ". "
             lines.append(f"  {p.where(path)}: {p.message}" + (f"{sep}Fix: {p.fix}" if p.fix else ""))
-        super().__init__("\n".join(lines), hint="Fix them all, then run `loops train validate` again.")
+        super().__init__("\n".join(lines), hint="Fix them all, then run `loops train validate` again.", exit_code=code)
 
 
 def _line_of(lines: dict[tuple, int], loc: tuple) -> int | None:
@@ -583,7 +586,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
     if not isinstance(raw.get("kind"), str) or raw["kind"] not in kinds.names():
         where = Problem(lines.get(("kind",)) or 1, "kind", "", override=_override_of(applied, ("kind",))).where(path)
         raise ConfigError(f"{where}: kind must be {_kinds_text()}, not {raw.get('kind')!r}",
-                          hint=f"Set kind to {_kinds_text()}.")
+                          hint=f"Set kind to {_kinds_text()}.",
+                          exit_code=ExitCode.USAGE if ("kind",) in applied else None)
     # Collect every problem before failing: the schema's (pydantic reports them all) and the
     # data files that do not exist, so one `validate` shows everything to fix.
     problems = _missing_data_files(raw, lines, path.resolve().parent, applied) if check_files else []

@@ -47,6 +47,8 @@ class Plan:
     noun: str = "examples"  # what the kind calls a row (examples, prompts, pairs), for people
     title: str = ""  # how people name the kind (SFT, RL, DPO)
     judge: dict | None = None  # a judge reward's planned requests and tokens (judge.plan_tokens)
+    # On a busy machine (calibration.slowdown): (est_seconds, the most it may take at this load).
+    est_range: tuple[float, float] | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -58,6 +60,7 @@ class Plan:
             "train_tokens": self.train_tokens,
             "sample_tokens": self.sample_tokens,
             "estimated_seconds": self.est_seconds,
+            "estimated_seconds_range": list(self.est_range) if self.est_range is not None else None,
             "estimated_cost_usd": self.est_cost_usd,
             **({"judge": self.judge} if self.judge is not None else {}),
             "notes": self.notes,
@@ -166,9 +169,18 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan
             cost += judge["backend_tokens"] / 1e6 * (pricing.usd_per_million_sample_tokens or 0.0)
             cost += judge["external_tokens"] / 1e6 * (pricing.usd_per_million_judge_tokens or 0.0)
     notes = list(data.notes)  # what the data layer found: formats, rows, mixtures, overlaps
+    est_range = None
     if capabilities.calibrated_plans:
         notes.append(measured.note(config.base_model) if measured is not None else
                      "time estimate not calibrated yet: it is measured on this machine by the first run of this model")
+        # The run shares this machine's cores with whatever else runs: a busy machine makes the
+        # estimate a range (a SmolLM2 plan of 1m14s took 16 min at load 10 on 2 cores).
+        load, cores = calibration.machine_load()
+        factor = calibration.slowdown(load, cores)
+        if factor is not None:
+            est_range = (est, est * factor)
+            notes.append(f"this machine is busy (load average {load:.1f} on {cores} cores): the run may take up to "
+                         f"{factor:.1f}x the estimate, as long as that load lasts")
     if capabilities.billable:
         notes.append("the time estimate leaves out provisioning (a cold trainer can take minutes)")
         if cost is None:
@@ -194,6 +206,7 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan
         notes=notes,
         data=data,
         judge={k: v for k, v in judge.items()} if judge is not None else None,
+        est_range=est_range,
         noun=kinds.of(config).noun,
         title=kinds.of(config).display_name,
     )

@@ -58,16 +58,26 @@ def plot_terminal(runs: Runs | Sequence[dict], names: list[str], width: int = 72
         for i, label in enumerate(runs):
             points = series[label]
             if points:
-                signal = figure.signal([s for s, _ in points], [v for _, v in points], marker=MARKERS[i % len(MARKERS)])
-                if len(runs) > 1:
-                    signal.label(Path(label).name or label)  # the chart is narrow; the header has the path
-                figure.draw(signal)
-        if len(runs) > 1:
-            figure.legend(x=width - 8, ha="right")  # top right: curves that fall start top left
+                figure.draw(figure.signal([s for s, _ in points], [v for _, v in points], marker=MARKERS[i % len(MARKERS)]))
         figure.label("step")
         chart = figure.build().string(colorless=not color).rstrip("\n")
-        blocks.append("\n".join(header + [chart]))
+        # The legend goes under the chart, outside the plot area: inside, wherever it sits, it
+        # hides the curves that pass there (a flat loss curve runs along the top right).
+        legend = _legend([(MARKERS[i % len(MARKERS)], Path(label).name or label) for i, label in enumerate(runs)],
+                         width) if len(runs) > 1 else []
+        blocks.append("\n".join(header + [chart] + legend))
     return "\n\n".join(blocks)
+
+
+def _legend(entries: list[tuple[str, str]], width: int) -> list[str]:
+    """A boxed legend, ``│ • run-a │ x run-b │``: one row while it fits ``width``, else one
+    entry per row (the chart is narrow; the header lines above it have each run's path)."""
+    cells = [f" {marker} {name} " for marker, name in entries]
+    if sum(len(c) + 1 for c in cells) + 1 <= width:
+        rules = ["─" * len(c) for c in cells]
+        return ["┌" + "┬".join(rules) + "┐", "│" + "│".join(cells) + "│", "└" + "┴".join(rules) + "┘"]
+    wide = max(len(c) for c in cells)
+    return ["┌" + "─" * wide + "┐", *("│" + c.ljust(wide) + "│" for c in cells), "└" + "─" * wide + "┘"]
 
 
 def plot_png(runs: Runs | Sequence[dict], names: list[str], out: Path) -> None:
