@@ -66,8 +66,8 @@ def too_long(message: str, length: int) -> ConfigError:
     """The over-length error of a row, whose hint names ``data.truncation`` (the fix that keeps the row)."""
     return ConfigError(
         message,
-        hint=f"Set data.truncation to right or left (cut such rows to max_seq_len) or drop (skip them), "
-             f"raise max_seq_len to at least {length} (if the model allows) or shorten the row.",
+        hint=f"Raise max_seq_len to at least {length} (if the model allows), set data.truncation to right or left "
+             f"(cut such rows to max_seq_len) or drop (skip them), or shorten the row.",
     )
 
 

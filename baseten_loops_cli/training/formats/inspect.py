@@ -170,8 +170,8 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
                 except ConfigError:
                     policies[policy]["refused"] += 1
             problems.append(RowProblem(where, f"{length} tokens, over max_seq_len {max_seq_len}",
-                                       f"Set data.truncation (right, left or drop) to cut or skip such rows, raise "
-                                       f"max_seq_len to at least {length} or shorten the row."))
+                                       f"Raise max_seq_len to at least {length}, set data.truncation (right, left or "
+                                       f"drop) to cut or skip such rows, or shorten the row."))
     bounds, b = [], 16
     while b < max(lengths or [0]) or b < max_seq_len:
         bounds.append(b)
