@@ -134,6 +134,8 @@ def test_cuts_keep_every_row_within_max_seq_len(kind, policy, tmp_path):
         assert tok.decode(sequences[1]).endswith("x" * 8 + "<|im_end|>\n<|im_start|>assistant\n")
         return
     assert max(len(s) for s in sequences) <= LIMIT
+    if kind == "kto":  # the KL sequences (a prompt with another row's completion) are cut as the rows
+        assert all(len(item.kl.tokens) <= LIMIT and item.kl.trained_tokens > 0 for item in data.train)
     if kind == "sft":  # left keeps the ends: the replies
         assert all(w > 0 for w in data.train[1].weights[-2:]) and tok.decode(data.train[1].tokens).startswith("x")
     else:  # pairs and KTO rows: the prompt cut from the left, the reply kept from its start

@@ -47,7 +47,7 @@ def rl_run(local_server, tmp_path_factory) -> tuple[str, Path]:
     """The tiny RL example, 6 steps, ending with `eval:` (+ base, 2 samples per prompt)."""
     run_dir = tmp_path_factory.mktemp("eval-rl") / "run"
     run_id = _train(local_server, run_dir, EXAMPLES / "tiny-rl.yaml", f"max_steps={RL_STEPS}",
-                    "data.eval_prompts=null", "eval.data=data/tiny_rl_eval.jsonl", "eval.base=true", "eval.samples=2")
+                    "data.eval_prompts=null", f"eval.data={RL_EVAL}", "eval.base=true", "eval.samples=2")
     return run_id, run_dir
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.data import JSONL_HINT, Example, _check_messages, _reply_messages
+from baseten_loops_cli.training.formats.truncation import cut_replies, reply_start
 from baseten_loops_cli.training.preference_losses import kto_mismatched_index
 
 KTO_ROW_HINT = 'Write each row as {"prompt": ..., "completion": ..., "label": true} (false for an undesirable completion).'
@@ -116,7 +117,6 @@ def render_kto_row(where: str, row: dict, tokenizer: Any, *, max_seq_len: int, l
     """One internal row checked and rendered (the reply trained, as DPO's sides); a row over
     max_seq_len goes by the ``loader``'s ``data.truncation`` (None: dropped)."""
     from baseten_loops_cli.training.data import too_long
-    from baseten_loops_cli.training.formats import truncation as trunc
 
     checked = kto_row(row, where)
     tokens, weights = _render(tokenizer, checked.prompt + checked.completion, where)
@@ -128,7 +128,7 @@ def render_kto_row(where: str, row: dict, tokenizer: Any, *, max_seq_len: int, l
         if not loader.over(where, error):
             return None
         # the prompt from the left, then the completion from the right (as a DPO pair's sides)
-        [(tokens, weights)] = trunc.cut_replies([(tokens, weights)], max_seq_len)
+        [(tokens, weights)] = cut_replies([(tokens, weights)], max_seq_len)
         if not any(w > 0 for w in weights[1:]):
             raise loader.nothing_left(where, max_seq_len)
     example = Example(tokens, weights, where)
@@ -158,12 +158,14 @@ def load_kto_examples(spec: Any, tokenizer: Any, *, max_seq_len: int, check_labe
 def kl_examples(examples: list[KTOExample], tokenizer: Any, *, max_seq_len: int) -> list[Example]:
     """The mismatched sequences of KTO's KL estimate, one per example (its prompt with
     :func:`~baseten_loops_cli.training.preference_losses.kto_mismatched_index`'s completion),
-    cut at ``max_seq_len`` (an estimate needs no complete reply; the prompt always fits, as it
-    fits with its own completion)."""
+    cut at ``max_seq_len`` (an estimate needs no complete reply; the prompt fits, as it fits
+    with its own completion, unless ``data.truncation`` cut it: then it is cut as its row was)."""
     out = []
     n = len(examples)
     for i, item in enumerate(examples):
         other = examples[kto_mismatched_index(i, n)].row
         tokens, weights = _render(tokenizer, item.row.prompt + other.completion, item.row.source)
+        if reply_start(weights) >= max_seq_len:  # a prompt data.truncation cut: cut as its row was
+            [(tokens, weights)] = cut_replies([(tokens, weights)], max_seq_len)
         out.append(Example(tokens[:max_seq_len], weights[:max_seq_len], f"{item.row.source} (KL)"))
     return out
