@@ -359,8 +359,8 @@ def test_a_question_answer_csv_is_scored_with_columns(local_server, tmp_path):
     with (tmp_path / "qa.csv").open("w", newline="") as fh:
         csv.writer(fh).writerows([("question", "answer"), *pairs])
     config = tmp_path / "qa.yaml"
-    config.write_text("kind: sft\nname: qa\nbase_model: loops-local/tiny\ndata:\n  train: qa.csv\n"
-                      "  columns: {prompt: question, completion: answer}\neval:\n  data: qa.csv\n")
+    config.write_text("kind: sft\nname: qa\nbase_model: loops-local/tiny\ndata:\n  train: qa.csv\n  eval: qa.csv\n"
+                      "  columns: {prompt: question, completion: answer}\n")
     args = ["eval", "--base", "--config", str(EXAMPLES / "tiny-sft.yaml"), "--no-cache", "-o", "json"]
     reference = loops(local_server, *args, "--data", str(tmp_path / "pc.jsonl"))
     mapped = loops(local_server, *args, "--data", str(tmp_path / "qa.csv"), "--columns", "prompt=question,completion=answer")
