@@ -119,3 +119,51 @@ def test_check_and_preview_take_kto_rows(tmp_path):
     assert paired.returncode != 0 and "Traceback" not in paired.stderr
     assert f"{FORMATS / 'preference.jsonl'}:1: a paired row ('chosen'/'rejected') under kind: kto" in paired.stderr
     assert "kind: dpo" in paired.stderr
+
+
+def test_check_counts_what_each_truncation_policy_does(tmp_path):
+    """Issue 40: `data check` says how many rows each data.truncation policy would change, and
+    the rows a cut cannot save (right keeps a long prompt and loses the reply)."""
+    data = tmp_path / "long.jsonl"
+    rows = [{"prompt": "hi", "completion": "ok"}, {"prompt": "x" * 90, "completion": "ok"},
+            {"prompt": "q", "completion": "y" * 90}, {"prompt": "x" * 90, "completion": "y" * 90}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = run(tmp_path, "data", "check", str(data), "--max-seq-len", "64", "-o", "json")
+    assert out.returncode == 1, out.stderr  # refused under the default policy
+    doc = json.loads(out.stdout)
+    assert doc["over_max_seq_len"] == 3
+    assert doc["truncation"] == {"error": {"refused": 3}, "drop": {"dropped": 3},
+                                 "right": {"cut": 1, "refused": 2}, "left": {"cut": 3, "refused": 0}}
+    assert "data.truncation" in out.stderr  # the hint names the fix that keeps the rows
+    text = run(tmp_path, "data", "check", str(data), "--max-seq-len", "64")
+    assert ("  data.truncation: error (default) refuses 3; drop skips 3; right cuts 1 and refuses 2 "
+            "(nothing left to train on); left cuts 3") in text.stdout
+    dpo = tmp_path / "pairs.jsonl"
+    dpo.write_text(json.dumps({"prompt": "x" * 90, "chosen": "yes", "rejected": "no"}) + "\n"
+                   + json.dumps({"prompt": "hi", "chosen": "yes", "rejected": "no"}) + "\n", encoding="utf-8")
+    doc = json.loads(run(tmp_path, "data", "check", str(dpo), "--max-seq-len", "64", "-o", "json").stdout)
+    assert doc["kind"] == "dpo" and doc["truncation"]["right"] == doc["truncation"]["left"] == {"cut": 1, "refused": 0}
+
+
+def test_question_answer_csv_is_checked_and_previewed_with_columns(tmp_path):
+    """Issue 42: a question,answer CSV (which trains with data.columns) is read by `data check`
+    and `data preview` with --columns; without it, the hint names --columns."""
+    data = tmp_path / "qa.csv"
+    data.write_text("question,answer\nWhat is 2+2?,4\nCapital of France?,Paris\n", encoding="utf-8")
+    bare = run(tmp_path, "data", "check", str(data))
+    assert bare.returncode == 1 and "no known row format in keys ['answer', 'question']" in bare.stderr
+    assert "--columns prompt=question,completion=answer" in bare.stderr
+    out = run(tmp_path, "data", "check", str(data), "--columns", "prompt=question,completion=answer", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert (doc["format"], doc["kind"], doc["rows"]) == ("prompt_completion (standard)", "sft", 2)
+    assert doc["max_seq_len"] == 1024  # the default: min(2048, loops-local/tiny's limit)
+    preview = run(tmp_path, "data", "preview", str(data), "--columns", "prompt=question,completion=answer", "-o", "json")
+    assert preview.returncode == 0, preview.stderr
+    first = json.loads(preview.stdout)["rows"][0]
+    start, end = first["trained"][0]
+    assert "What is 2+2?" in first["text"] and first["text"][start:end].startswith("4")
+    wrong = run(tmp_path, "data", "check", str(data), "--columns", "prompt=q,completion=answer")
+    assert wrong.returncode == 1 and "no column 'q' (data.columns.prompt)" in wrong.stderr and "--columns prompt=COLUMN" in wrong.stderr
+    bad = run(tmp_path, "data", "preview", str(data), "--columns", "prompt")
+    assert bad.returncode == 2 and "--columns 'prompt': expected NAME=COLUMN" in bad.stderr

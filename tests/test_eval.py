@@ -47,7 +47,7 @@ def rl_run(local_server, tmp_path_factory) -> tuple[str, Path]:
     """The tiny RL example, 6 steps, ending with `eval:` (+ base, 2 samples per prompt)."""
     run_dir = tmp_path_factory.mktemp("eval-rl") / "run"
     run_id = _train(local_server, run_dir, EXAMPLES / "tiny-rl.yaml", f"max_steps={RL_STEPS}",
-                    "data.eval_prompts=null", "eval.data=data/tiny_rl_eval.jsonl", "eval.base=true", "eval.samples=2")
+                    "data.eval_prompts=null", f"eval.data={RL_EVAL}", "eval.base=true", "eval.samples=2")
     return run_id, run_dir
 
 
@@ -345,3 +345,30 @@ def test_data_reads_any_file_type_and_hub_names(local_server, tmp_path):
     hub = loops(local_server, "eval", "--base", "--config", str(EXAMPLES / "tiny-sft.yaml"),
                 "--data", "hf://datasets/no-such-org/no-such-data", env={"HF_HUB_OFFLINE": "1"})
     one_line_error(hub, 1, "hf://datasets/no-such-org/no-such-data")
+
+
+def test_a_question_answer_csv_is_scored_with_columns(local_server, tmp_path):
+    """Issue 42: `--columns` maps a question,answer CSV as a config's data.columns does, and
+    `--config` reads its eval data with the config's data.columns; both score what the same
+    rows as prompt/completion JSONL score."""
+    import csv
+
+    rows = [json.loads(line) for line in SFT_EVAL.read_text().splitlines() if line.strip()][:4]
+    pairs = [(r["messages"][-2]["content"], r["messages"][-1]["content"]) for r in rows]
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"prompt": q, "completion": a}) + "\n" for q, a in pairs))
+    with (tmp_path / "qa.csv").open("w", newline="") as fh:
+        csv.writer(fh).writerows([("question", "answer"), *pairs])
+    config = tmp_path / "qa.yaml"
+    config.write_text("kind: sft\nname: qa\nbase_model: loops-local/tiny\ndata:\n  train: qa.csv\n  eval: qa.csv\n"
+                      "  columns: {prompt: question, completion: answer}\n")
+    args = ["eval", "--base", "--config", str(EXAMPLES / "tiny-sft.yaml"), "--no-cache", "-o", "json"]
+    reference = loops(local_server, *args, "--data", str(tmp_path / "pc.jsonl"))
+    mapped = loops(local_server, *args, "--data", str(tmp_path / "qa.csv"), "--columns", "prompt=question,completion=answer")
+    from_config = loops(local_server, "eval", "--base", "--config", str(config), "--no-cache", "-o", "json")
+    assert reference.code == mapped.code == from_config.code == 0, (mapped.stderr, from_config.stderr)
+    expected = reference.json()["results"][0]
+    assert expected["rows"] == 4
+    for result in (mapped, from_config):
+        assert result.json()["results"][0]["metrics"] == expected["metrics"]
+    bare = loops(local_server, *args, "--data", str(tmp_path / "qa.csv"))
+    one_line_error(bare, 1, "no known row format in keys ['answer', 'question']", "--columns prompt=question,completion=answer")

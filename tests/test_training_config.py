@@ -347,3 +347,56 @@ def test_example_number_answer_reward_gives_partial_credit():
     name, fn = build_reward(_Spec("rewards.py:number_answer"), EXAMPLES)
     row = {"answer": "7"}
     assert [fn(c, row) for c in ("7", "3 + 4 = 7", "12", "seven")] == [1.0, 0.5, 0.2, 0.0]
+
+
+def test_max_seq_len_defaults_to_the_smaller_of_2048_and_the_models_limit(tmp_path):
+    """Issue 42: a config without max_seq_len on loops-local/tiny (limit 1024) gets 1024, not a
+    2048 the model refuses; one that sets it keeps its value."""
+    from baseten_loops_cli.training.config import default_max_seq_len
+
+    assert default_max_seq_len("loops-local/tiny") == 1024
+    assert default_max_seq_len("no-such-org/no-such-model") == 2048  # limit unknown here: the backend's check lowers it
+    path = write(tmp_path, SFT.replace("max_seq_len: 64\n", ""), [ROW])
+    loaded = load_config(path)
+    assert loaded.config.max_seq_len == 1024 and "max_seq_len" not in loaded.raw
+    assert load_config(path, ["max_seq_len=512"]).config.max_seq_len == 512
+
+
+def test_set_paths_are_relative_to_the_current_directory(tmp_path, monkeypatch):
+    """Issue 42: `--set data.train=../x.jsonl` is a path typed in a shell (relative to the
+    current directory); the paths written in the file stay relative to the file."""
+    conf, work = tmp_path / "conf", tmp_path / "work"
+    conf.mkdir()
+    work.mkdir()
+    (conf / "train.jsonl").write_text(json.dumps(ROW) + "\n")
+    other = {"messages": [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "ANSWER: 2"}]}
+    (tmp_path / "x.jsonl").write_text(json.dumps(other) + "\n" + json.dumps(ROW) + "\n")
+    path = write(conf, SFT)
+    monkeypatch.chdir(work)
+    in_file = load_data(load_config(path, check_files=True))
+    assert len(in_file.train) == 1  # conf/train.jsonl, beside the config
+    loaded = load_config(path, ["data.train=../x.jsonl"], check_files=True)
+    assert loaded.config.data.train == str(tmp_path / "x.jsonl")
+    assert len(load_data(loaded).train) == 2
+    with pytest.raises(ConfigError) as info:  # relative to work/, where there is no x.jsonl
+        load_config(path, ["data.train=x.jsonl"], check_files=True)
+    assert str(work / "x.jsonl") in info.value.message and "data file not found" in info.value.message
+
+
+def test_every_refused_row_is_listed(tmp_path):
+    """Issue 42: three over-length rows and a bad role show four lines, not the first one."""
+    long_row = {"prompt": "x" * 100, "completion": "y"}
+    bad_role = {"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "y"}]}
+    path = write(tmp_path, SFT, [ROW, long_row, long_row, bad_role, long_row])
+    with pytest.raises(ConfigError) as info:
+        load_data(load_config(path))
+    lines = info.value.message.splitlines()
+    assert lines[0] == "4 rows refused:"
+    assert [line.split(": ")[0].rsplit("/", 1)[-1] for line in lines[1:]] == [
+        "train.jsonl:2", "train.jsonl:3", "train.jsonl:4", "train.jsonl:5"]
+    assert "has role 'wizard'" in lines[3] and "over max_seq_len 64" in lines[4]
+    many = write(tmp_path, SFT, [ROW] + [long_row] * 8)
+    with pytest.raises(ConfigError) as info:
+        load_data(load_config(many))
+    lines = info.value.message.splitlines()
+    assert lines[0] == "8 rows refused:" and lines[-1] == "  ... and 3 more" and len(lines) == 7

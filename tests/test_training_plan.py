@@ -112,3 +112,23 @@ def test_a_kind_without_a_measured_run_is_calibrated_from_the_models_other_runs(
     own = _plan(local_server, cache, "tiny-dpo.yaml")
     assert any("calibrated by the last dpo run of loops-local/tiny" in note for note in own["notes"]), own["notes"]
     assert not any("scaled by tokens" in note for note in own["notes"])
+
+
+def test_validate_lists_the_backends_and_the_datas_problems_together(local_server, tmp_path):
+    """Issue 42: a max_seq_len the backend refuses does not hide the data's problems (a column
+    data.columns names that the CSV lacks); without max_seq_len the same config is valid on
+    loops-local/tiny (the default is min(2048, its limit of 1024))."""
+    (tmp_path / "qa.csv").write_text("question,answer\nWhat is 2+2?,4\n", encoding="utf-8")
+    config = tmp_path / "c.yaml"
+    config.write_text("kind: sft\nname: qa\nbase_model: loops-local/tiny\nmax_seq_len: 4096\nbatch_size: 1\n"
+                      "data:\n  train: qa.csv\n  columns: {prompt: q, completion: answer}\n", encoding="utf-8")
+    proc, _ = _loops(local_server, tmp_path / "cache", "train", "validate", str(config))
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "Error: 2 problems:", proc.stderr
+    assert "max_seq_len 4096 is over what loops-local/tiny allows here (1024)" in lines[1]
+    assert "no column 'q' (data.columns.prompt)" in lines[2] and "Traceback" not in proc.stderr
+    config.write_text(config.read_text().replace("max_seq_len: 4096\n", "").replace("prompt: q", "prompt: question"))
+    proc, _ = _loops(local_server, tmp_path / "cache", "train", "validate", str(config), "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["plan"]["examples"] == 1

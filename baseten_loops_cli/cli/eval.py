@@ -15,27 +15,38 @@ from baseten_loops_cli.cli import _complete
 from baseten_loops_cli.cli._state import get_state
 
 
-def _task(data_arg: Optional[str], config: Optional[Path], *, limit, seed, samples, k) -> Any:
+def _task(data_arg: Optional[str], config: Optional[Path], *, limit, seed, samples, k, columns: Optional[str] = None) -> Any:
     """The evaluation task from --data and --config (the config's kind builds it, as for its
-    `eval:` block: an RL config brings the reward)."""
+    `eval:` block: an RL config brings the reward). The rows' columns are mapped by --columns,
+    else by the config's data.columns."""
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training import evaluation as ev
-    from baseten_loops_cli.training.formats.dataset import HUB_PREFIX, plain_spec
+    from baseten_loops_cli.training.formats.dataset import HUB_PREFIX, plain_spec, with_options
+    from baseten_loops_cli.training.formats.spec import parse_columns
 
-    # A file or folder of any type the data layer reads stays a Path; an hf:// name becomes the
-    # data layer's spec (a Path would fold its "//").
+    mapping = parse_columns(columns) if columns else None
+    # A file or folder of any type the data layer reads stays a Path; an hf:// name (a Path
+    # would fold its "//") or mapped columns make it the data layer's spec.
     data: Any = None
     if data_arg is not None:
-        data = plain_spec(data_arg) if data_arg.startswith(HUB_PREFIX) else Path(data_arg)
+        data = plain_spec(data_arg, columns=mapping) if data_arg.startswith(HUB_PREFIX) or mapping else Path(data_arg)
 
     if config is not None:
         from baseten_loops_cli.training import kinds
         from baseten_loops_cli.training.config import load_config
 
         loaded = load_config(config)
+        kind = kinds.of(loaded.config)
+        if data is None and mapping:  # the config's eval data, read with --columns
+            value = kinds.eval_data(loaded)
+            if isinstance(value, str):
+                data = with_options(loaded, loaded.resolve_path(value) if not value.startswith(HUB_PREFIX) else value,
+                                    kind.train_data_key, mapping)
+        elif data is not None:  # --data, read with the config's data section (columns, format, truncation)
+            data = with_options(loaded, data, kind.train_data_key, mapping)
         task = kinds.eval_task(loaded, data, limit=limit, seed=seed, samples=samples, k=k)
         if task is None:
-            key = ".".join(kinds.of(loaded.config).eval_data_key or ("data", "eval"))
+            key = ".".join(kind.eval_data_key or ("data", "eval"))
             raise UsageError(f"--data is missing and {config} has no {key}", hint="Pass --data FILE.jsonl.")
         return task
     if data is None:
@@ -68,6 +79,7 @@ def eval_command(
     seed: Annotated[Optional[int], typer.Option("--seed", help="RL: sampling seed (default: the config's seed).", show_default=False)] = None,
     samples: Annotated[Optional[int], typer.Option("--samples", "-n", min=1, max=64, help="RL: completions per prompt (default: the config's group_size).", show_default=False)] = None,
     k: Annotated[Optional[int], typer.Option("--k", min=1, help="RL: the k of pass@k (default: --samples).", show_default=False)] = None,
+    columns: Annotated[Optional[str], typer.Option("--columns", metavar="NAME=COLUMN,...", help="Map the format's names to the data's columns, as a config's data.columns (default: the config's): prompt=question,completion=answer.", show_default=False)] = None,
     fail_under: Annotated[Optional[list[str]], typer.Option("--fail-under", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is below VALUE (accuracy, accuracy_norm, reward, pass_rate, pass_at_k).", show_default=False)] = None,
     fail_over: Annotated[Optional[list[str]], typer.Option("--fail-over", metavar="METRIC=VALUE", help="Exit 1 when the best checkpoint's METRIC is above VALUE (nll, perplexity).", show_default=False)] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Score again even when a result is cached.")] = False,
@@ -87,6 +99,8 @@ def eval_command(
       loops eval abc1234:final --data eval.jsonl --fail-under accuracy=0.8 -o json
 
       loops eval abc1234:final --base --data multiple_choice.jsonl
+
+      loops eval abc1234:final --data qa.csv --columns prompt=question,completion=answer
     """
     from baseten_loops_cli.errors import LoopsError, UsageError
     from baseten_loops_cli.settings.paths import cache_dir
@@ -97,7 +111,7 @@ def eval_command(
     refs = list(checkpoints or [])
     if not refs and not base:
         raise UsageError("name at least one checkpoint, or --base", hint="For example: loops eval RUN:final --base --data eval.jsonl")
-    task = _task(data, config, limit=limit, seed=seed, samples=samples, k=k)
+    task = _task(data, config, limit=limit, seed=seed, samples=samples, k=k, columns=columns)
     gates = [ev.parse_gate(g, task.kind, "under") for g in fail_under or []]
     gates += [ev.parse_gate(g, task.kind, "over") for g in fail_over or []]
 

@@ -17,6 +17,10 @@ from pathlib import Path
 
 from baseten_loops_cli.settings.paths import cache_dir
 
+# The longest sequence of each model built in code (the local engine's model zoo serves them;
+# the client reads it for the default max_seq_len without asking a backend).
+BUILTIN_MAX_SEQ_LEN = {"loops-local/tiny": 1024}
+
 TOKENIZER_FILE = "tokenizer.json"
 # What a tokenizer needs besides the weights (the chat template is in one of the last two).
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
@@ -130,3 +134,20 @@ def local_model_problem(path: Path) -> str | None:
         if not byte_vocabulary(config):
             return f"{path} has no {TOKENIZER_FILE} (the tokenizer)"
     return None
+
+
+def model_max_seq_len(name: str) -> int | None:
+    """The longest sequence ``name`` takes, as far as this machine knows without a backend: a
+    model built in code, else its files' ``config.json`` (``max_position_embeddings``); None
+    when neither is here (the backend's capabilities say it)."""
+    import json
+
+    if name in BUILTIN_MAX_SEQ_LEN:
+        return BUILTIN_MAX_SEQ_LEN[name]
+    folder = find_model_dir(name, weights=False) or find_model_dir(name)
+    try:
+        config = json.loads((folder / "config.json").read_text()) if folder is not None else {}
+    except (OSError, ValueError):
+        return None
+    limit = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return int(limit) if isinstance(limit, int) and limit > 0 else None

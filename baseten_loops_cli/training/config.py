@@ -30,6 +30,18 @@ def data_path_keys(kind: str) -> tuple[tuple[str, str], ...]:
     return tuple(kinds.get(kind).data_path_keys) + COMMON_PATH_KEYS
 
 
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def default_max_seq_len(base_model: str) -> int:
+    """``max_seq_len`` when a config leaves it out: min(2048, the model's limit), the limit as
+    this machine knows it (``settings.model_files.model_max_seq_len``; a backend that knows a
+    lower one lowers it again: ``plan.check_base_model``). `loops data check` takes the same."""
+    from baseten_loops_cli.settings.model_files import model_max_seq_len
+
+    return min(DEFAULT_MAX_SEQ_LEN, model_max_seq_len(base_model) or DEFAULT_MAX_SEQ_LEN)
+
+
 def dotted_keys(raw: dict, prefix: str = "") -> dict[str, Any]:
     """A raw config as ``{"optimizer.learning_rate": value, ...}`` (the spelling of ``--set``);
     an empty mapping stays a value. `train compare` and the trackers' parameters read it."""
@@ -229,7 +241,7 @@ class CommonConfig(Section):
     base_model: str
     profile: str | None = Field(None, description="Backend profile (default: the active one).")
     lora_rank: int = Field(32, ge=1)
-    max_seq_len: int = Field(2048, ge=8)
+    max_seq_len: int = Field(DEFAULT_MAX_SEQ_LEN, ge=8, description="Default: min(2048, the model's limit).")
     seed: int = 0
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     batch_size: int = Field(8, ge=1)
@@ -546,6 +558,30 @@ def apply_overrides(raw: dict, overrides: list[str], applied: dict[tuple, str] |
     return raw
 
 
+def _paths_from_here(raw: dict, applied: dict[tuple, str]) -> None:
+    """A path typed on the command line (``--set data.train=../x.json``, ``--set
+    base_model=./merged``) is relative to the current directory, as any path typed in a shell:
+    made absolute here, before the rest (written relative to the config's folder) is resolved
+    against the config."""
+    from baseten_loops_cli.settings.model_files import looks_like_path
+    from baseten_loops_cli.training.formats.spec import absolute_sources
+
+    def here(value: str) -> Path:
+        return Path(value).expanduser().absolute()
+
+    for loc in data_path_keys(raw["kind"]):
+        section = raw.get(loc[0])
+        if not isinstance(section, dict) or loc[1] not in section:
+            continue
+        if loc in applied:  # the whole value typed on the command line
+            section[loc[1]] = absolute_sources(section[loc[1]], here)
+        elif loc + ("path",) in applied and isinstance(section[loc[1]], dict):  # --set data.train.path=...
+            section[loc[1]] = absolute_sources(section[loc[1]], here)
+    value = raw.get("base_model")
+    if ("base_model",) in applied and isinstance(value, str) and (looks_like_path(value) or Path(value).is_dir()):
+        raw["base_model"] = str(here(value))
+
+
 def _missing_config_hint(path: Path) -> str:
     """A close match beside the missing config (``tiny_sft.yaml`` -> ``tiny-sft.yaml``), else init."""
     try:
@@ -588,6 +624,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
         raise ConfigError(f"{where}: kind must be {_kinds_text()}, not {raw.get('kind')!r}",
                           hint=f"Set kind to {_kinds_text()}.",
                           exit_code=ExitCode.USAGE if ("kind",) in applied else None)
+    _paths_from_here(raw, applied)
     # Collect every problem before failing: the schema's (pydantic reports them all) and the
     # data files that do not exist, so one `validate` shows everything to fix.
     problems = _missing_data_files(raw, lines, path.resolve().parent, applied) if check_files else []
@@ -601,6 +638,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
         problems += [_problem(err, lines, raw, applied) for err in exc.errors()]
     if problems:
         raise ConfigProblems(path, problems)
+    if "max_seq_len" not in raw:
+        config.max_seq_len = default_max_seq_len(config.base_model)
     return LoadedConfig(config, path.resolve(), raw, lines, applied)
 
 

@@ -10,6 +10,7 @@ Every error names the file and line.
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,11 @@ from baseten_loops_cli.errors import ConfigError
 # Rows are read by the format layer (files, folders, hub datasets; every row format), once, into
 # the internal rows these loaders take: (where, row), where = "file:line" or "file: row N".
 from baseten_loops_cli.training.formats import read_rows
+from baseten_loops_cli.training.formats import truncation as trunc
 from baseten_loops_cli.training.formats.readers import JSONL_HINT, read_jsonl  # noqa: F401 - re-exported
+
+# How many refused rows one error lists (the rest are counted).
+LISTED_ROWS = 5
 
 
 @dataclass
@@ -57,69 +62,153 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
     return messages
 
 
-def _too_long(where: str, length: int, max_seq_len: int) -> ConfigError:
+def too_long(message: str, length: int) -> ConfigError:
+    """The over-length error of a row, whose hint names ``data.truncation`` (the fix that keeps the row)."""
     return ConfigError(
-        f"{where}: example is {length} tokens, over max_seq_len {max_seq_len}",
-        hint=f"Raise max_seq_len to at least {length} (if the model allows) or shorten the example.",
+        message,
+        hint=f"Raise max_seq_len to at least {length} (if the model allows), set data.truncation to right or left "
+             f"(cut such rows to max_seq_len) or drop (skip them), or shorten the row.",
     )
+
+
+class RowLoader:
+    """One loader's pass over a data source: the spec read (a config's, with its
+    ``data.truncation``, or a plain path's), the rows refused (every one collected, so one
+    `loops train validate` lists them all) and the rows ``drop`` skipped or a cut shortened
+    (reported with the spec's notes)."""
+
+    def __init__(self, data: Any, purpose: str):
+        from baseten_loops_cli.training.formats.dataset import DataSpec, plain_spec
+
+        self.spec = data if isinstance(data, DataSpec) else plain_spec(data)
+        self.purpose = purpose
+        self.policy = self.spec.truncation
+        self.errors: list[ConfigError] = []
+        self.dropped: list[str] = []
+        self.cut: list[str] = []
+
+    def rows(self):
+        """``(where, row)`` of the spec, converted for the loader's purpose."""
+        return read_rows(self.spec, self.purpose)
+
+    @contextmanager
+    def row(self):
+        """Around one row's checks: its error is collected (raised with the others by :meth:`finish`)."""
+        try:
+            yield
+        except ConfigError as exc:
+            self.errors.append(exc)
+
+    def over(self, where: str, error: ConfigError) -> bool:
+        """A row is over max_seq_len: True when it is to be cut (``right``/``left``), False when
+        ``drop`` skips it; ``error`` raises ``error``."""
+        if self.policy == "drop":
+            self.dropped.append(where)
+            return False
+        if self.policy not in trunc.CUTS:
+            raise error
+        self.cut.append(where)
+        return True
+
+    def nothing_left(self, where: str, max_seq_len: int) -> ConfigError:
+        return ConfigError(
+            f"{where}: cut to max_seq_len {max_seq_len} (data.truncation: {self.policy}), nothing is left to train on",
+            hint="Use data.truncation: left (keeps the end, where the reply is) or drop, or raise max_seq_len.",
+        )
+
+    def finish(self, items: list, noun: str) -> list:
+        """``items`` after every row: the refused rows raised together (the first few named),
+        the dropped and cut ones reported."""
+        if self.errors:
+            raise refused_rows(self.errors)
+        label = self.spec.label
+        for rows, done in ((self.dropped, "dropped"), (self.cut, f"cut ({self.policy})")):
+            if rows:
+                first = ", ".join(rows[:3]) + (" ..." if len(rows) > 3 else "")
+                self.spec.reports.append(f"{label}: {len(rows):,} row{'s' if len(rows) != 1 else ''} over max_seq_len "
+                                         f"{done} by data.truncation ({first})")
+        if not items:
+            extra = f" ({len(self.dropped):,} dropped as over max_seq_len)" if self.dropped else " (the file is empty)"
+            raise ConfigError(f"{self.spec}: no {noun}{extra}", hint="Put at least one row in it: " + JSONL_HINT
+                              if not self.dropped else "Raise max_seq_len, or use data.truncation: right or left.")
+        return items
+
+
+def refused_rows(errors: list[ConfigError]) -> ConfigError:
+    """Several rows' errors as one: each on its line (the first :data:`LISTED_ROWS`), the rest
+    counted; one row's error as it is."""
+    if len(errors) == 1:
+        return errors[0]
+    lines = [f"{len(errors):,} rows refused:"] + [f"  {e.message}" for e in errors[:LISTED_ROWS]]
+    if len(errors) > LISTED_ROWS:
+        lines.append(f"  ... and {len(errors) - LISTED_ROWS:,} more")
+    return ConfigError("\n".join(lines), hint=errors[0].hint)
 
 
 def load_sft_examples(path: Path, tokenizer: Any, *, train_on: str, max_seq_len: int) -> list[Example]:
     from baseten_loops_cli.tokenization import render_chat, render_prompt_completion
 
     examples = []
-    for where, row in read_rows(path, "sft"):
-        if "messages" in row:
-            messages = _check_messages(row["messages"], where)
-            if not any(m.get("role") == "assistant" for m in messages):
-                raise ConfigError(f"{where}: no assistant message to train on",
-                                  hint='End the row with the reply to learn: {"role": "assistant", "content": "..."}.')
-            try:
-                tokens, weights = render_chat(tokenizer, messages, train_on=train_on)
-            except ValueError as exc:
-                raise ConfigError(f"{where}: {exc}") from None
-        elif "prompt" in row and "completion" in row:
-            if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
-                raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings")
-            tokens, weights = render_prompt_completion(tokenizer, row["prompt"], row["completion"])
-        else:
-            raise ConfigError(
-                f"{where}: expected a 'messages' list or 'prompt' and 'completion' keys, found {sorted(row)}",
-                hint='Write each row as {"messages": [{"role": "user", "content": ...}, '
-                     '{"role": "assistant", "content": ...}]} or {"prompt": ..., "completion": ...}.',
-            )
-        if len(tokens) > max_seq_len:
-            raise _too_long(where, len(tokens), max_seq_len)
-        example = Example(list(tokens), [float(w) for w in weights], where)
-        if example.trained_tokens == 0:
-            raise ConfigError(f"{where}: nothing to train on (every token has weight 0)")
-        examples.append(example)
-    if not examples:
-        raise ConfigError(f"{path}: no examples (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
-    return examples
+    loader = RowLoader(path, "sft")
+    for where, row in loader.rows():
+        with loader.row():
+            if "messages" in row:
+                messages = _check_messages(row["messages"], where)
+                if not any(m.get("role") == "assistant" for m in messages):
+                    raise ConfigError(f"{where}: no assistant message to train on",
+                                      hint='End the row with the reply to learn: {"role": "assistant", "content": "..."}.')
+                try:
+                    tokens, weights = render_chat(tokenizer, messages, train_on=train_on)
+                except ValueError as exc:
+                    raise ConfigError(f"{where}: {exc}") from None
+            elif "prompt" in row and "completion" in row:
+                if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
+                    raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings")
+                tokens, weights = render_prompt_completion(tokenizer, row["prompt"], row["completion"])
+            else:
+                raise ConfigError(
+                    f"{where}: expected a 'messages' list or 'prompt' and 'completion' keys, found {sorted(row)}",
+                    hint='Write each row as {"messages": [{"role": "user", "content": ...}, '
+                         '{"role": "assistant", "content": ...}]} or {"prompt": ..., "completion": ...}.',
+                )
+            if len(tokens) > max_seq_len:
+                if not loader.over(where, too_long(f"{where}: example is {len(tokens)} tokens, over max_seq_len {max_seq_len}", len(tokens))):
+                    continue
+                tokens, weights = trunc.cut(list(tokens), list(weights), max_seq_len, loader.policy)
+                if not any(w > 0 for w in list(weights)[1:]):
+                    raise loader.nothing_left(where, max_seq_len)
+            example = Example(list(tokens), [float(w) for w in weights], where)
+            if example.trained_tokens == 0:
+                raise ConfigError(f"{where}: nothing to train on (every token has weight 0)")
+            examples.append(example)
+    return loader.finish(examples, "examples")
 
 
 def load_prompts(path: Path, tokenizer: Any, *, max_seq_len: int, max_tokens: int) -> list[Prompt]:
     from baseten_loops_cli.tokenization import render_chat
 
     prompts = []
-    for where, row in read_rows(path, "prompts"):
-        if "messages" in row:
-            messages = _check_messages(row["messages"], where)
-        elif isinstance(row.get("prompt"), str):
-            messages = [{"role": "user", "content": row["prompt"]}]
-        else:
-            raise ConfigError(f"{where}: expected a string 'prompt' or a 'messages' list, found {sorted(row)}")
-        tokens, _ = render_chat(tokenizer, messages, train_on="all", add_generation_prompt=True)
-        if len(tokens) + max_tokens > max_seq_len:
-            raise ConfigError(
-                f"{where}: prompt is {len(tokens)} tokens; with sampling.max_tokens {max_tokens} that exceeds max_seq_len {max_seq_len}",
-                hint="Raise max_seq_len, lower sampling.max_tokens or shorten the prompt.",
-            )
-        prompts.append(Prompt(list(tokens), row, where, messages[-1]["content"]))
-    if not prompts:
-        raise ConfigError(f"{path}: no prompts (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
-    return prompts
+    loader = RowLoader(path, "prompts")
+    for where, row in loader.rows():
+        with loader.row():
+            if "messages" in row:
+                messages = _check_messages(row["messages"], where)
+            elif isinstance(row.get("prompt"), str):
+                messages = [{"role": "user", "content": row["prompt"]}]
+            else:
+                raise ConfigError(f"{where}: expected a string 'prompt' or a 'messages' list, found {sorted(row)}")
+            tokens, _ = render_chat(tokenizer, messages, train_on="all", add_generation_prompt=True)
+            if len(tokens) + max_tokens > max_seq_len:
+                error = too_long(f"{where}: prompt is {len(tokens)} tokens; with sampling.max_tokens {max_tokens} that "
+                                 f"exceeds max_seq_len {max_seq_len}", len(tokens) + max_tokens)
+                if max_tokens >= max_seq_len:  # no prompt fits: the config's numbers, not the row
+                    raise ConfigError(f"{where}: sampling.max_tokens {max_tokens} leaves no room for a prompt in max_seq_len {max_seq_len}",
+                                      hint="Raise max_seq_len or lower sampling.max_tokens.")
+                if not loader.over(where, error):
+                    continue
+                tokens = trunc.cut_prompt(list(tokens), max_seq_len - max_tokens)  # its end: the generation prompt
+            prompts.append(Prompt(list(tokens), row, where, messages[-1]["content"]))
+    return loader.finish(prompts, "prompts")
 
 
 def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -236,41 +325,47 @@ def load_preference_pairs(path: Path, tokenizer: Any, *, max_seq_len: int) -> li
     from baseten_loops_cli.training.kto_data import check_paired_row
 
     pairs = []
-    for where, row in read_rows(path, "preference"):
-        check_paired_row(row, where)  # an unpaired (KTO) row: named as such, not "missing 'chosen'"
-        if isinstance(row.get("prompt"), str):
-            prompt = [{"role": "user", "content": row["prompt"]}]
-        elif "prompt" in row:
-            prompt = _check_messages(row["prompt"], f"{where}: 'prompt'")
-        elif "messages" in row:
-            prompt = _check_messages(row["messages"], where)
-        else:
-            prompt = []
-        chosen = _preference_side(row, "chosen", prompt, where)
-        rejected = _preference_side(row, "rejected", prompt, where)
-        if chosen[:-1] != rejected[:-1]:
-            raise ConfigError(
-                f"{where}: 'chosen' and 'rejected' differ before their final reply",
-                hint="A pair compares two replies to one conversation: put the shared turns in 'prompt' or 'messages'.",
-            )
-        sides = []
-        for key, conversation in (("chosen", chosen), ("rejected", rejected)):
-            try:
-                tokens, weights = render_chat(tokenizer, conversation, train_on="last_assistant")
-            except ValueError as exc:
-                raise ConfigError(f"{where}: '{key}': {exc}") from None
-            if len(tokens) > max_seq_len:
+    loader = RowLoader(path, "preference")
+    for where, row in loader.rows():
+        with loader.row():
+            check_paired_row(row, where)  # an unpaired (KTO) row: named as such, not "missing 'chosen'"
+            if isinstance(row.get("prompt"), str):
+                prompt = [{"role": "user", "content": row["prompt"]}]
+            elif "prompt" in row:
+                prompt = _check_messages(row["prompt"], f"{where}: 'prompt'")
+            elif "messages" in row:
+                prompt = _check_messages(row["messages"], where)
+            else:
+                prompt = []
+            chosen = _preference_side(row, "chosen", prompt, where)
+            rejected = _preference_side(row, "rejected", prompt, where)
+            if chosen[:-1] != rejected[:-1]:
                 raise ConfigError(
-                    f"{where}: '{key}' is {len(tokens)} tokens with its prompt, over max_seq_len {max_seq_len}",
-                    hint=f"Raise max_seq_len to at least {len(tokens)} (if the model allows) or shorten the pair.",
+                    f"{where}: 'chosen' and 'rejected' differ before their final reply",
+                    hint="A pair compares two replies to one conversation: put the shared turns in 'prompt' or 'messages'.",
                 )
-            sides.append(Example(list(tokens), [float(w) for w in weights], where))
-        if sides[0].tokens == sides[1].tokens:
-            raise ConfigError(f"{where}: 'chosen' and 'rejected' are identical", hint="A pair must prefer one reply over a different one.")
-        pairs.append(PreferencePair(sides[0], sides[1], where))
-    if not pairs:
-        raise ConfigError(f"{path}: no preference pairs (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
-    return pairs
+            sides = []
+            for key, conversation in (("chosen", chosen), ("rejected", rejected)):
+                try:
+                    tokens, weights = render_chat(tokenizer, conversation, train_on="last_assistant")
+                except ValueError as exc:
+                    raise ConfigError(f"{where}: '{key}': {exc}") from None
+                sides.append((list(tokens), [float(w) for w in weights]))
+            longest = max(sides, key=lambda side: len(side[0]))
+            if len(longest[0]) > max_seq_len:
+                key = "chosen" if longest is sides[0] else "rejected"
+                if not loader.over(where, too_long(f"{where}: '{key}' is {len(longest[0])} tokens with its prompt, over max_seq_len {max_seq_len}",
+                                             len(longest[0]))):
+                    continue
+                sides = trunc.cut_replies(sides, max_seq_len)  # the prompt from the left, then the replies from the right
+                if not all(any(w > 0 for w in weights[1:]) for _, weights in sides):
+                    raise loader.nothing_left(where, max_seq_len)
+            chosen_ex, rejected_ex = (Example(tokens, weights, where) for tokens, weights in sides)
+            if chosen_ex.tokens == rejected_ex.tokens:
+                raise ConfigError(f"{where}: 'chosen' and 'rejected' are identical" + (" once cut to max_seq_len" if where in loader.cut else ""),
+                                  hint="A pair must prefer one reply over a different one.")
+            pairs.append(PreferencePair(chosen_ex, rejected_ex, where))
+    return loader.finish(pairs, "preference pairs")
 
 
 def reference_logprobs_field(token_logprobs: list[float | None]) -> list[float]:

@@ -320,8 +320,9 @@ def _load_rows(task: EvalTask, tokenizer: Any) -> list[Any]:
             rows = data_mod.load_sft_examples(task.data, tokenizer, train_on=task.train_on, max_seq_len=task.max_seq_len)
         except ConfigError as exc:
             # rows without a reply: the old loader's words, or the data layer's (a prompt-only format)
-            if any(text in exc.message for text in ("expected a 'messages'", "no assistant message",
-                                                    "do not have a reply to train on")):
+            # (not rows of no known format: the data layer's hint says how to map their columns)
+            if "no known row format" not in exc.message and any(
+                    text in exc.message for text in ("expected a 'messages'", "no assistant message", "do not have a reply to train on")):
                 exc.hint = (
                     "SFT rows need an answer to score (an assistant message, or prompt + completion); "
                     "to score prompts by a reward, pass --config with an RL config (kind: rl, reward: ...)."

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.data import JSONL_HINT, Example, _check_messages, _reply_messages
-from baseten_loops_cli.training.formats import read_rows
+from baseten_loops_cli.training.formats.truncation import cut_replies, reply_start
 from baseten_loops_cli.training.preference_losses import kto_mismatched_index
 
 KTO_ROW_HINT = 'Write each row as {"prompt": ..., "completion": ..., "label": true} (false for an undesirable completion).'
@@ -113,15 +113,24 @@ def _render(tokenizer: Any, conversation: list[dict], where: str) -> tuple[list[
     return list(tokens), [float(w) for w in weights]
 
 
-def render_kto_row(where: str, row: dict, tokenizer: Any, *, max_seq_len: int) -> KTOExample:
-    """One internal row checked and rendered (the reply trained, as DPO's sides)."""
+def render_kto_row(where: str, row: dict, tokenizer: Any, *, max_seq_len: int, loader: Any = None) -> KTOExample | None:
+    """One internal row checked and rendered (the reply trained, as DPO's sides); a row over
+    max_seq_len goes by the ``loader``'s ``data.truncation`` (None: dropped)."""
+    from baseten_loops_cli.training.data import too_long
+
     checked = kto_row(row, where)
     tokens, weights = _render(tokenizer, checked.prompt + checked.completion, where)
     if len(tokens) > max_seq_len:
-        raise ConfigError(
-            f"{where}: the completion is {len(tokens)} tokens with its prompt, over max_seq_len {max_seq_len}",
-            hint=f"Raise max_seq_len to at least {len(tokens)} (if the model allows) or shorten the row.",
-        )
+        error = too_long(f"{where}: the completion is {len(tokens)} tokens with its prompt, over max_seq_len {max_seq_len}",
+                         len(tokens))
+        if loader is None:
+            raise error
+        if not loader.over(where, error):
+            return None
+        # the prompt from the left, then the completion from the right (as a DPO pair's sides)
+        [(tokens, weights)] = cut_replies([(tokens, weights)], max_seq_len)
+        if not any(w > 0 for w in weights[1:]):
+            raise loader.nothing_left(where, max_seq_len)
     example = Example(tokens, weights, where)
     if example.trained_tokens == 0:
         raise ConfigError(f"{where}: nothing to train on (the completion renders to no tokens)")
@@ -131,9 +140,16 @@ def render_kto_row(where: str, row: dict, tokenizer: Any, *, max_seq_len: int) -
 def load_kto_examples(spec: Any, tokenizer: Any, *, max_seq_len: int, check_labels: bool = True) -> list[KTOExample]:
     """Every row of a data spec (or a plain path) in any format, checked and rendered; both
     labels must occur (``check_labels``: off for `loops data check`, which renders row by row)."""
-    examples = [render_kto_row(where, row, tokenizer, max_seq_len=max_seq_len) for where, row in read_rows(spec, "unpaired")]
-    if not examples:
-        raise ConfigError(f"{spec}: no rows (the file is empty)", hint="Put at least one row in it: " + JSONL_HINT)
+    from baseten_loops_cli.training.data import RowLoader
+
+    examples = []
+    loader = RowLoader(spec, "unpaired")
+    for where, row in loader.rows():
+        with loader.row():
+            example = render_kto_row(where, row, tokenizer, max_seq_len=max_seq_len, loader=loader)
+            if example is not None:
+                examples.append(example)
+    loader.finish(examples, "rows")
     if check_labels:
         check_kto_labels((e.label for e in examples), spec)
     return examples
@@ -142,12 +158,14 @@ def load_kto_examples(spec: Any, tokenizer: Any, *, max_seq_len: int, check_labe
 def kl_examples(examples: list[KTOExample], tokenizer: Any, *, max_seq_len: int) -> list[Example]:
     """The mismatched sequences of KTO's KL estimate, one per example (its prompt with
     :func:`~baseten_loops_cli.training.preference_losses.kto_mismatched_index`'s completion),
-    cut at ``max_seq_len`` (an estimate needs no complete reply; the prompt always fits, as it
-    fits with its own completion)."""
+    cut at ``max_seq_len`` (an estimate needs no complete reply; the prompt fits, as it fits
+    with its own completion, unless ``data.truncation`` cut it: then it is cut as its row was)."""
     out = []
     n = len(examples)
     for i, item in enumerate(examples):
         other = examples[kto_mismatched_index(i, n)].row
         tokens, weights = _render(tokenizer, item.row.prompt + other.completion, item.row.source)
+        if reply_start(weights) >= max_seq_len:  # a prompt data.truncation cut: cut as its row was
+            [(tokens, weights)] = cut_replies([(tokens, weights)], max_seq_len)
         out.append(Example(tokens[:max_seq_len], weights[:max_seq_len], f"{item.row.source} (KL)"))
     return out

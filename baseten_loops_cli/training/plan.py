@@ -111,7 +111,11 @@ def check_base_model(client: Any, loaded: LoadedConfig) -> list[str]:
         )
     notes = []
     limit = getattr(match, "max_enabled_seq_len", None) or getattr(match, "max_seq_len", None)
-    if limit and max_seq_len > limit:
+    if limit and max_seq_len > limit and "max_seq_len" not in loaded.raw:
+        # The default (min(2048, the model's limit)) where this machine did not know the limit.
+        config.max_seq_len = limit
+        notes.append(f"max_seq_len {limit}: the default, lowered to what {base_model} allows here")
+    elif limit and max_seq_len > limit:
         raise ConfigError(
             f"{at('max_seq_len')}max_seq_len {max_seq_len} is over what {base_model} allows here ({limit})",
             hint=f"Set max_seq_len to {limit} or less.",
@@ -120,6 +124,18 @@ def check_base_model(client: Any, loaded: LoadedConfig) -> list[str]:
         detail = getattr(match, "enablement_details", None)
         raise ConfigError(f"{at('base_model')}{base_model} is not enabled for this workspace" + (f": {detail}" if detail else ""))
     return notes
+
+
+def problems_together(errors: list[ConfigError]) -> ConfigError:
+    """Every problem `loops train validate` found (the backend's, the data's) as one error: one
+    as it is, several each on its line(s), so none hides another."""
+    if len(errors) == 1:
+        return errors[0]
+    lines = [f"{len(errors)} problems:"]
+    for error in errors:
+        lines += [f"  {line}" for line in error.message.splitlines()]
+    hints = [e.hint for e in errors if e.hint]
+    return ConfigError("\n".join(lines), hint=hints[0] if len(hints) == 1 else "Fix them all, then run `loops train validate` again.")
 
 
 def planned_tokens(config, data: LoadedData) -> tuple[int, int, int]:

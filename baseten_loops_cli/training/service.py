@@ -152,9 +152,11 @@ def validate(loaded: LoadedConfig, backend: Any | None, *, offline: bool = False
     one the plan is this machine's."""
     from baseten_loops_cli.api.errors import ConnectionFailedError
     from baseten_loops_cli.settings.connection import CAPABILITIES
-    from baseten_loops_cli.training.plan import load_data, make_plan
+    from baseten_loops_cli.errors import ConfigError
+    from baseten_loops_cli.training.plan import load_data, make_plan, problems_together
 
     notes: list[str] = []
+    problems: list[ConfigError] = []  # the backend's and the data's, listed together
     if backend is None:
         if not offline:
             notes.append("base model not checked: the backend is not running (start it with `loops server start`)")
@@ -165,7 +167,15 @@ def validate(loaded: LoadedConfig, backend: Any | None, *, offline: bool = False
             notes += check_on_backend(backend.client, loaded)
         except ConnectionFailedError:
             notes.append(f"base model not checked: {backend.base_url} is not reachable")
-    plan = make_plan(loaded, load_data(loaded), capabilities)
+        except ConfigError as exc:
+            problems.append(exc)
+    try:
+        data = load_data(loaded)
+    except ConfigError as exc:
+        problems.append(exc)
+    if problems:
+        raise problems_together(problems)
+    plan = make_plan(loaded, data, capabilities)
     plan.notes += notes
     return plan
 

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from baseten_loops_cli.local.engine.errors import ModelUnavailableError, UnknownModelError
 from baseten_loops_cli.settings.model_files import (
+    BUILTIN_MAX_SEQ_LEN,
     converted_model_dir,
     downloads_dir,
     find_model_dir,
@@ -67,7 +68,7 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 BUILTIN_MODELS: dict[str, ModelInfo] = {
-    TINY: ModelInfo(TINY, 1024, "llama",
+    TINY: ModelInfo(TINY, BUILTIN_MAX_SEQ_LEN[TINY], "llama",
                     "Tiny randomly initialised Llama (4 layers, hidden 128) with a byte "
                     "tokenizer, built in code: for tests and offline experiments.",
                     vocab_size=TINY_CONFIG["vocab_size"]),

@@ -52,6 +52,7 @@ class DataSpec:
     # A hold-out of the training rows: (fraction or count, "train" | "eval", where it was set).
     holdout: tuple[float, str, str] | None = None
     compare_with: "DataSpec | None" = None  # eval: the training data, to report rows in both
+    truncation: str = "error"  # data.truncation: what the loaders do with a row over max_seq_len
     reports: list[str] = field(default_factory=list)
     _cache: dict[str, list] = field(default_factory=dict, repr=False)
 
@@ -166,15 +167,25 @@ def read_rows(data: Any, purpose: str) -> Iterator[tuple[str, dict]]:
     yield from _load(spec, purpose)
 
 
-def plain_spec(value: Any, label: str | None = None) -> DataSpec:
-    """A path given on its own (``loops eval --data``, ``loops data check``) as a DataSpec."""
+def plain_spec(value: Any, label: str | None = None, *, columns: dict[str, str] | None = None,
+               format: str | None = None, truncation: str = "error") -> DataSpec:
+    """A path given on its own (``loops eval --data``, ``loops data check``) as a DataSpec,
+    with the format options a config's ``data:`` section (or ``--columns``) gives it."""
     text = str(value)
+    options = dict(columns=dict(columns or {}), format=format)
     if text.startswith(HUB_PREFIX):
         name, revision = readers.hub_name(text)
-        source = Source(text, dataset=name, revision=revision)
+        source = Source(text, dataset=name, revision=revision, **options)
     else:
-        source = Source(text, path=Path(text))
-    return DataSpec(label or text, [source])
+        source = Source(text, path=Path(text), **options)
+    return DataSpec(label or text, [source], truncation=truncation)
+
+
+def section_options(section: Any) -> dict:
+    """A config ``data:`` section's format options (``columns``, ``format``, ``truncation``),
+    as :func:`plain_spec` takes them."""
+    return dict(columns=getattr(section, "columns", None) or {}, format=getattr(section, "format", None),
+                truncation=getattr(section, "truncation", None) or "error")
 
 
 # ------------------------------------------------------------------ from a loaded config
@@ -222,7 +233,9 @@ def data_specs(loaded: Any, train_key: tuple[str, str] = ("data", "train"),
     config = loaded.config
     section = getattr(config, train_key[0])
     train_label = ".".join(train_key)
-    train = DataSpec(train_label, _sources_of(loaded, train_key, getattr(section, train_key[1]), section), config.seed)
+    truncation = section_options(section)["truncation"]
+    train = DataSpec(train_label, _sources_of(loaded, train_key, getattr(section, train_key[1]), section), config.seed,
+                     truncation=truncation)
     eval_section = getattr(config, eval_key[0], None) if eval_key else None
     value = getattr(eval_section, eval_key[1], None) if eval_section is not None else None
     if value is None:
@@ -231,9 +244,11 @@ def data_specs(loaded: Any, train_key: tuple[str, str] = ("data", "train"),
     if hasattr(value, "from_train"):
         where = loaded.where(*eval_key, "from_train")
         train.holdout = (value.from_train, "train", where)
-        evals = DataSpec(eval_label, train.sources, config.seed, holdout=(value.from_train, "eval", where))
+        evals = DataSpec(eval_label, train.sources, config.seed, holdout=(value.from_train, "eval", where),
+                         truncation=truncation)
     else:
-        evals = DataSpec(eval_label, _sources_of(loaded, eval_key, value, eval_section), config.seed)
+        evals = DataSpec(eval_label, _sources_of(loaded, eval_key, value, eval_section), config.seed,
+                         truncation=truncation)
     evals.compare_with = train
     return train, evals
 
@@ -245,13 +260,27 @@ def data_notes(*specs: DataSpec | None) -> list[str]:
 
 def eval_source(loaded: Any, value: Any, train_key: tuple[str, str] = ("data", "train"),
                 eval_key: tuple[str, str] | None = ("data", "eval")) -> Any:
-    """What to score for an eval (``eval.data`` or the config's eval data): a path as before,
-    else the eval DataSpec (a hub dataset, a mixture or a hold-out of the training rows)."""
-    if isinstance(value, str) and not value.startswith(HUB_PREFIX):
-        return loaded.resolve_path(value)
+    """What to score for an eval (``eval.data`` or the config's eval data): a path as before
+    (a DataSpec with the config's ``data.columns``, ``format`` and ``truncation`` when it sets
+    any), else the eval DataSpec (a hub dataset, a mixture or a hold-out of the training rows)."""
     if isinstance(value, str):
-        return plain_spec(value)
+        return with_options(loaded, loaded.resolve_path(value) if not value.startswith(HUB_PREFIX) else value, train_key)
     return data_specs(loaded, train_key, eval_key)[1]
+
+
+def with_options(loaded: Any, data: Any, train_key: tuple[str, str] = ("data", "train"),
+                 columns: dict[str, str] | None = None) -> Any:
+    """``data`` (a path or hf:// name) read with the format options of the config's data
+    section (``columns`` given on the command line win over its ``data.columns``): a plain
+    Path when there are none, as before."""
+    options = section_options(getattr(loaded.config, train_key[0], None))
+    if columns:
+        options["columns"] = columns
+    if isinstance(data, DataSpec):
+        return data
+    if options["columns"] or options["format"] or options["truncation"] != "error" or str(data).startswith(HUB_PREFIX):
+        return plain_spec(data, **options)
+    return data
 
 
 def fingerprint(data: Any) -> str:

@@ -15,7 +15,8 @@ from typing import Any
 
 from baseten_loops_cli.errors import ConfigError, UsageError
 from baseten_loops_cli.training.formats import rows as rows_mod
-from baseten_loops_cli.training.formats.dataset import DataSpec, plain_spec, read_rows
+from baseten_loops_cli.training.formats.dataset import DataSpec, _map_columns, plain_spec, read_rows
+from baseten_loops_cli.training.formats.truncation import CUTS
 
 UNLIMITED = 1 << 30
 
@@ -37,7 +38,11 @@ class DataCheck:
     max_seq_len: int
     tokens: dict[str, int]  # min, mean, max (of the rendered rows)
     histogram: list[dict[str, Any]]  # [{"up_to": 64, "rows": 3}, ...]
-    over_max_seq_len: int  # rows loops would refuse (it never truncates silently)
+    over_max_seq_len: int  # rows over max_seq_len: what data.truncation decides about
+    # What each data.truncation policy would do to those rows: {"error": {"refused": 3},
+    # "drop": {"dropped": 3}, "right": {"cut": 2, "refused": 1}, "left": {"cut": 3, "refused": 0}}
+    # (a cut is refused when it leaves nothing to train on).
+    truncation: dict[str, dict[str, int]]
     roles: dict[str, int]
     empty_rows: list[str]
     duplicate_rows: list[list[str]]  # [[first, again], ...]
@@ -55,7 +60,7 @@ def _kind_of(spec: DataSpec, kind: str | None) -> tuple[Any, str]:
     if kind is not None and kind not in kinds.names():
         raise UsageError(f"--kind {kind!r}: expected {kinds.names_text()}", hint=f"Pass --kind {kinds.names()[0]}, or leave it out to go by the rows' format.")
     source = spec.sources[0]
-    records = list(source.records())
+    records = [(where, _map_columns(row, source.columns)) for where, row in source.records()]
     if not records:
         raise ConfigError(f"{spec}: no rows (the file is empty)", hint="Put at least one row in it.")
     purpose = kinds.get(kind).row_purpose if kind is not None else None
@@ -69,9 +74,11 @@ def _kind_of(spec: DataSpec, kind: str | None) -> tuple[Any, str]:
     return found, rows_mod.describe(fmt, records)
 
 
-def _load_one(kind: Any, where: str, row: dict, tokenizer: Any, max_seq_len: int, train_on: str) -> list[Any]:
-    """The kind's rendering of one converted row: its sequences (tokens, and weights when trained)."""
-    one = DataSpec(where, [])
+def _load_one(kind: Any, where: str, row: dict, tokenizer: Any, max_seq_len: int, train_on: str,
+              truncation: str = "error") -> list[Any]:
+    """The kind's rendering of one converted row: its sequences (tokens, and weights when
+    trained), under a ``data.truncation`` policy."""
+    one = DataSpec(where, [], truncation=truncation)
     one._cache[kind.row_purpose] = [(where, row)]
     return kind.render_rows(one, tokenizer, max_seq_len=max_seq_len, train_on=train_on)[0]
 
@@ -110,9 +117,18 @@ def _tokenizer(base_model: str) -> Any:
                           hint=getattr(exc, "hint", None)) from None
 
 
-def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/tiny", max_seq_len: int = 2048,
-          train_on: str = "last_assistant") -> DataCheck:
-    spec = plain_spec(path)
+def default_max_seq_len(base_model: str) -> int:
+    """What a config on ``base_model`` gets without ``max_seq_len`` (config.default_max_seq_len)."""
+    from baseten_loops_cli.training.config import default_max_seq_len as default
+
+    return default(base_model)
+
+
+def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/tiny", max_seq_len: int | None = None,
+          train_on: str = "last_assistant", columns: dict[str, str] | None = None) -> DataCheck:
+    spec = plain_spec(path, columns=columns)
+    if max_seq_len is None:
+        max_seq_len = default_max_seq_len(base_model)
     kind, fmt = _kind_of(spec, kind)
     tokenizer = _tokenizer(base_model)
     problems: list[RowProblem] = []
@@ -122,6 +138,7 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
     seen: dict[str, str] = {}
     duplicates: list[list[str]] = []
     over = 0
+    policies = {"error": {"refused": 0}, "drop": {"dropped": 0}, **{p: {"cut": 0, "refused": 0} for p in CUTS}}
     try:
         converted = list(read_rows(spec, kind.row_purpose))
     except ConfigError as exc:  # a row the format layer refuses: the file cannot be read as this kind
@@ -144,8 +161,17 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
         lengths.append(length)
         if length > max_seq_len:
             over += 1
+            policies["error"]["refused"] += 1
+            policies["drop"]["dropped"] += 1
+            for policy in CUTS:  # what the loader makes of the row under each cut
+                try:
+                    _load_one(kind, where, row, tokenizer, max_seq_len, train_on, policy)
+                    policies[policy]["cut"] += 1
+                except ConfigError:
+                    policies[policy]["refused"] += 1
             problems.append(RowProblem(where, f"{length} tokens, over max_seq_len {max_seq_len}",
-                                       f"Raise max_seq_len to at least {length} or shorten the row."))
+                                       f"Raise max_seq_len to at least {length}, set data.truncation (right, left or "
+                                       f"drop) to cut or skip such rows, or shorten the row."))
     bounds, b = [], 16
     while b < max(lengths or [0]) or b < max_seq_len:
         bounds.append(b)
@@ -156,7 +182,7 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
         histogram.pop()
     tokens = {"min": min(lengths), "mean": round(sum(lengths) / len(lengths)), "max": max(lengths)} if lengths else {}
     return DataCheck(str(path), fmt, kind.name, len(converted), base_model, max_seq_len, tokens, histogram, over,
-                     dict(roles), empty, duplicates, problems)
+                     policies, dict(roles), empty, duplicates, problems)
 
 
 @dataclass
@@ -170,9 +196,9 @@ class PreviewRow:
 
 
 def preview(path: str, *, rows: int = 3, kind: str | None = None, base_model: str = "loops-local/tiny",
-            train_on: str = "last_assistant") -> tuple[str, str, list[PreviewRow]]:
+            train_on: str = "last_assistant", columns: dict[str, str] | None = None) -> tuple[str, str, list[PreviewRow]]:
     """(kind, format, the first ``rows`` rows rendered with their trained spans)."""
-    spec = plain_spec(path)
+    spec = plain_spec(path, columns=columns)
     kind, fmt = _kind_of(spec, kind)
     tokenizer = _tokenizer(base_model)
     out: list[PreviewRow] = []

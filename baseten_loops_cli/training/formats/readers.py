@@ -124,7 +124,7 @@ def _check_columns(path: Path | str, names: list[str], columns: dict[str, str] |
         if source not in names and target not in names:
             raise ConfigError(
                 f"{path}: no column {source!r} (data.columns.{target}); its columns are {', '.join(map(str, names))}",
-                hint=f"Set data.columns.{target} to one of its columns.",
+                hint=f"Map {target} to one of its columns (data.columns.{target}, or --columns {target}=COLUMN).",
             )
 
 

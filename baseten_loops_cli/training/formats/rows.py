@@ -47,7 +47,8 @@ REQUIRED = {"unpaired_preference": ("completion", "label"), "preference": ("chos
 PURPOSE_KIND = {"sft": "sft", "prompts": "rl", "preference": "dpo", "unpaired": "kto"}
 EXPECTED = ("expected a 'messages' list, ShareGPT 'conversations', Alpaca 'instruction'/'output', "
             "'prompt'/'completion', 'chosen'/'rejected' or 'text'")
-FORMATS_HINT = ("Rename the columns with data.columns ({prompt: question, completion: answer}), "
+FORMATS_HINT = ("Map the columns: data.columns in a config ({prompt: question, completion: answer}), "
+                "--columns prompt=question,completion=answer for `loops data` and `loops eval`; "
                 "or set data.format to one of: messages, sharegpt, alpaca, preference, prompt_completion, prompt_only, text.")
 # The row types loops read before formats were detected, which a file may mix as it always could.
 NATIVE_MIX = (frozenset({"messages", "prompt_completion"}), frozenset({"messages", "prompt_only"}))

@@ -117,6 +117,36 @@ class FormatOptions(_Strict):
     columns: dict[str, str] = Field(
         default_factory=dict, description="Map the format's names to the data's columns: {prompt: question, completion: answer}.",
     )
+    truncation: Literal["error", "drop", "right", "left"] = Field(
+        "error", description="A row over max_seq_len: error (refuse it), drop (skip and count it), right (keep its "
+                             "first tokens) or left (keep its last). Pairs: the prompt from the left, then the replies "
+                             "from the right; RL/distill prompts: from the left. See docs/data.md.",
+    )
+
+
+COLUMNS_EXAMPLE = "prompt=question,completion=answer"
+
+
+def parse_columns(text: str, flag: str = "--columns") -> dict[str, str]:
+    """``prompt=question,completion=answer`` (the command line's spelling of ``data.columns``)
+    as the mapping the config's ``data.columns`` holds, checked by the same schema."""
+    from pydantic import ValidationError
+
+    from baseten_loops_cli.errors import UsageError
+
+    mapping: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        name, sep, column = (s.strip() for s in item.partition("="))
+        if not sep or not name or not column:
+            raise UsageError(f"{flag} {text!r}: expected NAME=COLUMN[,NAME=COLUMN...], not {item!r}",
+                             hint=f"e.g. {flag} {COLUMNS_EXAMPLE} (the format's name = the data's column).")
+        if name in mapping:
+            raise UsageError(f"{flag} {text!r}: {name!r} is mapped twice", hint="Map each name once.")
+        mapping[name] = column
+    try:
+        return FormatOptions(columns=mapping).columns
+    except ValidationError as exc:  # the same schema as data.columns
+        raise UsageError(f"{flag} {text!r}: {exc.errors()[0]['msg']}", hint=f"e.g. {flag} {COLUMNS_EXAMPLE}") from None
 
 
 def source_paths(value: Any) -> list[tuple[tuple, str]]:

@@ -113,7 +113,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 
         check_same_tokenizer(tokenizer, get_tokenizer(teacher.model), student_name=config.base_model,
                              teacher_name=teacher.model, where=loaded.where("teacher"))  # fmt: skip
-    return LoadedData(tokenizer, train, evals, reward)
+    return LoadedData(tokenizer, train, evals, reward, train_spec.reports + (eval_spec.reports if eval_spec else []))  # the data notes
 
 
 def check(client: Any, loaded: Any) -> None:
