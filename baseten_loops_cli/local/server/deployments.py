@@ -13,8 +13,10 @@ parameter to the Loops checkpoint name"), the deployment's model name (``loops d
 
 - ``logprobs`` (chat: ``logprobs: true`` + ``top_logprobs: k``; completions: ``logprobs: k``)
   come in OpenAI's shapes, from the sampler's own logprobs (the unmodified distribution the
-  trainer agrees with). They cover the tokens of the returned text: a final stop token
-  (end of turn), which has no text, is left out.
+  trainer agrees with). They cover every generated token, a final stop token (end of turn)
+  included, as OpenAI and vLLM list it (its text, e.g. ``<|im_end|>``, is not in the
+  returned text): harnesses that drop the last logprob of ``echo`` + ``max_tokens: 1`` as
+  the generated token rely on it (issue 43).
 - ``echo: true`` on completions returns the prompt before the completion and, with
   ``logprobs``, the prompt's tokens and logprobs first (the first token's is ``null``, as
   OpenAI's): the sampler's prompt logprobs, the numbers the trainer's ``forward`` gives.
@@ -378,15 +380,8 @@ class _Vocab:
                 "text_offset": offsets}
 
 
-def _text_token_count(seq: SampledSequence, stop_ids: list[int]) -> int:
-    """How many of ``seq``'s tokens have text (all but a final stop token)."""
-    if seq.finish_reason == "stop" and seq.tokens and seq.tokens[-1] in stop_ids:
-        return len(seq.tokens) - 1
-    return len(seq.tokens)
-
-
-def _tops(seq: SampledSequence, count: int) -> list[list[tuple[int, float]]]:
-    return list(seq.top_logprobs or [[] for _ in seq.tokens])[:count]
+def _tops(seq: SampledSequence) -> list[list[tuple[int, float]]]:
+    return list(seq.top_logprobs or [[] for _ in seq.tokens])
 
 
 async def _prepare(ctx: ServerContext, request: Request, implemented: frozenset[str]
@@ -627,7 +622,7 @@ async def chat_completions(request: Request) -> Response:
             choice["delta"] = {"role": "assistant", "content": ""}
         elif kind == "token":
             text, event = payload
-            if want_logprobs and not event.stop_token:
+            if want_logprobs:
                 choice["logprobs"] = {"content": [
                     vocab.chat_entry(event.token, event.logprob, event.top)]}
             elif not text:
@@ -641,9 +636,8 @@ async def chat_completions(request: Request) -> Response:
 
     def whole_choice(index: int, _job_index: int, s: SampledSequence, _out: SampleResult
                      ) -> dict:
-        count = _text_token_count(s, stop_ids)
         logprobs = {"content": [vocab.chat_entry(t, lp, top) for t, lp, top in zip(
-            s.tokens[:count], s.logprobs, _tops(s, count))]} if want_logprobs else None
+            s.tokens, s.logprobs, _tops(s))]} if want_logprobs else None
         return {"index": index, "message": {"role": "assistant", "content": s.text},
                 "finish_reason": s.finish_reason, "logprobs": logprobs}
 
@@ -722,7 +716,7 @@ async def completions(request: Request) -> Response:
             choice["text"] = echoed[index // n]
         elif kind == "token":
             text, event = payload
-            if want_logprobs is not None and not event.stop_token:
+            if want_logprobs is not None:
                 choice["logprobs"] = vocab.completion_logprobs(
                     [event.token], [event.logprob], [event.top], offsets[index])
                 offsets[index] += len(vocab.text(event.token))
@@ -734,12 +728,11 @@ async def completions(request: Request) -> Response:
         return choice
 
     def whole_choice(index: int, k: int, s: SampledSequence, out: SampleResult) -> dict:
-        count = _text_token_count(s, stop_ids)
         logprobs = None
         if want_logprobs is not None:
-            tokens: list[int] = s.tokens[:count]
-            values: list[float | None] = list(s.logprobs[:count])
-            tops: list[list[tuple[int, float]] | None] = list(_tops(s, count))
+            tokens: list[int] = list(s.tokens)
+            values: list[float | None] = list(s.logprobs)
+            tops: list[list[tuple[int, float]] | None] = list(_tops(s))
             if echo:
                 scored = out.prompt_logprobs or [None] * len(jobs[k].prompt)
                 tokens = jobs[k].prompt + tokens
