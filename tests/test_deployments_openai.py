@@ -534,7 +534,7 @@ def _template_tokenizer(template: str):
 
 
 def test_tools_and_tool_calls_go_through_a_template_that_has_them():
-    from baseten_loops_cli.local.server.deployments import _render
+    from baseten_loops_cli.local.server.openai_requests import render_chat_prompt as _render
 
     tokenizer = _template_tokenizer(TOOLS_TEMPLATE)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
@@ -551,7 +551,7 @@ def test_tools_and_tool_calls_go_through_a_template_that_has_them():
 def test_an_assistant_first_conversation_renders_for_serving():
     """The training-side check (a prefix renders as in the whole) does not run when serving:
     SmolLM2's template adds a system turn before an opening assistant message."""
-    from baseten_loops_cli.local.server.deployments import _render
+    from baseten_loops_cli.local.server.openai_requests import render_chat_prompt as _render
     from baseten_loops_cli.tokenization import render_chat
 
     tokenizer = _template_tokenizer(SMOL_TEMPLATE)
