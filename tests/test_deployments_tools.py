@@ -25,11 +25,11 @@ TOOLS_TEMPLATE = (
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{%- endif %}")
-TOOL = {"type": "function", "function": {"name": "password", "description": "Look the password up.",
-                                         "parameters": {"type": "object", "properties": {}}}}
-ASK = [{"role": "user", "content": "What is the password?"}]
-CALL_REPLY = '<tool_call>\n{"name": "password", "arguments": {}}\n</tool_call>'
-THINK = [{"role": "user", "content": "Think first."}]
+# Short, so that a few SFT steps teach the tiny model the call.
+TOOL = {"type": "function", "function": {"name": "pw", "parameters": {}}}
+ASK = [{"role": "user", "content": "pw?"}]
+CALL_REPLY = '<tool_call>\n{"name": "pw", "arguments": {}}\n</tool_call>'
+THINK = [{"role": "user", "content": "think"}]
 THINK_REPLY = "<think>hmm</think>ok"
 
 
@@ -110,11 +110,11 @@ def test_a_tool_call_in_the_reply_becomes_tool_calls_whole_and_streamed(client):
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None
     [call] = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "password" and json.loads(call.function.arguments) == {}
+    assert call.type == "function" and call.function.name == "pw" and json.loads(call.function.arguments) == {}
     assert call.id.startswith("chatcmpl-tool-")
     streamed, reason = _streamed(client, ASK, tools=[TOOL])
     assert reason == "tool_calls" and streamed["content"] == ""
-    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"]] == [("password", {})]
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"]] == [("pw", {})]
     # The tool's answer goes back through the template as the conversation goes on.
     followed = _chat(client, [*ASK, choice.message.model_dump(exclude_none=True),
                               {"role": "tool", "tool_call_id": call.id, "content": "swordfish"}], tools=[TOOL])
@@ -123,19 +123,19 @@ def test_a_tool_call_in_the_reply_becomes_tool_calls_whole_and_streamed(client):
 
 def test_tool_choice_none_auto_and_named(client):
     auto = _chat(client, ASK, tools=[TOOL], tool_choice="auto")
-    assert auto.choices[0].message.tool_calls[0].function.name == "password"
+    assert auto.choices[0].message.tool_calls[0].function.name == "pw"
     none = _chat(client, ASK, tools=[TOOL], tool_choice="none")  # tools not rendered, nothing parsed
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason != "tool_calls"
     assert none.usage.prompt_tokens < auto.usage.prompt_tokens
-    named = {"type": "function", "function": {"name": "password"}}
+    named = {"type": "function", "function": {"name": "pw"}}
     for asked in (ASK, THINK):  # forced: a call even where the model would not make one
         forced = _chat(client, asked, tools=[TOOL], tool_choice=named)
         [call] = forced.choices[0].message.tool_calls
-        assert call.function.name == "password" and forced.choices[0].finish_reason == "stop"
+        assert call.function.name == "pw" and forced.choices[0].finish_reason == "stop"
     assert json.loads(_chat(client, ASK, tools=[TOOL], tool_choice=named).choices[0].message.tool_calls[0]
                       .function.arguments) == {}
     streamed, reason = _streamed(client, ASK, tools=[TOOL], tool_choice=named)
-    assert [c["name"] for c in streamed["calls"]] == ["password"] and reason == "stop"
+    assert [c["name"] for c in streamed["calls"]] == ["pw"] and reason == "stop"
     with pytest.raises(openai.BadRequestError, match="not in tools"):
         _chat(client, ASK, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="required"):
