@@ -252,7 +252,8 @@ def test_a_generated_stop_token_is_listed_in_the_logprobs_in_every_combination(s
 
     tokenizer = get_tokenizer(seeded.base_model)
     with_stop = _reply_to_the_stop_token(tokenizer)
-    prompt, stop = with_stop[:-1], with_stop[-1]
+    prompt = with_stop[:-1]
+    assert with_stop[-1] in tokenizer.stop_token_ids
     expected = _forward_logprobs(seeded, [with_stop])[0]  # the trainer's, the stop token's last
     text = tokenizer.decode(prompt)
     for n in (1, 2):
