@@ -142,3 +142,60 @@ def test_deploy_help_shows_the_subcommands_and_the_shorthand(seeded):
     assert result.code == 0
     for word in ("create", "list", "describe", "stop", "loops deploy CKPT..."):
         assert word in result.stdout
+
+
+# ── a deployment survives `loops server stop` / `start` (issue 43, defect 1) ─────────────────
+
+
+def _start_again(server, port: int | None) -> None:
+    """Start ``server`` again on its dirs as LocalServer.start does, but with ``port`` as
+    `loops server start` passes it (None: the daemon picks)."""
+    import os
+
+    from baseten_loops_cli.local import daemon
+    from tests.conftest import TEST_SERVER_OPTIONS
+
+    env = {f"LOOPS_{name}_DIR": str(path) for name, path in server.dirs.items()}
+    info = daemon.start(port, state_dir=server.state_dir, data_dir=server.data_dir,
+                        options={**TEST_SERVER_OPTIONS, **server.options}, enable_fault_hooks=True,
+                        env=env, timeout=120, owner_pid=os.getpid())
+    server.url, server.pid, server.port = info.url, info.pid, info.port
+
+
+def test_a_deployment_survives_a_server_restart_on_the_same_port_or_another(server_factory):
+    import socket
+
+    from tests.cli_support import create_run, train_steps
+
+    server = server_factory()
+    run = create_run(server, name="restart-run", lora_rank=16)
+    train_steps(server, run["id"], 8, {8: [("sampler", "s1")]})
+    made = loops(server, "deploy", f"{run['id']}:s1", "--model-name", "survivor", "-o", "json").json()
+    answer = _chat(made, server.token, "s1")
+
+    # Stopped and started again without a port: the same port (free), so the same URL.
+    first_port = server.port
+    server.stop()
+    _start_again(server, None)
+    assert server.port == first_port
+    listed = loops(server, "deploy", "list", "--all", "-o", "json").json()["deployments"]
+    assert [(d["deployment_id"], d["status"], d["url"]) for d in listed] == [(made["deployment_id"], "ACTIVE", made["url"])]
+    assert _chat(made, server.token, "s1") == answer
+
+    # The port is taken meanwhile: another port, and the record still found (keyed by the
+    # backend's id, not its URL), listed and described at the new URL, which answers.
+    server.stop()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", first_port))
+        squatter.listen()
+        _start_again(server, None)
+    assert server.port != first_port
+    listed = loops(server, "deploy", "list", "--all", "-o", "json").json()["deployments"]
+    assert [d["deployment_id"] for d in listed] == [made["deployment_id"]]
+    moved = listed[0]
+    assert moved["url"] == f"{server.url}/deployments/{made['deployment_id']}/v1" != made["url"]
+    described = loops(server, "deploy", "describe", made["deployment_id"], "-o", "json")
+    assert described.code == 0, described
+    assert described.json()["status"] == "ACTIVE" and described.json()["url"] == moved["url"]
+    assert _chat(moved, server.token, "s1") == answer
+    assert _chat(moved, server.token, "survivor") == answer

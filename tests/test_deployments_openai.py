@@ -43,9 +43,12 @@ def test_chat_logprobs_are_the_samplers(seeded, client):
     choice = answer.choices[0]
     assert choice.message.content.startswith(SECRET)
     content = choice.logprobs.content
-    assert "".join(entry.token for entry in content) == choice.message.content
+    # Every generated token is listed, the stop token that ended the reply too (as OpenAI and
+    # vLLM list it), though its text is not in the reply.
+    assert choice.finish_reason == "stop" and content[-1].token == "<|im_end|>"
+    assert "".join(entry.token for entry in content[:-1]) == choice.message.content
     reference = _loops_sample(seeded, "--chat", "--prompt", QUESTION)
-    assert len(content) in (len(reference["tokens"]), len(reference["tokens"]) - 1)  # minus a stop token
+    assert len(content) == len(reference["tokens"])
     for entry, logprob in zip(content, reference["logprobs"]):
         assert entry.logprob == pytest.approx(logprob, abs=1e-4)
         assert bytes(entry.bytes) == entry.token.encode()
@@ -64,7 +67,11 @@ def test_completion_logprobs_are_the_samplers(seeded, client):
     lp = choice.logprobs
     reference = _loops_sample(seeded, "--prompt", "The password")
     assert lp.token_logprobs == pytest.approx(reference["logprobs"][:len(lp.tokens)], abs=1e-4)
-    assert len(lp.tokens) >= len(reference["tokens"]) - 1 and "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == len(reference["tokens"])
+    if choice.finish_reason == "stop":  # the stop token is listed; its text is not in the reply
+        assert lp.tokens[-1] in ("<|eos|>", "<|im_end|>") and "".join(lp.tokens[:-1]) == choice.text
+    else:
+        assert "".join(lp.tokens) == choice.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(logprob, abs=1e-6)
@@ -223,6 +230,61 @@ def test_echo_scores_prompts_with_the_trainers_forward_logprobs(seeded, client):
     with pytest.raises(openai.BadRequestError, match="echo") as caught:
         client.completions.create(model="s2", prompt=texts[0], max_tokens=0)
     assert caught.value.body["param"] == "max_tokens"
+
+
+def _reply_to_the_stop_token(tokenizer) -> list[int]:
+    """The chat of QUESTION with the reply SECRET, up to (not with) the reply's end-of-turn
+    token: s2's greedy next token there is that stop token."""
+    from baseten_loops_cli.tokenization import render_chat
+
+    tokens, _ = render_chat(tokenizer, [{"role": "user", "content": QUESTION},
+                                        {"role": "assistant", "content": SECRET}])
+    last = max(i for i, t in enumerate(tokens) if t in tokenizer.stop_token_ids)
+    return list(tokens[:last + 1])
+
+
+def test_a_generated_stop_token_is_listed_in_the_logprobs_in_every_combination(seeded, client):
+    """Issue 43: lm-eval's loglikelihood sends echo + logprobs 1 + max_tokens 1 and drops the
+    last logprob as the generated token. When that token is the stop token it must be listed
+    (text, logprob, top, offset) like any other generated token, though the text leaves it
+    out: else the continuation's real last token is dropped. Echo, n, streaming, chat."""
+    from baseten_loops_cli.tokenization import get_tokenizer
+
+    tokenizer = get_tokenizer(seeded.base_model)
+    with_stop = _reply_to_the_stop_token(tokenizer)
+    prompt = with_stop[:-1]
+    assert with_stop[-1] in tokenizer.stop_token_ids
+    expected = _forward_logprobs(seeded, [with_stop])[0]  # the trainer's, the stop token's last
+    text = tokenizer.decode(prompt)
+    for n in (1, 2):
+        answer = client.completions.create(model="s2", prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                           temperature=0, n=n)
+        assert answer.usage.completion_tokens == n
+        for choice in answer.choices:
+            lp = choice.logprobs
+            assert choice.finish_reason == "stop" and choice.text == text  # the text leaves it out
+            assert len(lp.tokens) == len(prompt) + 1 and lp.tokens[-1] == "<|im_end|>"
+            assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+            assert lp.top_logprobs[-1] == {"<|im_end|>": pytest.approx(expected[-1], abs=1e-4)}
+            assert lp.text_offset[-1] == lp.text_offset[-2] + len(lp.tokens[-2]) == len(text)
+            # lm-eval's reading: the continuation's logprobs are [ctxlen:-1]
+            assert sum(lp.token_logprobs[len(prompt) - 1:-1]) == pytest.approx(expected[-2], abs=1e-4)
+    generated = client.completions.create(model="s2", prompt=prompt, max_tokens=4, logprobs=2, temperature=0)
+    choice = generated.choices[0]
+    assert choice.text == "" and choice.logprobs.tokens == ["<|im_end|>"]
+    assert choice.logprobs.token_logprobs == pytest.approx(expected[-1:], abs=1e-4)
+    streamed = list(client.completions.create(model="s2", prompt=prompt, max_tokens=4, logprobs=2, temperature=0,
+                                              stream=True))
+    listed = [(t, lp) for c in streamed if c.choices and c.choices[0].logprobs
+              for t, lp in zip(c.choices[0].logprobs.tokens, c.choices[0].logprobs.token_logprobs)]
+    assert listed == [("<|im_end|>", pytest.approx(expected[-1], abs=1e-4))]
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == ""
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "stop"
+    chat = list(client.chat.completions.create(model="s2", messages=[{"role": "user", "content": QUESTION}],
+                                               temperature=0, max_tokens=16, logprobs=True, stream=True))
+    entries = [e.token for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert entries[-1] == "<|im_end|>" and "".join(entries[:-1]) == "".join(
+        c.choices[0].delta.content or "" for c in chat if c.choices)
 
 
 @pytest.mark.parametrize("form", ["strings", "token lists"])
@@ -473,7 +535,7 @@ def _template_tokenizer(template: str):
 
 
 def test_tools_and_tool_calls_go_through_a_template_that_has_them():
-    from baseten_loops_cli.local.server.deployments import _render
+    from baseten_loops_cli.local.server.openai_requests import render_chat_prompt as _render
 
     tokenizer = _template_tokenizer(TOOLS_TEMPLATE)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
@@ -490,7 +552,7 @@ def test_tools_and_tool_calls_go_through_a_template_that_has_them():
 def test_an_assistant_first_conversation_renders_for_serving():
     """The training-side check (a prefix renders as in the whole) does not run when serving:
     SmolLM2's template adds a system turn before an opening assistant message."""
-    from baseten_loops_cli.local.server.deployments import _render
+    from baseten_loops_cli.local.server.openai_requests import render_chat_prompt as _render
     from baseten_loops_cli.tokenization import render_chat
 
     tokenizer = _template_tokenizer(SMOL_TEMPLATE)

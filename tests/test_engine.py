@@ -703,8 +703,8 @@ def test_lm_head_runs_only_where_outputs_are_read(make_trainer, base, monkeypatc
 
 
 def test_bf16_matmul_weights_stored_once_give_autocasts_results(make_trainer, base, tmp_path) -> None:
-    """A base loaded under a bf16 policy keeps its frozen Linear and LM-head weights in bf16
-    (autocast would cast them again at every use, issue 33): the trainer's logprobs, loss and
+    """A base loaded under a bf16 policy keeps its frozen Linear weights in bf16 (autocast
+    would cast them again at every use, issue 33; the LM head stays float32, issue 43): the trainer's logprobs, loss and
     LoRA gradients and the sampler's tokens and logprobs equal autocast's on float32 weights,
     the LoRA init and master weights stay float32, the tied embedding stays float32, and the
     model refuses a float32 policy afterwards."""
@@ -714,10 +714,13 @@ def test_bf16_matmul_weights_stored_once_give_autocasts_results(make_trainer, ba
     stored = registry.BaseModel(TINY, info, module)
     stored.store_matmul_weights_bf16()
     stored.make_twin()
-    assert module.get_output_embeddings().weight.dtype == torch.bfloat16
+    # The LM head is the exception: float32 weights computed in float32 (issue 43: logprobs
+    # from float32 logits); a tied head shares the embedding's weight, no copy.
+    head = module.get_output_embeddings()
+    assert head.weight.dtype == torch.float32 and isinstance(head, precision.float32_linear_class())
     assert module.get_input_embeddings().weight.dtype == torch.float32
     assert all(layer.weight.dtype == torch.bfloat16 for layer in module.modules()
-               if isinstance(layer, torch.nn.Linear))
+               if isinstance(layer, torch.nn.Linear) and layer is not head)
     ours = LoraTrainer(stored, "stored", 4, seed=5)
     theirs = make_trainer(seed=5)
     try:

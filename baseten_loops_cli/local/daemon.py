@@ -8,6 +8,7 @@ The server is a detached process (``python -m baseten_loops_cli.local.server
     server.log    its stdout/stderr
     token         the API key clients must send (random, 0600, kept across restarts)
     server.lock   held (flock) for the server's lifetime: one server per state dir
+    backend.json  {id, port}: its stable identity and last port (kept across restarts)
 
 Importing this module is cheap (no torch, no starlette); httpx is imported only by the
 calls that talk to the server.
@@ -37,6 +38,10 @@ from baseten_loops_cli.settings import paths
 from baseten_loops_cli.settings.local_server import INFO_FILE, LOG_FILE, PID_FILE, TOKEN_FILE
 
 LOCK_FILE = "server.lock"
+# The server's identity and last port, kept across restarts (server.json goes with the process):
+# {"id": "<hex>", "port": N}. Clients key what they record about this backend (`loops deploy`'s
+# deployments) by the id, not by a URL whose port may change.
+BACKEND_FILE = "backend.json"
 HOST = "127.0.0.1"
 DEFAULT_PORT = 8717
 START_TIMEOUT_S = 60.0
@@ -88,6 +93,26 @@ def ensure_token(state_dir: Path | None = None) -> str:
         token = secrets.token_urlsafe(32)
         paths.write_private_file(_state(TOKEN_FILE, state_dir), token + "\n")
     return token
+
+
+def read_backend(state_dir: Path | None = None) -> dict[str, Any]:
+    """``backend.json`` ({id, port}; {} before the first start or if unreadable)."""
+    try:
+        data = json.loads(_state(BACKEND_FILE, state_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def remember_backend(port: int, state_dir: Path | None = None) -> str:
+    """The backend's stable id (created on the first start), recorded with the port it now
+    listens on, which the next ``start`` without a port takes again when it is free."""
+    backend_id = read_backend(state_dir).get("id")
+    if not isinstance(backend_id, str) or not backend_id:
+        backend_id = secrets.token_hex(8)
+    paths.write_private_file(_state(BACKEND_FILE, state_dir),
+                             json.dumps({"id": backend_id, "port": port}) + "\n")
+    return backend_id
 
 
 def _read_info(state_dir: Path | None = None) -> dict[str, Any] | None:
@@ -227,7 +252,9 @@ def start(
 ) -> ServerInfo:
     """Start the server in the background (no-op if one is running) and return it.
 
-    ``port=None`` uses :data:`DEFAULT_PORT` when free, else any free port. With ``wait``
+    ``port=None`` uses the port of the previous start when free (a restarted server keeps
+    its URL: deployments answer where they did), else :data:`DEFAULT_PORT` when free, else
+    any free port. With ``wait``
     this returns once ``/health`` answers; ``options`` override server settings
     (``ServerConfig`` fields, e.g. ``{"op_poll_hold_s": 2}``). With ``owner_pid`` the
     server stops itself when that process exits (test fixtures: no orphaned servers).
@@ -251,7 +278,11 @@ def start(
     paths.ensure_private_dir(state_dir)
     ensure_token(state_dir)
     if port is None:
-        port = DEFAULT_PORT if port_free(DEFAULT_PORT) else 0
+        last = read_backend(state_dir).get("port")
+        if isinstance(last, int) and 0 < last < 65536 and port_free(last):
+            port = last
+        else:
+            port = DEFAULT_PORT if port_free(DEFAULT_PORT) else 0
     elif not port_free(port):
         raise ServerError(f"Port {port} on {HOST} is already in use.",
                           hint="Pick another with --port, or omit it to choose a free one.")
@@ -430,8 +461,9 @@ def run_foreground(
         sock = listen(port)
         bound_port = sock.getsockname()[1]
         url = f"http://{HOST}:{bound_port}"
+        backend_id = remember_backend(bound_port, state_dir)
         app = create_app(data_dir, token, enable_fault_hooks=enable_fault_hooks,
-                         **(options or {}))
+                         backend_id=backend_id, **(options or {}))
         config = uvicorn.Config(app, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=3, timeout_keep_alive=75)
         access_log.install()  # after uvicorn.Config, which (re)configures its loggers

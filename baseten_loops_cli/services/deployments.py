@@ -139,6 +139,22 @@ def _save_record(record: dict) -> None:
 
 
 def _backend_key(backend: "Backend") -> str:
+    """What a record names its backend by. A local server by its stable id (``/health``'s
+    ``backend_id``, kept in its state dir): its port, and so its URL, may change across a
+    restart (issue 43). A remote service by profile and URL, which do not change."""
+    if backend.capabilities.local_server:
+        try:
+            health = backend.client.http.request_json("GET", "/health")
+        except Exception:  # noqa: BLE001 - an older server, or none: the URL key below
+            health = None
+        backend_id = health.get("backend_id") if isinstance(health, dict) else None
+        if isinstance(backend_id, str) and backend_id:
+            return f"local:{backend_id}"
+    return _url_key(backend)
+
+
+def _url_key(backend: "Backend") -> str:
+    """The key records had before local servers had an id (still found on the same URL)."""
     return f"{backend.profile_name}|{backend.base_url}"
 
 
@@ -325,8 +341,9 @@ def list_deployments(backend: "Backend") -> list[DeploymentRow]:
     from baseten_loops_cli.api.errors import NotFoundError
 
     rows: list[DeploymentRow] = []
+    keys = {_backend_key(backend), _url_key(backend)}
     for rec in _load_records():
-        if rec.get("backend") != _backend_key(backend):
+        if rec.get("backend") not in keys:
             continue
         body: ModelDeployment | None
         try:

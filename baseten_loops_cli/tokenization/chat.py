@@ -74,19 +74,26 @@ def template_supports_tools(tokenizer: Any) -> bool:
 
 
 def render_generation_prompt(tokenizer: Any, messages: Sequence[dict],
-                             tools: list[dict] | None = None) -> list[int]:
+                             tools: list[dict] | None = None,
+                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt that asks the model for the next assistant turn (serving): the same
     tokens :func:`render_chat` gives for ``add_generation_prompt=True``, without the loss
     mask, so none of its checks (a template rendering prefixes the same way) apply.
     ``tools`` (OpenAI function definitions) go to the template; ``ValueError`` when the
-    template has no tools. Content must already be strings (or None beside tool_calls)."""
+    template has no tools. Content must already be strings (or None beside tool_calls).
+    ``template_kwargs``: more template variables (``chat_template_kwargs``; the built-in
+    ChatML rendering takes none)."""
     if getattr(tokenizer, "chat_template", None):
         if tools and not template_supports_tools(tokenizer):
             raise ValueError(f"{tokenizer.name}'s chat template has no tools.")
-        return tokenizer.encode(tokenizer.apply_chat_template_text(messages, True, tools=tools))
+        return tokenizer.encode(tokenizer.apply_chat_template_text(messages, True, tools=tools,
+                                                                   **(template_kwargs or {})))
     if tools:
         raise ValueError(f"{tokenizer.name} has no chat template of its own (the built-in "
                          "ChatML rendering has no tools).")
+    if template_kwargs:
+        raise ValueError(f"{tokenizer.name} has no chat template of its own, so "
+                         "chat_template_kwargs have nothing to go to.")
     pairs = [_content(m, i) for i, m in enumerate(messages)]
     return _render_chatml(tokenizer, pairs, set(), False, True)[0]
 

@@ -88,13 +88,15 @@ class FileTokenizer:
         return _clean_up_spaces(text) if self._clean_up else text
 
     def apply_chat_template_text(self, messages: Sequence[dict], add_generation_prompt: bool,
-                                 tools: list[dict] | None = None) -> str:
+                                 tools: list[dict] | None = None, **template_kwargs: Any) -> str:
+        """``template_kwargs``: more variables for the template (a request's
+        ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
         if not self.chat_template:
             raise ValueError(f"{self.name} has no chat template.")
         template = compile_chat_template(self.chat_template)
         return template.render(messages=[dict(m) for m in messages], tools=tools,
                                documents=None, add_generation_prompt=add_generation_prompt,
-                               **self.special_tokens)
+                               **{**self.special_tokens, **template_kwargs})
 
     def __repr__(self) -> str:
         return f"FileTokenizer({self.name!r}, vocab_size={self.vocab_size})"

@@ -11,8 +11,10 @@ auto|float32|bfloat16 --device auto|cpu|cuda``).
   ``aten::copy_`` in a 2.2 s step and made bf16 barely faster than float32; stored once, the
   values autocast multiplies are the same (one fp32 -> bf16 rounding), so results are
   identical. Embeddings, norms and biases stay float32 (the residual stream as autocast
-  leaves it). Memory: the Linear weights halve; a tied LM head gets a bf16 copy of its own
-  (SmolLM2: 0.71x the float32 weight bytes in all).
+  leaves it). Memory: the Linear weights halve. The LM head is the exception: it keeps
+  float32 weights and computes in float32 (:func:`float32_linear_class`), so every logprob
+  (sampling, echo, ``/forward``, RL) comes from float32 logits; a tied head shares the
+  embedding's float32 weight.
 - On CPU, such a base computes attention in float32 (:func:`use_float32_attention`: q, k, v
   cast up, autocast off around SDPA): torch's CPU flash-attention kernel is slower in bf16
   than in float32 (SmolLM2 SFT step: its backward 174 ms in bf16 against 45 ms in float32;
@@ -183,17 +185,12 @@ def store_matmul_weights_bf16(module: Any) -> int:
 
     before = _weight_bytes(module)
     head = module.get_output_embeddings()
-    inputs = module.get_input_embeddings()
-    tied = (head is not None and inputs is not None
-            and head.weight is getattr(inputs, "weight", None))
     for layer in module.modules():
         if not isinstance(layer, torch.nn.Linear) or layer.weight.dtype != torch.float32:
             continue
-        if layer is head and tied:  # the embedding keeps float32: the head gets a copy
-            layer.weight = torch.nn.Parameter(layer.weight.detach().to(torch.bfloat16),
-                                              requires_grad=False)
-        else:
-            layer.weight.data = layer.weight.data.to(torch.bfloat16)
+        if layer is head:  # float32 weights, run in float32 (float32_head)
+            continue
+        layer.weight.data = layer.weight.data.to(torch.bfloat16)
         # PEFT moves a new adapter to its base layer's dtype (rounding a fresh LoRA A to bf16)
         # unless the layer names a compute dtype: LoRA weights stay float32 masters.
         layer.compute_dtype = torch.float32
@@ -205,6 +202,42 @@ def store_matmul_weights_bf16(module: Any) -> int:
         if tensor.dtype != torch.bfloat16 and tensor.device.type == "cpu":
             tensor.data = tensor.data.clone()
     return _weight_bytes(module) - before
+
+
+_FLOAT32_LINEAR: Any = None
+
+
+def float32_head(module: Any) -> None:
+    """Make ``module``'s LM head (an ``nn.Linear``) compute in float32 under any autocast
+    (:func:`float32_linear_class`); the registry does it for every base it loads. Without
+    autocast nothing changes."""
+    import torch
+
+    head = module.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        head.__class__ = float32_linear_class()
+
+
+def float32_linear_class() -> Any:
+    """``Float32Linear``: an ``nn.Linear`` that computes in float32 under autocast too (its
+    input and weight as float32, autocast off). A bf16 base's LM head is one (issue 43):
+    under bf16 the logits came back in bf16, 8 mantissa bits, so logprobs moved in steps of
+    0.125 at |logit| 16-32 and two tokens' scores could tie; logprobs score (echo,
+    ``/forward``) and train (RL ratios between sampler and trainer), and the head is the
+    one matmul whose every output is read as a logprob. The head keeps its float32 weight
+    (a tied head shares the embedding's, so no copy is made)."""
+    global _FLOAT32_LINEAR
+    if _FLOAT32_LINEAR is None:
+        import torch
+
+        class Float32Linear(torch.nn.Linear):
+            def forward(self, x: Any) -> Any:
+                with torch.autocast(x.device.type, enabled=False):
+                    bias = None if self.bias is None else self.bias.float()
+                    return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
+
+        _FLOAT32_LINEAR = Float32Linear
+    return _FLOAT32_LINEAR
 
 
 def _weight_bytes(module: Any) -> int:

@@ -41,6 +41,7 @@ class BaseModel:
         self.name = name
         self.info = info
         self.module = module  # the transformers model; LoRA layers are injected into it
+        precision.float32_head(module)  # logprobs from float32 logits under any policy
         self.lock = threading.RLock()
         self._peft: Any = None  # peft.PeftModel, created with the first adapter
         self._adapter_names: dict[str, str] = {}  # caller's name -> PEFT-safe name

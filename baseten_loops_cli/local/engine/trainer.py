@@ -485,7 +485,7 @@ class HeadLogprobs(torch.autograd.Function):
     product, without keeping (P, V) tensors. Autograd kept the logits, their float32 copy and
     the softmax of every trained position until the backward: about 10 bytes x 49,152 per
     token on SmolLM2, as much as all 30 layers' activations (issue 33: "a fused or chunked LM
-    head"). Matmuls run under ``autocast`` as the model's own head would.
+    head"). Its matmuls run in float32, as the model's own head does (precision.float32_linear_class).
     """
 
     @staticmethod
@@ -496,10 +496,11 @@ class HeadLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], HEAD_CHUNK_ROWS):
             rows = hidden[start: start + HEAD_CHUNK_ROWS]
             at = index[start: start + HEAD_CHUNK_ROWS]
-            with autocast():
-                logits = torch.nn.functional.linear(rows, weight)
-            ctx.compute_dtype = logits.dtype  # bf16 under a bf16 autocast: W as the matmul saw it
-            logits = logits.float()
+            # float32 logits whatever the autocast (the model's own head computes so too:
+            # precision.float32_linear_class), so logprobs are not bf16-coarse (issue 43)
+            with torch.autocast(rows.device.type, enabled=False):
+                logits = torch.nn.functional.linear(rows.float(), weight.float())
+            ctx.compute_dtype = logits.dtype
             normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
             target = at if at.dim() == 2 else at.unsqueeze(-1)
             chosen = logits.gather(-1, target) - normalizer
@@ -510,8 +511,8 @@ class HeadLogprobs(torch.autograd.Function):
                 top_ids.append(ids)
             if grad:
                 probs = logits.sub_(normalizer).exp_()  # in place: the logits are spent
-                with autocast():
-                    s_rows.append((probs @ weight).float())
+                with torch.autocast(probs.device.type, enabled=False):
+                    s_rows.append(probs @ weight.float())
             del logits
         if grad:
             ctx.hidden_dtype = hidden.dtype

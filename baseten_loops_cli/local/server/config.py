@@ -42,6 +42,9 @@ class ServerConfig:
     # status every 10 s, so one scaled down between two polls was never seen ready.
     sampler_min_awake_s: float = 30.0
     enable_fault_hooks: bool = False
+    # The backend's stable id (daemon.BACKEND_FILE in the state dir), on /health: clients key
+    # their records of this backend by it, since a restart may change the port.
+    backend_id: str = ""
     # The largest body a deployment's OpenAI route reads (413 before reading the rest):
     # well above the longest context, as text or token ids, batched.
     max_openai_body_bytes: int = 32 * 2**20

@@ -18,7 +18,8 @@ from baseten_loops_cli.local.server.schemas import iso, query_int
 
 async def health(request: Request) -> Response:
     ctx = get_ctx(request)
-    return JSONResponse({"status": "ok", "version": ctx.version})
+    return JSONResponse({"status": "ok", "version": ctx.version,
+                         "backend_id": ctx.config.backend_id or None})
 
 
 async def local_status(request: Request) -> Response:
