@@ -21,7 +21,7 @@ _LAZY = {
     "CheckpointUri": "baseten_loops_cli.api.uri",
 }
 
-__all__ = list(_LAZY)
+__all__ = ["LoopsClient", "HttpClient", "CheckpointUri"]  # the keys of _LAZY
 
 
 def __getattr__(name: str) -> Any:

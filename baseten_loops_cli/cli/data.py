@@ -1,6 +1,5 @@
 """`loops data`: what a data file holds and what training would make of it, before paying for it."""
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer

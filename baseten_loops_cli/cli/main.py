@@ -18,7 +18,7 @@ from baseten_loops_cli import __version__
 # as it is with the [local] extra (uvicorn needs it): 70 ms of every command that makes a
 # request. The CLI never runs it; httpx falls back to a stub when that import fails.
 sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
-from baseten_loops_cli.cli import (
+from baseten_loops_cli.cli import (  # noqa: E402 - after the stub above, which must come first
     _complete,
     _help,
     auth,
@@ -37,8 +37,8 @@ from baseten_loops_cli.cli import (
     train,
     usage,
 )
-from baseten_loops_cli.cli._state import get_state
-from baseten_loops_cli.errors import EXIT_CODE_HELP, ExitCode
+from baseten_loops_cli.cli._state import get_state  # noqa: E402
+from baseten_loops_cli.errors import EXIT_CODE_HELP, ExitCode  # noqa: E402
 
 HELP = f"""\
 Loops: LoRA post-training of LLMs on Baseten, or on the embedded local backend.

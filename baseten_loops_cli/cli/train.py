@@ -382,7 +382,7 @@ def _resume_sweep(state, sweep_dir: Path, *, yes: bool) -> None:
     left = [p for p in sweep.points if sweep.status(p) != "completed"]
     parallel = int(sweep.index.get("parallel") or 1)
     if backend.capabilities.billable and left:
-        for line in _sweep_plan_lines(sweep, [service.prepare(l, sweep.rundir(p), backend) for p, l in zip(sweep.points, loaded)],
+        for line in _sweep_plan_lines(sweep, [service.prepare(one, sweep.rundir(p), backend) for p, one in zip(sweep.points, loaded)],
                                       parallel, f"profile {backend.profile_name!r} ({backend.base_url})"):
             out.note(line)
         out.confirm(f"Resume {len(left)} runs on {backend.base_url} (may provision new runs)?", yes=yes)

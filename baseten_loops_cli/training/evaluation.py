@@ -438,9 +438,9 @@ async def _score_rl(
 
     parts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     errors = [e for _, _, errs in parts for e in errs]
-    scored = [(r, l) for r, l, errs in parts if not errs]
+    scored = [(r, n) for r, n, errs in parts if not errs]
     rewards = [x for r, _ in scored for x in r]
-    lengths = [x for _, l in scored for x in l]
+    lengths = [x for _, n in scored for x in n]
     k = task.pass_k
     per_prompt = [pass_at_k(len(r), sum(x >= task.pass_threshold for x in r), k) for r, _ in scored if len(r) >= k]
     nan = float("nan")
@@ -547,7 +547,7 @@ def evaluate(
             continue
         errors: list[RowError] = []
 
-        async def run(candidate: Candidate = candidate, rows: list = rows) -> dict[str, float]:
+        async def run(candidate: Candidate = candidate, rows: list = rows, errors: list[RowError] = errors) -> dict[str, float]:
             client = candidate.open()
             try:
                 if isinstance(task, RLTask):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training.data import JSONL_HINT, Example, _check_messages, _reply_messages
+from baseten_loops_cli.training.data import Example, _check_messages, _reply_messages
 from baseten_loops_cli.training.formats.truncation import cut_replies, reply_start
 from baseten_loops_cli.training.preference_losses import kto_mismatched_index
 
