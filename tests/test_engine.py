@@ -888,3 +888,54 @@ def test_sampler_prefills_each_prompt_once_for_its_samples(base) -> None:
     assert [e.logprob for e in first[1].prompt_logprobs[1:]] == pytest.approx(
         [e.logprob for e in alone.prompt_logprobs[1:]], abs=1e-5)
     assert first[1].prompt_logprobs[0] is None and first[0].prompt_logprobs is None
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
+def test_checkpointed_layers_give_the_same_gradients(make_trainer, monkeypatch, loss_fn) -> None:
+    """Activation checkpointing (issue 40: a long datum recomputes its decoder layers in the
+    backward instead of keeping their activations) changes no logprob, loss or gradient:
+    forced on against forced off, to 1e-5; and "auto" recomputes only past the budget."""
+    import torch
+
+    from baseten_loops_cli.local.engine import trainer as trainer_module
+
+    tokens = (TEXT * 4)[:150]
+    data = ([sft_datum(tokens, [0.0] * 60 + [1.0] * 89), sft_datum(TEXT[:20])]
+            if loss_fn == "cross_entropy" else
+            [rl_datum(tokens, [-1.0] * 149, [0.5] * 149)])
+    plain, checkpointed = make_trainer(seed=5), make_trainer(seed=5)
+    layers = trainer_module.decoder_layers(plain.base.module)
+    assert len(layers) == plain.base.module.config.num_hidden_layers
+    recomputed = []
+    original = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda fn, *a, **k: recomputed.append(fn) or original(fn, *a, **k))
+    monkeypatch.setattr(trainer_module, "_checkpointing", "off")
+    off = plain.forward_backward(data, loss_fn)
+    assert not recomputed
+    monkeypatch.setattr(trainer_module, "_checkpointing", "on")
+    on = checkpointed.forward_backward(data, loss_fn)
+    assert len(recomputed) == len(layers)
+    assert on["metrics"]["recomputed_layers"] == len(layers)
+    assert "recomputed_layers" not in off["metrics"]
+    assert all("forward" not in layer.__dict__ for layer in layers)  # unwrapped afterwards
+    assert on["metrics"]["loss:sum"] == pytest.approx(off["metrics"]["loss:sum"], abs=1e-5)
+    for i in range(len(data)):
+        assert logprobs_of(on, i) == pytest.approx(logprobs_of(off, i), abs=1e-5)
+    pairs = list(zip(plain._params, checkpointed._params))
+    assert pairs and all(b.grad is not None for _, b in pairs)
+    assert max(float((a.grad - b.grad).abs().max()) for a, b in pairs) < 1e-5
+    assert max(float(a.grad.abs().max()) for a, _ in pairs) > 1e-3  # the gradients are not 0
+
+    config = plain.base.module.config
+    count = trainer_module.checkpoint_layer_count
+    per_token = trainer_module.activation_bytes_per_token(config, "float32")
+    monkeypatch.setattr(trainer_module, "ACTIVATION_BUDGET_BYTES", 100 * per_token)
+    assert count(config, "float32", 100, "auto") == 0
+    assert 0 < count(config, "float32", 150, "auto") < len(layers)
+    assert count(config, "float32", 10_000, "auto") == len(layers)
+    assert count(config, "float32", 10, "on") == len(layers)
+    assert count(config, "float32", 10_000, "off") == 0
+    with pytest.raises(ValueError, match="auto, on, off"):
+        trainer_module.configure_checkpointing("sometimes")
+

@@ -133,11 +133,20 @@ class LoraTrainer:
         loss_inputs: list[Any] = [None] * len(parsed)
         top_k: list[Any] = [None] * len(parsed)
         results: list[losses.LossResult] = []
+        most_recomputed = 0
         with self.base.activate(self.adapter_name) as model, torch.set_grad_enabled(backward):
             head = _lm_head(model)
             for chunk in chunks:
                 part = [parsed[i] for i in chunk]
-                with policy.autocast():  # the forward pass only: logprobs and losses in float32
+                # A chunk past ACTIVATION_BUDGET_BYTES (one long datum: chunks never split
+                # one) recomputes some decoder layers' activations in the backward instead
+                # of keeping them (checkpointed_layers).
+                recompute = checkpoint_layer_count(
+                    self.base.module.config, policy.dtype, sum(len(p.tokens) for p in part)
+                ) if backward else 0
+                most_recomputed = max(most_recomputed, recompute)
+                with policy.autocast(), checkpointed_layers(model, recompute):
+                    # the forward pass only: logprobs and losses in float32
                     outputs = _datum_outputs(model, [p.tokens for p in part], policy.device,
                                              hidden=head is not None)
                 chunk_inputs, chunk_top = _target_logprobs(outputs, part, top_k_logprobs,
@@ -166,6 +175,8 @@ class LoraTrainer:
         # Which dtype computed this step (1.0: bf16 autocast, 0.0: float32), in every step's
         # metrics, so a run's records say what produced them.
         output["metrics"]["compute_bf16"] = 1.0 if policy.bf16 else 0.0
+        if most_recomputed:  # decoder layers run again in the backward (checkpointed_layers)
+            output["metrics"]["recomputed_layers"] = float(most_recomputed)
         return output
 
     # ── optimizer ──
@@ -316,6 +327,101 @@ def activation_bytes_per_token(config: Any, dtype: str) -> int:
 def backward_chunk_tokens(config: Any, dtype: str) -> int:
     """How many tokens one backward pass takes under :data:`BACKWARD_CHUNK_BYTES`."""
     return max(1, BACKWARD_CHUNK_BYTES // activation_bytes_per_token(config, dtype))
+
+
+# Activation checkpointing (issue 40). One datum's backward keeps every decoder layer's
+# activations until it runs: SmolLM2 in bf16 ~0.87 MB a token (activation_bytes_per_token),
+# so an 8k-token row held ~7 GB and the server peaked at 10.95 GiB. Past this budget, the
+# first k decoder layers keep only their input (hidden_size float32 values a token) and run
+# their forward again in the backward, the fewest k that keeps the estimate under the budget:
+# a 2k SmolLM2 row recomputes about half its layers, an 8k row all 30 (their inputs: 69 KB a
+# token, plus one layer's activations while it is recomputed). The budget is over the 1k-token
+# row (no recompute there, so short rows pay nothing) and keeps the 8k row's peak under 3 GiB.
+ACTIVATION_BUDGET_BYTES = 1 << 30
+# "auto": checkpoint past the budget; "on": every decoder layer of every backward; "off":
+# never (loops server start's activation_checkpointing option, LOOPS_ACTIVATION_CHECKPOINTING).
+CHECKPOINTING_MODES = ("auto", "on", "off")
+_checkpointing = "auto"
+
+
+def configure_checkpointing(mode: str) -> None:
+    """Set the process's activation-checkpointing mode (the server does, when the engine
+    loads); ValueError for a mode not in :data:`CHECKPOINTING_MODES`."""
+    global _checkpointing
+    if mode not in CHECKPOINTING_MODES:
+        raise ValueError(f"Unknown activation checkpointing mode {mode!r} (accepted: "
+                         f"{', '.join(CHECKPOINTING_MODES)}).")
+    _checkpointing = mode
+
+
+def checkpointing_mode() -> str:
+    return _checkpointing
+
+
+def checkpoint_layer_count(config: Any, dtype: str, tokens: int,
+                           mode: str | None = None) -> int:
+    """How many decoder layers a backward over ``tokens`` tokens recomputes (see
+    :data:`ACTIVATION_BUDGET_BYTES`): 0 while the estimate fits, else the fewest that make it
+    fit (all of them if none do); ``mode`` (default the configured one) on/off overrides."""
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    mode = mode or _checkpointing
+    if mode != "auto" or layers == 0:
+        return layers if mode == "on" else 0
+    per_layer = tokens * activation_bytes_per_token(config, dtype) // layers
+    kept_input = tokens * int(getattr(config, "hidden_size", 0) or 0) * 4  # float32 residual
+    total = layers * per_layer
+    if total <= ACTIVATION_BUDGET_BYTES:
+        return 0
+    # k recomputed layers hold k inputs plus, while one runs again, that layer's activations.
+    for k in range(1, layers + 1):
+        if (layers - k) * per_layer + k * kept_input + per_layer <= ACTIVATION_BUDGET_BYTES:
+            return k
+    return layers
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's decoder layers in order (``model.model.layers`` for the Llama-like
+    families, else the ModuleList holding ``num_hidden_layers`` modules); [] if none."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, torch.nn.ModuleList):
+        return list(layers)
+    count = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and count and len(module) == count:
+            return list(module)
+    return []
+
+
+@contextlib.contextmanager
+def checkpointed_layers(model: Any, count: int) -> Iterator[None]:
+    """Run the first ``count`` decoder layers under non-reentrant activation checkpointing
+    while the block runs: each keeps its inputs and runs again, with the same autocast, in the
+    backward. The layers' ``forward`` is wrapped on these module objects only (the sampling
+    twin has its own); the caller holds the base's lock."""
+    layers = decoder_layers(model)[:count] if count > 0 else []
+    if not layers:
+        yield
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            # No dropout in the engine's models: the RNG state need not be replayed.
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
+                              **kwargs)
+        return run
+
+    saved = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = wrap(layer.forward)
+    try:
+        yield
+    finally:
+        for layer, before in zip(layers, saved):
+            if before is None:
+                del layer.forward
+            else:
+                layer.forward = before
 
 
 def backward_chunks(lengths: list[int], budget: int) -> list[list[int]]:
