@@ -31,15 +31,18 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
+from baseten_loops_cli import memory_estimate
 from baseten_loops_cli.local.engine import losses, precision
 from baseten_loops_cli.local.engine.datums import ParsedDatum, parse_data
 from baseten_loops_cli.local.engine.errors import EngineInputError
 from baseten_loops_cli.local.engine.registry import BaseModel
+from baseten_loops_cli.memory_estimate import activation_bytes_per_token
 
 LORA_ALPHA = 32
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -307,21 +310,6 @@ class LoraTrainer:
 # the model: 256 SmolLM2 tokens hold as much as ~10,000 of the tiny model's, whose batches
 # chunked by tokens ran 30% slower (bench/train_throughput.py: 0.92 -> 1.28 of plain PEFT).
 BACKWARD_CHUNK_BYTES = 272 * 2**20
-# Saved activations per token, per layer and per unit of hidden_size + intermediate_size
-# (torch.autograd.graph.saved_tensors_hooks over one forward_backward, frozen weights left
-# out): SmolLM2 866 KB/token in bf16 (13.7; 1069 before precision.share_input_casts and
-# grouped kv heads in float32 attention), 1420 in float32 (22.4); the tiny model 16 in bf16.
-ACTIVATION_BYTES_PER_WIDTH = {"bfloat16": 14, "float32": 23}
-
-
-def activation_bytes_per_token(config: Any, dtype: str) -> int:
-    """The activation bytes a backward pass keeps per token of a model with ``config`` (a
-    transformers config) computing in ``dtype``: the estimate the chunk budget divides."""
-    width = int(getattr(config, "hidden_size", 0) or 0) + int(
-        getattr(config, "intermediate_size", 0) or 0)
-    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    per_width = ACTIVATION_BYTES_PER_WIDTH.get(dtype, ACTIVATION_BYTES_PER_WIDTH["float32"])
-    return max(1, layers * width * per_width)
 
 
 def backward_chunk_tokens(config: Any, dtype: str) -> int:
@@ -329,17 +317,10 @@ def backward_chunk_tokens(config: Any, dtype: str) -> int:
     return max(1, BACKWARD_CHUNK_BYTES // activation_bytes_per_token(config, dtype))
 
 
-# Activation checkpointing (issue 40). One datum's backward keeps every decoder layer's
-# activations until it runs: SmolLM2 in bf16 ~0.87 MB a token (activation_bytes_per_token),
-# so an 8k-token row held ~7 GB and the server peaked at 10.95 GiB. Past this budget, the
-# first k decoder layers keep only their input (hidden_size float32 values a token) and run
-# their forward again in the backward, the fewest k that keeps the estimate under the budget:
-# a 2k SmolLM2 row recomputes about half its layers, an 8k row all 30 (their inputs: 69 KB a
-# token, plus one layer's activations while it is recomputed). The budget is over the 1k-token
-# row (no recompute there, so short rows pay nothing) and keeps the 8k row's peak under 3 GiB.
-ACTIVATION_BUDGET_BYTES = 1 << 30
-# "auto": checkpoint past the budget; "on": every decoder layer of every backward; "off":
-# never (loops server start's activation_checkpointing option, LOOPS_ACTIVATION_CHECKPOINTING).
+# Activation checkpointing (issue 40): past memory_estimate.ACTIVATION_BUDGET_BYTES a backward
+# recomputes decoder layers instead of keeping their activations. "auto": past the budget;
+# "on": every decoder layer of every backward; "off": never (the server's
+# activation_checkpointing option, LOOPS_ACTIVATION_CHECKPOINTING).
 CHECKPOINTING_MODES = ("auto", "on", "off")
 _checkpointing = "auto"
 
@@ -358,25 +339,10 @@ def checkpointing_mode() -> str:
     return _checkpointing
 
 
-def checkpoint_layer_count(config: Any, dtype: str, tokens: int,
-                           mode: str | None = None) -> int:
-    """How many decoder layers a backward over ``tokens`` tokens recomputes (see
-    :data:`ACTIVATION_BUDGET_BYTES`): 0 while the estimate fits, else the fewest that make it
-    fit (all of them if none do); ``mode`` (default the configured one) on/off overrides."""
-    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    mode = mode or _checkpointing
-    if mode != "auto" or layers == 0:
-        return layers if mode == "on" else 0
-    per_layer = tokens * activation_bytes_per_token(config, dtype) // layers
-    kept_input = tokens * int(getattr(config, "hidden_size", 0) or 0) * 4  # float32 residual
-    total = layers * per_layer
-    if total <= ACTIVATION_BUDGET_BYTES:
-        return 0
-    # k recomputed layers hold k inputs plus, while one runs again, that layer's activations.
-    for k in range(1, layers + 1):
-        if (layers - k) * per_layer + k * kept_input + per_layer <= ACTIVATION_BUDGET_BYTES:
-            return k
-    return layers
+def checkpoint_layer_count(config: Any, dtype: str, tokens: int) -> int:
+    """How many decoder layers a backward over ``tokens`` tokens recomputes under the
+    configured mode (memory_estimate.checkpoint_layer_count)."""
+    return memory_estimate.checkpoint_layer_count(config, dtype, tokens, _checkpointing)
 
 
 def decoder_layers(model: Any) -> list[Any]:
