@@ -941,3 +941,43 @@ def test_checkpointed_layers_give_the_same_gradients(make_trainer, monkeypatch, 
     with pytest.raises(ValueError, match="auto, on, off"):
         trainer_module.configure_checkpointing("sometimes")
 
+
+def test_chunked_prefill_gives_the_unchunked_results(base, monkeypatch) -> None:
+    """A long prompt is prefilled in chunks of PREFILL_CHUNK_TOKENS positions over the KV cache
+    (issue 40): the same tokens (greedy and seeded), sampled logprobs and prompt logprobs as one
+    pass, with left-padded prompts of unequal lengths whose chunk edges fall in the padding."""
+    from baseten_loops_cli.local.engine import sampler as sampler_module
+
+    engine = SamplerEngine(base)
+    long_prompt = (TEXT * 3)[:70]
+    requests = [SampleRequest(prompt=long_prompt, n=2, max_tokens=8, seed=4, temperature=1.0,
+                              prompt_logprobs=2),
+                SampleRequest(prompt=TEXT[5:26], n=1, max_tokens=8, temperature=0.0,
+                              prompt_logprobs=0),
+                SampleRequest(prompt=TEXT[:3], n=1, max_tokens=6, seed=2, temperature=0.7)]
+    prefill_rows: list[int] = []
+    hook = base.module.register_forward_pre_hook(
+        lambda m, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True)
+    try:
+        whole = engine.sample(requests)
+        assert prefill_rows[0] == len(long_prompt)  # one pass: the default chunk is larger
+        prefill_rows.clear()
+        monkeypatch.setattr(sampler_module, "PREFILL_CHUNK_TOKENS", 16)
+        chunked = engine.sample(requests)
+    finally:
+        hook.remove()
+    assert prefill_rows[:5] == [16, 16, 16, 16, 6]  # 70 positions in chunks of 16, then decode
+    for ours, theirs in zip(chunked, whole):
+        assert [s.tokens for s in ours.sequences] == [s.tokens for s in theirs.sequences]
+        for a, b in zip(ours.sequences, theirs.sequences):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        if theirs.prompt_logprobs is None:
+            assert ours.prompt_logprobs is None
+            continue
+        assert len(ours.prompt_logprobs) == len(theirs.prompt_logprobs)
+        assert ours.prompt_logprobs[0] is None and theirs.prompt_logprobs[0] is None
+        for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.rank == b.rank
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert len(whole[0].prompt_logprobs) == len(long_prompt)
