@@ -981,3 +981,35 @@ def test_chunked_prefill_gives_the_unchunked_results(base, monkeypatch) -> None:
             assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.rank == b.rank
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert len(whole[0].prompt_logprobs) == len(long_prompt)
+
+
+def test_long_sequences_attend_without_a_mask(make_trainer, monkeypatch) -> None:
+    """A batch whose longest sequence passes UNMASKED_ROW_TOKENS runs each sequence in a row of
+    its own (issue 40): SDPA gets no (width x width) mask, only is_causal, and the logprobs,
+    loss and update are those of the packed batch."""
+    import torch
+
+    from baseten_loops_cli.local.engine import trainer as trainer_module
+
+    data = [sft_datum((TEXT * 3)[:90]), sft_datum(TEXT[:30]), sft_datum(TEXT[4:20])]
+    packed, alone = make_trainer(seed=2), make_trainer(seed=2)
+    masks: list = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    whole = packed.forward_backward(data)
+    assert any(m is not None for m in masks)  # packing needs a mask
+    masks.clear()
+    monkeypatch.setattr(trainer_module, "UNMASKED_ROW_TOKENS", 40)
+    split = alone.forward_backward(data)
+    assert masks and all(m is None for m in masks)
+    assert split["metrics"]["loss:sum"] == pytest.approx(whole["metrics"]["loss:sum"], rel=1e-6)
+    for i in range(len(data)):
+        assert logprobs_of(split, i) == pytest.approx(logprobs_of(whole, i), abs=1e-5)
+    scale = max(float(a.grad.abs().max()) for a in packed._params)  # summed, not yet normalized
+    assert max(float((a.grad - b.grad).abs().max())
+               for a, b in zip(packed._params, alone._params)) < 1e-5 * scale

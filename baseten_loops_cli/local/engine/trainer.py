@@ -512,6 +512,11 @@ def _datum_outputs(model: Any, sequences: list[list[int]], device: str = "cpu",
         return model(**inputs, use_cache=False).logits.float()
 
     lengths = [len(s) for s in sequences]
+    if len(sequences) > 1 and max(lengths) > UNMASKED_ROW_TOKENS:
+        # Each long sequence in a row of its own: without a mask (one sequence, no padding)
+        # attention is SDPA with is_causal, whose flash kernel never builds the (width x
+        # width) mask that packing or padding needs (an 8k-token row: 64 MB a row; 128k: 16 GB).
+        return [out for seq in sequences for out in _datum_outputs(model, [seq], device, hidden)]
     width, rows = packing(lengths) if _packable(model) else (max(lengths), [])
     if rows and len(rows) * width < len(sequences) * max(lengths):
         input_ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -538,6 +543,11 @@ def _datum_outputs(model: Any, sequences: list[list[int]], device: str = "cpu",
         mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
     out = run(input_ids=input_ids, attention_mask=mask)
     return [out[row, :n] for row, n in enumerate(lengths)]
+
+
+# A batch whose longest sequence passes this runs one sequence per forward pass (see
+# _datum_outputs); at this length a row's matmuls are as large as packing would make them.
+UNMASKED_ROW_TOKENS = 1024
 
 
 TopK = tuple[torch.Tensor, torch.Tensor]  # (logprobs, token ids), each (N, k)
