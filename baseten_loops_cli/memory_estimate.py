@@ -24,6 +24,9 @@ ACTIVATION_BYTES_PER_WIDTH = {"bfloat16": 14, "float32": 23}
 # SmolLM2 row peaked at 2.95 GiB in-process (2.10 at 1k), too near the 3 GiB target for 8k;
 # with 512 MiB rows up to ~600 SmolLM2 tokens (the examples' batches) recompute nothing.
 ACTIVATION_BUDGET_BYTES = 512 * 2**20
+# The server's activation_checkpointing option: "auto" (past the budget), "on" (every decoder
+# layer of every backward), "off" (never).
+CHECKPOINTING_MODES = ("auto", "on", "off")
 # Besides weights and activations, a local server process holds the interpreter, torch and its
 # allocator's slack: measured with SmolLM2 loaded in bf16, ~0.9 GiB over its weight bytes.
 RUNTIME_BYTES = 900 * 2**20

@@ -1142,6 +1142,17 @@ def test_activation_checkpointing_option_reaches_the_trainer(server_factory):
     assert compute["activation_checkpointing"] == "on"
 
 
+def test_an_unknown_activation_checkpointing_mode_is_a_one_line_usage_error(tmp_path):
+    dirs = {f"LOOPS_{name}_DIR": str(tmp_path / name.lower()) for name in ("STATE", "DATA", "CONFIG", "CACHE")}
+    bad = _cli({**dirs, "LOOPS_ACTIVATION_CHECKPOINTING": "sometimes"}, "server", "start")
+    assert bad.returncode == 2, (bad.stdout, bad.stderr)
+    lines = bad.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: ") and "'sometimes'" in lines[0], bad.stderr
+    assert any(line.startswith("Hint: ") and "auto, on, off" in line for line in lines)
+    assert "Traceback" not in bad.stderr
+    assert not (tmp_path / "state" / "server.json").exists()  # nothing was started
+
+
 def test_fixture_servers_compute_in_float32(local_server: LocalServer):
     with local_server.client(timeout=120) as client:
         trainer = new_run(client)

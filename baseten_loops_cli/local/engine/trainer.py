@@ -321,7 +321,7 @@ def backward_chunk_tokens(config: Any, dtype: str) -> int:
 # recomputes decoder layers instead of keeping their activations. "auto": past the budget;
 # "on": every decoder layer of every backward; "off": never (the server's
 # activation_checkpointing option, LOOPS_ACTIVATION_CHECKPOINTING).
-CHECKPOINTING_MODES = ("auto", "on", "off")
+CHECKPOINTING_MODES = memory_estimate.CHECKPOINTING_MODES
 _checkpointing = "auto"
 
 

@@ -63,7 +63,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         # Checked here, torch-free, so a bad value stops the server at start with one line.
-        modes = ("auto", "on", "off")  # local/engine/trainer.CHECKPOINTING_MODES
+        from baseten_loops_cli.memory_estimate import CHECKPOINTING_MODES as modes
+
         if self.activation_checkpointing not in modes:
             raise ValueError(f"activation_checkpointing must be one of {', '.join(modes)}, "
                              f"got {self.activation_checkpointing!r} "
