@@ -27,11 +27,11 @@ its first half prompt (weight 0) and its second half trained (weight 1):
   against ``GRPOTrainer`` with the same shape (bench/vs_trl.py's sides), target TRL s/step /
   loops s/step >= 1.5.
 - **deploy**: a SmolLM2 checkpoint deployed as ``loops deploy`` does, one completions request
-  of an 8k-token prompt (token ids) and 64 greedy tokens; the server's peak RSS, target <= 3 GiB.
+  of an 8,000-token prompt (token ids; with the 64 greedy tokens under SmolLM2's 8,192); the server's peak RSS, target <= 3 GiB.
 
 Every ratio is measured in this one run, both sides on the same machine minutes apart.
 ``--quick``: rows of 512 and 1024 tokens, TRL at 1024 in loops' dtype with checkpointing
-on and off, RL with 64-token replies, a 2k-token deployment prompt (a smoke run: its targets are
+on and off, RL with 64-token replies, a 2,000-token deployment prompt (a smoke run: its targets are
 the full run's, not met by design at other lengths). An 8k-token SmolLM2 step took ~85 s on the
 quiet 2-core machine before checkpointing; the full run takes about an hour there.
 """
@@ -265,7 +265,8 @@ def deploy_row(prompt_tokens: int, max_tokens: int) -> dict:
         reply = httpx.post(url, headers=headers, timeout=3600, json={
             "model": "long", "prompt": row_tokens(prompt_tokens - 1, seed=1), "max_tokens": max_tokens,
             "temperature": 0.0})
-        reply.raise_for_status()
+        if reply.status_code != 200:
+            raise RuntimeError(f"completions answered {reply.status_code}: {reply.text[:300]}")
         seconds = time.monotonic() - started
         peak = vm_kib(server.pid, "VmHWM") * 1024
     generated = reply.json()["usage"]["completion_tokens"]
@@ -306,7 +307,7 @@ def main() -> None:
             ("trl", lambda: trl_rows(list(QUICK_TRL_LENGTHS if args.quick else TRL_LENGTHS), args.steps,
                                      args.quick, ours)),
             ("rl", lambda: [rl_row(args.steps, 64 if args.quick else 256, args.quick)]),
-            ("deploy", lambda: [deploy_row(2048 if args.quick else 8192, 64)])]
+            ("deploy", lambda: [deploy_row(2000 if args.quick else 8000, 64)])]
     for name, job in jobs:
         if name not in only:
             continue

@@ -141,9 +141,9 @@ class LoraTrainer:
             head = _lm_head(model)
             for chunk in chunks:
                 part = [parsed[i] for i in chunk]
-                # A chunk past ACTIVATION_BUDGET_BYTES (one long datum: chunks never split
-                # one) recomputes some decoder layers' activations in the backward instead
-                # of keeping them (checkpointed_layers).
+                # A chunk past memory_estimate.ACTIVATION_BUDGET_BYTES (one long datum:
+                # chunks never split one) recomputes some decoder layers' activations in the
+                # backward instead of keeping them (checkpointed_layers).
                 recompute = checkpoint_layer_count(
                     self.base.module.config, policy.dtype, sum(len(p.tokens) for p in part)
                 ) if backward else 0
@@ -333,10 +333,6 @@ def configure_checkpointing(mode: str) -> None:
         raise ValueError(f"Unknown activation checkpointing mode {mode!r} (accepted: "
                          f"{', '.join(CHECKPOINTING_MODES)}).")
     _checkpointing = mode
-
-
-def checkpointing_mode() -> str:
-    return _checkpointing
 
 
 def checkpoint_layer_count(config: Any, dtype: str, tokens: int) -> int:
