@@ -891,3 +891,128 @@ def test_sampler_prefills_each_prompt_once_for_its_samples(base) -> None:
     assert [e.logprob for e in first[1].prompt_logprobs[1:]] == pytest.approx(
         [e.logprob for e in alone.prompt_logprobs[1:]], abs=1e-5)
     assert first[1].prompt_logprobs[0] is None and first[0].prompt_logprobs is None
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
+def test_checkpointed_layers_give_the_same_gradients(make_trainer, monkeypatch, loss_fn) -> None:
+    """Activation checkpointing (issue 40: a long datum recomputes its decoder layers in the
+    backward instead of keeping their activations) changes no logprob, loss or gradient:
+    forced on against forced off, to 1e-5; and "auto" recomputes only past the budget."""
+    import torch
+
+    from baseten_loops_cli.local.engine import trainer as trainer_module
+
+    tokens = (TEXT * 4)[:150]
+    data = ([sft_datum(tokens, [0.0] * 60 + [1.0] * 89), sft_datum(TEXT[:20])]
+            if loss_fn == "cross_entropy" else
+            [rl_datum(tokens, [-1.0] * 149, [0.5] * 149)])
+    plain, checkpointed = make_trainer(seed=5), make_trainer(seed=5)
+    layers = trainer_module.decoder_layers(plain.base.module)
+    assert len(layers) == plain.base.module.config.num_hidden_layers
+    recomputed = []
+    original = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda fn, *a, **k: recomputed.append(fn) or original(fn, *a, **k))
+    monkeypatch.setattr(trainer_module, "_checkpointing", "off")
+    off = plain.forward_backward(data, loss_fn)
+    assert not recomputed
+    monkeypatch.setattr(trainer_module, "_checkpointing", "on")
+    on = checkpointed.forward_backward(data, loss_fn)
+    assert len(recomputed) == len(layers)
+    assert on["metrics"]["recomputed_layers"] == len(layers)
+    assert "recomputed_layers" not in off["metrics"]
+    assert all("forward" not in layer.__dict__ for layer in layers)  # unwrapped afterwards
+    assert on["metrics"]["loss:sum"] == pytest.approx(off["metrics"]["loss:sum"], abs=1e-5)
+    for i in range(len(data)):
+        assert logprobs_of(on, i) == pytest.approx(logprobs_of(off, i), abs=1e-5)
+    pairs = list(zip(plain._params, checkpointed._params))
+    assert pairs and all(b.grad is not None for _, b in pairs)
+    assert max(float((a.grad - b.grad).abs().max()) for a, b in pairs) < 1e-5
+    assert max(float(a.grad.abs().max()) for a, _ in pairs) > 1e-3  # the gradients are not 0
+
+    from baseten_loops_cli import memory_estimate
+
+    config = plain.base.module.config
+    count = memory_estimate.checkpoint_layer_count
+    per_token = trainer_module.activation_bytes_per_token(config, "float32")
+    monkeypatch.setattr(memory_estimate, "ACTIVATION_BUDGET_BYTES", 100 * per_token)
+    assert count(config, "float32", 100, "auto") == 0
+    assert 0 < count(config, "float32", 150, "auto") < len(layers)
+    assert count(config, "float32", 10_000, "auto") == len(layers)
+    assert count(config, "float32", 10, "on") == len(layers)
+    assert count(config, "float32", 10_000, "off") == 0
+    with pytest.raises(ValueError, match="auto, on, off"):
+        trainer_module.configure_checkpointing("sometimes")
+
+
+def test_chunked_prefill_gives_the_unchunked_results(base, monkeypatch) -> None:
+    """A long prompt is prefilled in chunks of PREFILL_CHUNK_TOKENS positions over the KV cache
+    (issue 40): the same tokens (greedy and seeded), sampled logprobs and prompt logprobs as one
+    pass, with left-padded prompts of unequal lengths whose chunk edges fall in the padding."""
+    from baseten_loops_cli.local.engine import sampler as sampler_module
+
+    engine = SamplerEngine(base)
+    long_prompt = (TEXT * 3)[:70]
+    requests = [SampleRequest(prompt=long_prompt, n=2, max_tokens=8, seed=4, temperature=1.0,
+                              prompt_logprobs=2),
+                SampleRequest(prompt=TEXT[5:26], n=1, max_tokens=8, temperature=0.0,
+                              prompt_logprobs=0),
+                SampleRequest(prompt=TEXT[:3], n=1, max_tokens=6, seed=2, temperature=0.7)]
+    prefill_rows: list[int] = []
+    hook = base.module.register_forward_pre_hook(
+        lambda m, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True)
+    try:
+        whole = engine.sample(requests)
+        assert prefill_rows[0] == len(long_prompt)  # one pass: the default chunk is larger
+        prefill_rows.clear()
+        monkeypatch.setattr(sampler_module, "PREFILL_CHUNK_TOKENS", 16)
+        chunked = engine.sample(requests)
+    finally:
+        hook.remove()
+    assert prefill_rows[:5] == [16, 16, 16, 16, 6]  # 70 positions in chunks of 16, then decode
+    for ours, theirs in zip(chunked, whole):
+        assert [s.tokens for s in ours.sequences] == [s.tokens for s in theirs.sequences]
+        for a, b in zip(ours.sequences, theirs.sequences):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        if theirs.prompt_logprobs is None:
+            assert ours.prompt_logprobs is None
+            continue
+        assert len(ours.prompt_logprobs) == len(theirs.prompt_logprobs)
+        assert ours.prompt_logprobs[0] is None and theirs.prompt_logprobs[0] is None
+        for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.rank == b.rank
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert len(whole[0].prompt_logprobs) == len(long_prompt)
+
+
+def test_long_sequences_attend_without_a_mask(make_trainer, monkeypatch) -> None:
+    """A batch whose longest sequence passes UNMASKED_ROW_TOKENS runs each sequence in a row of
+    its own (issue 40): SDPA gets no (width x width) mask, only is_causal, and the logprobs,
+    loss and update are those of the packed batch."""
+    import torch
+
+    from baseten_loops_cli.local.engine import trainer as trainer_module
+
+    data = [sft_datum((TEXT * 3)[:90]), sft_datum(TEXT[:30]), sft_datum(TEXT[4:20])]
+    packed, alone = make_trainer(seed=2), make_trainer(seed=2)
+    masks: list = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    whole = packed.forward_backward(data)
+    assert any(m is not None for m in masks)  # packing needs a mask
+    masks.clear()
+    monkeypatch.setattr(trainer_module, "UNMASKED_ROW_TOKENS", 40)
+    split = alone.forward_backward(data)
+    assert masks and all(m is None for m in masks)
+    assert split["metrics"]["loss:sum"] == pytest.approx(whole["metrics"]["loss:sum"], rel=1e-6)
+    for i in range(len(data)):
+        assert logprobs_of(split, i) == pytest.approx(logprobs_of(whole, i), abs=1e-5)
+    scale = max(float(a.grad.abs().max()) for a in packed._params)  # summed, not yet normalized
+    assert max(float((a.grad - b.grad).abs().max())
+               for a, b in zip(packed._params, alone._params)) < 1e-5 * scale

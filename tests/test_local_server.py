@@ -1127,6 +1127,32 @@ def test_dtype_and_device_are_honoured_end_to_end(server_factory):
     assert "bfloat16 on cpu" in table.stdout, table.stdout
 
 
+def test_activation_checkpointing_option_reaches_the_trainer(server_factory):
+    """The server's activation_checkpointing option (issue 40): "on" recomputes every decoder
+    layer of the tiny model in each backward (the step's metrics say how many), and the
+    status reports the mode."""
+    server = server_factory(activation_checkpointing="on")
+    with server.client(timeout=120) as client:
+        trainer = new_run(client)
+        result = trainer.do("forward_backward", {"data": DATA, "loss_fn": "cross_entropy"})
+        assert result["metrics"]["recomputed_layers"] == 4.0  # the tiny model's layers
+        forward = trainer.do("forward", {"data": DATA, "loss_fn": "cross_entropy"})
+        assert "recomputed_layers" not in forward["metrics"]  # nothing to recompute
+        compute = client.get("/v1/local/status").json()["compute"]
+    assert compute["activation_checkpointing"] == "on"
+
+
+def test_an_unknown_activation_checkpointing_mode_is_a_one_line_usage_error(tmp_path):
+    dirs = {f"LOOPS_{name}_DIR": str(tmp_path / name.lower()) for name in ("STATE", "DATA", "CONFIG", "CACHE")}
+    bad = _cli({**dirs, "LOOPS_ACTIVATION_CHECKPOINTING": "sometimes"}, "server", "start")
+    assert bad.returncode == 2, (bad.stdout, bad.stderr)
+    lines = bad.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: ") and "'sometimes'" in lines[0], bad.stderr
+    assert any(line.startswith("Hint: ") and "auto, on, off" in line for line in lines)
+    assert "Traceback" not in bad.stderr
+    assert not (tmp_path / "state" / "server.json").exists()  # nothing was started
+
+
 def test_fixture_servers_compute_in_float32(local_server: LocalServer):
     with local_server.client(timeout=120) as client:
         trainer = new_run(client)

@@ -132,3 +132,42 @@ def test_validate_lists_the_backends_and_the_datas_problems_together(local_serve
     proc, _ = _loops(local_server, tmp_path / "cache", "train", "validate", str(config), "-o", "json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["plan"]["examples"] == 1
+
+
+SMOLLM2_SHAPE = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def test_plan_estimates_the_longest_rows_peak_memory_and_warns_past_the_ram(tmp_path):
+    """Issue 40: the plan estimates the server's peak for the longest row (the model's config.json,
+    memory_estimate) and warns when it passes this machine's RAM; per-layer recompute past the
+    activation budget keeps an 8k-token SmolLM2 row near the 1k one's peak."""
+    from types import SimpleNamespace
+
+    from baseten_loops_cli.memory_estimate import checkpoint_layer_count, parameter_count, training_peak_bytes
+    from baseten_loops_cli.training.plan import longest_row, memory_notes
+
+    assert 130e6 < parameter_count(SMOLLM2_SHAPE) < 140e6  # SmolLM2-135M
+    assert checkpoint_layer_count(SMOLLM2_SHAPE, "bfloat16", 500) == 0  # short rows: no recompute
+    assert 0 < checkpoint_layer_count(SMOLLM2_SHAPE, "bfloat16", 1000) < 30
+    assert checkpoint_layer_count(SMOLLM2_SHAPE, "bfloat16", 8000) == 30
+    gib = 2**30
+    one_k, eight_k = (training_peak_bytes(SMOLLM2_SHAPE, n, "bfloat16") for n in (1000, 8000))
+    assert eight_k < 3 * gib and eight_k - one_k < 1 * gib  # the bench's targets
+    assert training_peak_bytes(SMOLLM2_SHAPE, 8000, "bfloat16", mode="off") > 7 * gib  # without recompute
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    (model / "model.safetensors").write_bytes(b"")  # a model folder (its weights are not read)
+    config = SimpleNamespace(base_model=str(model), max_seq_len=8192, sampling=SimpleNamespace(max_tokens=256))
+    data = SimpleNamespace(train=[SimpleNamespace(tokens=[1] * 100), SimpleNamespace(tokens=[1] * 7000)])
+    assert longest_row(config, data) == 7256  # the longest prompt and its sampled reply
+    (note,) = memory_notes(config, data, ram=64 * gib)
+    assert note.startswith("memory: ~") and "7,256 tokens" in note and "64.0 GiB" in note
+    (warning,) = memory_notes(config, data, ram=1 * gib)
+    assert warning.startswith("warning: ~") and "more than this machine's 1.0 GiB of RAM" in warning
+    assert "max_seq_len" in warning
+    # Rows whose tokens are not counted are planned at max_seq_len (longer ones are refused).
+    assert longest_row(config, SimpleNamespace(train=[SimpleNamespace()])) == 8192
+    assert memory_notes(SimpleNamespace(base_model="loops-local/tiny", max_seq_len=1024), data) == []

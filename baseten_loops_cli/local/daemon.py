@@ -275,6 +275,8 @@ def start(
     # The child reads LOOPS_DTYPE / LOOPS_DEVICE when no option is given: check those too.
     check_compute(options.get("dtype") or os.environ.get("LOOPS_DTYPE") or None,
                   options.get("device") or os.environ.get("LOOPS_DEVICE") or None)
+    check_checkpointing(options.get("activation_checkpointing")
+                        or os.environ.get("LOOPS_ACTIVATION_CHECKPOINTING") or None)
     paths.ensure_private_dir(state_dir)
     ensure_token(state_dir)
     if port is None:
@@ -324,6 +326,18 @@ def start(
     return status(state_dir) or ServerInfo(
         url=info["url"], port=info["port"], pid=proc.pid, version=info["version"],
         started_at=info["started_at"], state_dir=str(state_dir), data_dir=str(data_dir))
+
+
+def check_checkpointing(mode: str | None) -> None:
+    """A ServerError (one line, usage exit) for an activation_checkpointing mode the trainer
+    does not have, before the server is spawned."""
+    from baseten_loops_cli.memory_estimate import CHECKPOINTING_MODES
+
+    if mode is not None and mode not in CHECKPOINTING_MODES:
+        raise ServerError(f"Unknown activation_checkpointing mode {mode!r} "
+                          "(LOOPS_ACTIVATION_CHECKPOINTING or the server option).",
+                          hint=f"Use one of: {', '.join(CHECKPOINTING_MODES)}.",
+                          exit_code=ExitCode.USAGE)
 
 
 def check_compute(dtype: str | None, device: str | None) -> None:

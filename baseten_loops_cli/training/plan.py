@@ -147,6 +147,56 @@ def planned_tokens(config, data: LoadedData) -> tuple[int, int, int]:
     return estimate.steps, estimate.train_tokens, estimate.sample_tokens
 
 
+def longest_row(config, data: LoadedData) -> int:
+    """Tokens of the longest row a step trains: the longest row's tokens (plus the sampled reply,
+    ``sampling.max_tokens``, for the kinds that sample), at most max_seq_len; max_seq_len for
+    rows whose tokens are not counted here (an upper bound: longer rows are refused)."""
+    longest = max((len(getattr(row, "tokens", None) or ()) for row in data.train), default=0)
+    if not longest:
+        return int(config.max_seq_len)
+    sampled = int(getattr(getattr(config, "sampling", None), "max_tokens", 0) or 0)
+    return min(int(config.max_seq_len), longest + sampled)
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's RAM (MemTotal), None where /proc/meminfo is not there."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_notes(config, data: LoadedData, ram: int | None = None) -> list[str]:
+    """The local server's estimated peak for the longest row (memory_estimate, float32: an upper
+    bound for a bf16 server), and a warning when it passes this machine's RAM. Nothing when the
+    model's config.json is not on this machine (the tiny model is built in code)."""
+    import json
+
+    from baseten_loops_cli.memory_estimate import training_peak_bytes
+    from baseten_loops_cli.settings.model_files import find_model_dir
+    from baseten_loops_cli.sizes import human_size
+
+    folder = find_model_dir(config.base_model)
+    try:
+        model_config = json.loads((folder / "config.json").read_text()) if folder else None
+    except (OSError, ValueError):
+        model_config = None
+    if not isinstance(model_config, dict):
+        return []
+    tokens = longest_row(config, data)
+    peak = training_peak_bytes(model_config, tokens)
+    ram = ram if ram is not None else machine_memory_bytes()
+    estimate = f"~{human_size(peak)} server peak for the longest row ({tokens:,} tokens)"
+    if ram and peak > ram:
+        return [(f"warning: {estimate} is more than this machine's {human_size(ram)} of RAM; "
+                 "lower max_seq_len or train on a machine with more memory")]
+    return [f"memory: {estimate}" + (f" of this machine's {human_size(ram)}" if ram else "")]
+
+
 def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan:
     """The plan of a config on a backend whose ``capabilities`` (settings.connection.Capabilities)
     say whether this machine trains (calibrated estimates) and whether provisioning is billed."""
@@ -204,6 +254,8 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan
     if config.max_steps and steps < config.max_steps:
         notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
     notes += estimate.notes
+    if capabilities.calibrated_plans:  # this machine trains: will the longest row fit?
+        notes += memory_notes(config, data)
     if judge is not None:
         notes.append(f"the judge ({judge['served_by']}) grades up to {judge['requests']:,} requests: ~{judge['prompt_tokens']:,} "
                      f"prompt + {judge['completion_tokens']:,} answer tokens (upper bounds; recorded per step as judge_* metrics)")

@@ -52,6 +52,12 @@ from baseten_loops_cli.local.engine.sample_types import (
 MAX_LOADED_ADAPTERS = 8
 MAX_PROMPT_LOGPROBS_TOP_K = 20
 MAX_TOP_LOGPROBS = 20
+# The prefill runs the prompts through the model this many positions at a time, each chunk
+# attending to the KV cache of those before it (issue 40: an 8k-token prompt in one pass held
+# every layer's (8k x intermediate) MLP tensors, and with prompt logprobs (8k x vocabulary)
+# float32 logits and their log-softmax, 3 GB for SmolLM2). Same logits up to float
+# summation order; 512-row matmuls stay as fast per token as longer ones.
+PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclass
@@ -228,11 +234,18 @@ class SamplerEngine:
             # else at the last one (32 rows x 40 prompt tokens of SmolLM2 logits: 250 MB in
             # float32, and the LM head a fifth of the prefill's FLOPs).
             keep = 0 if any(req.prompt_logprobs is not None for req in requests) else 1
-            all_logits = forward(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids, cache=cache, logits_to_keep=keep)
-            prompt_logprobs = self._prompt_logprobs(all_logits, rows, requests, width)
-            logits = all_logits[:, -1].repeat_interleave(samples, dim=0)
-            del all_logits
+            prompt_logprobs: list[list[PromptTokenLogprob | None] | None] = [None] * len(requests)
+            for start in range(0, width, PREFILL_CHUNK_TOKENS):  # chunked prefill
+                end = min(width, start + PREFILL_CHUNK_TOKENS)
+                chunk_logits = forward(input_ids=input_ids[:, start:end],
+                                       attention_mask=attention_mask[:, :end],
+                                       position_ids=position_ids[:, start:end], cache=cache,
+                                       logits_to_keep=keep)
+                if not keep:
+                    self._prompt_logprobs(chunk_logits, rows, requests, width, start,
+                                          prompt_logprobs)
+            logits = chunk_logits[:, -1].repeat_interleave(samples, dim=0)
+            del chunk_logits
             cache.batch_select_indices(
                 torch.arange(len(requests)).repeat_interleave(samples).to(policy.device))
             attention_mask = attention_mask.repeat_interleave(samples, dim=0)
@@ -306,27 +319,34 @@ class SamplerEngine:
                 row.text = text[: min(hits)]
 
     def _prompt_logprobs(self, logits: torch.Tensor, rows: list[_Row],
-                         requests: list[SampleRequest], width: int
-                         ) -> list[list[PromptTokenLogprob | None] | None]:
-        """Per request (from its prefill row, ``logits[request]``), or None if not asked for."""
-        found: list[list[PromptTokenLogprob | None] | None] = [None] * len(requests)
+                         requests: list[SampleRequest], width: int, offset: int,
+                         found: list[list[PromptTokenLogprob | None] | None]) -> None:
+        """Add to ``found`` (per request, from its prefill row ``logits[request]``; None
+        if not asked for) the prompt logprobs that the prefill chunk's ``logits``, at padded
+        columns ``offset`` onwards, predict; chunks come in order."""
+        end = offset + logits.shape[1]
         for row in rows:
             req = requests[row.request]
             if req.prompt_logprobs is None or row.sample != 0:
                 continue
             start = width - len(req.prompt)
-            # logits at position p predict token p + 1
-            logprobs = torch.log_softmax(logits[row.request, start: width - 1].float(), dim=-1)
-            targets = torch.tensor(req.prompt[1:], dtype=torch.long)
+            entries = found[row.request]
+            if entries is None:
+                entries = found[row.request] = [None]  # the first token has no logprob
+            # logits at column c predict the token at column c + 1
+            low, high = max(start, offset), min(width - 1, end)
+            if low >= high:
+                continue
+            logprobs = torch.log_softmax(logits[row.request, low - offset: high - offset].float(),
+                                         dim=-1)
+            targets = torch.tensor(req.prompt[low - start + 1: high - start + 1],
+                                   dtype=torch.long)
             picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             ranks = (logprobs > picked.unsqueeze(-1)).sum(-1) + 1
-            entries: list[PromptTokenLogprob | None] = [None]
             top_values, top_ids = logprobs.topk(req.prompt_logprobs, dim=-1)
-            for p in range(len(req.prompt) - 1):
+            for p in range(high - low):
                 top = list(zip(top_ids[p].tolist(), top_values[p].tolist()))
                 entries.append(PromptTokenLogprob(float(picked[p]), int(ranks[p]), top))
-            found[row.request] = entries
-        return found
 
 
 def _generator(seed: int | None, sample: int) -> torch.Generator:

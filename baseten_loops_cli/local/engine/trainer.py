@@ -31,15 +31,18 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
+from baseten_loops_cli import memory_estimate
 from baseten_loops_cli.local.engine import losses, precision
 from baseten_loops_cli.local.engine.datums import ParsedDatum, parse_data
 from baseten_loops_cli.local.engine.errors import EngineInputError
 from baseten_loops_cli.local.engine.registry import BaseModel
+from baseten_loops_cli.memory_estimate import activation_bytes_per_token
 
 LORA_ALPHA = 32
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -133,11 +136,20 @@ class LoraTrainer:
         loss_inputs: list[Any] = [None] * len(parsed)
         top_k: list[Any] = [None] * len(parsed)
         results: list[losses.LossResult] = []
+        most_recomputed = 0
         with self.base.activate(self.adapter_name) as model, torch.set_grad_enabled(backward):
             head = _lm_head(model)
             for chunk in chunks:
                 part = [parsed[i] for i in chunk]
-                with policy.autocast():  # the forward pass only: logprobs and losses in float32
+                # A chunk past memory_estimate.ACTIVATION_BUDGET_BYTES (one long datum:
+                # chunks never split one) recomputes some decoder layers' activations in the
+                # backward instead of keeping them (checkpointed_layers).
+                recompute = checkpoint_layer_count(
+                    self.base.module.config, policy.dtype, sum(len(p.tokens) for p in part)
+                ) if backward else 0
+                most_recomputed = max(most_recomputed, recompute)
+                with policy.autocast(), checkpointed_layers(model, recompute):
+                    # the forward pass only: logprobs and losses in float32
                     outputs = _datum_outputs(model, [p.tokens for p in part], policy.device,
                                              hidden=head is not None)
                 chunk_inputs, chunk_top = _target_logprobs(outputs, part, top_k_logprobs,
@@ -166,6 +178,8 @@ class LoraTrainer:
         # Which dtype computed this step (1.0: bf16 autocast, 0.0: float32), in every step's
         # metrics, so a run's records say what produced them.
         output["metrics"]["compute_bf16"] = 1.0 if policy.bf16 else 0.0
+        if most_recomputed:  # decoder layers run again in the backward (checkpointed_layers)
+            output["metrics"]["recomputed_layers"] = float(most_recomputed)
         return output
 
     # ── optimizer ──
@@ -296,26 +310,80 @@ class LoraTrainer:
 # the model: 256 SmolLM2 tokens hold as much as ~10,000 of the tiny model's, whose batches
 # chunked by tokens ran 30% slower (bench/train_throughput.py: 0.92 -> 1.28 of plain PEFT).
 BACKWARD_CHUNK_BYTES = 272 * 2**20
-# Saved activations per token, per layer and per unit of hidden_size + intermediate_size
-# (torch.autograd.graph.saved_tensors_hooks over one forward_backward, frozen weights left
-# out): SmolLM2 866 KB/token in bf16 (13.7; 1069 before precision.share_input_casts and
-# grouped kv heads in float32 attention), 1420 in float32 (22.4); the tiny model 16 in bf16.
-ACTIVATION_BYTES_PER_WIDTH = {"bfloat16": 14, "float32": 23}
-
-
-def activation_bytes_per_token(config: Any, dtype: str) -> int:
-    """The activation bytes a backward pass keeps per token of a model with ``config`` (a
-    transformers config) computing in ``dtype``: the estimate the chunk budget divides."""
-    width = int(getattr(config, "hidden_size", 0) or 0) + int(
-        getattr(config, "intermediate_size", 0) or 0)
-    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    per_width = ACTIVATION_BYTES_PER_WIDTH.get(dtype, ACTIVATION_BYTES_PER_WIDTH["float32"])
-    return max(1, layers * width * per_width)
 
 
 def backward_chunk_tokens(config: Any, dtype: str) -> int:
     """How many tokens one backward pass takes under :data:`BACKWARD_CHUNK_BYTES`."""
     return max(1, BACKWARD_CHUNK_BYTES // activation_bytes_per_token(config, dtype))
+
+
+# Activation checkpointing (issue 40): past memory_estimate.ACTIVATION_BUDGET_BYTES a backward
+# recomputes decoder layers instead of keeping their activations. "auto": past the budget;
+# "on": every decoder layer of every backward; "off": never (the server's
+# activation_checkpointing option, LOOPS_ACTIVATION_CHECKPOINTING).
+CHECKPOINTING_MODES = memory_estimate.CHECKPOINTING_MODES
+_checkpointing = "auto"
+
+
+def configure_checkpointing(mode: str) -> None:
+    """Set the process's activation-checkpointing mode (the server does, when the engine
+    loads); ValueError for a mode not in :data:`CHECKPOINTING_MODES`."""
+    global _checkpointing
+    if mode not in CHECKPOINTING_MODES:
+        raise ValueError(f"Unknown activation checkpointing mode {mode!r} (accepted: "
+                         f"{', '.join(CHECKPOINTING_MODES)}).")
+    _checkpointing = mode
+
+
+def checkpoint_layer_count(config: Any, dtype: str, tokens: int) -> int:
+    """How many decoder layers a backward over ``tokens`` tokens recomputes under the
+    configured mode (memory_estimate.checkpoint_layer_count)."""
+    return memory_estimate.checkpoint_layer_count(config, dtype, tokens, _checkpointing)
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's decoder layers in order (``model.model.layers`` for the Llama-like
+    families, else the ModuleList holding ``num_hidden_layers`` modules); [] if none."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, torch.nn.ModuleList):
+        return list(layers)
+    count = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and count and len(module) == count:
+            return list(module)
+    return []
+
+
+@contextlib.contextmanager
+def checkpointed_layers(model: Any, count: int) -> Iterator[None]:
+    """Run the first ``count`` decoder layers under non-reentrant activation checkpointing
+    while the block runs: each keeps its inputs and runs again, with the same autocast, in the
+    backward. The layers' ``forward`` is wrapped on these module objects only (the sampling
+    twin has its own); the caller holds the base's lock."""
+    layers = decoder_layers(model)[:count] if count > 0 else []
+    if not layers:
+        yield
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            # No dropout in the engine's models: the RNG state need not be replayed.
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
+                              **kwargs)
+        return run
+
+    saved = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = wrap(layer.forward)
+    try:
+        yield
+    finally:
+        for layer, before in zip(layers, saved):
+            if before is None:
+                del layer.forward
+            else:
+                layer.forward = before
 
 
 def backward_chunks(lengths: list[int], budget: int) -> list[list[int]]:
@@ -440,6 +508,11 @@ def _datum_outputs(model: Any, sequences: list[list[int]], device: str = "cpu",
         return model(**inputs, use_cache=False).logits.float()
 
     lengths = [len(s) for s in sequences]
+    if len(sequences) > 1 and max(lengths) > UNMASKED_ROW_TOKENS:
+        # Each long sequence in a row of its own: without a mask (one sequence, no padding)
+        # attention is SDPA with is_causal, whose flash kernel never builds the (width x
+        # width) mask that packing or padding needs (an 8k-token row: 64 MB a row; 128k: 16 GB).
+        return [out for seq in sequences for out in _datum_outputs(model, [seq], device, hidden)]
     width, rows = packing(lengths) if _packable(model) else (max(lengths), [])
     if rows and len(rows) * width < len(sequences) * max(lengths):
         input_ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -466,6 +539,11 @@ def _datum_outputs(model: Any, sequences: list[list[int]], device: str = "cpu",
         mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
     out = run(input_ids=input_ids, attention_mask=mask)
     return [out[row, :n] for row, n in enumerate(lengths)]
+
+
+# A batch whose longest sequence passes this runs one sequence per forward pass (see
+# _datum_outputs); at this length a row's matmuls are as large as packing would make them.
+UNMASKED_ROW_TOKENS = 1024
 
 
 TopK = tuple[torch.Tensor, torch.Tensor]  # (logprobs, token ids), each (N, k)

@@ -101,7 +101,7 @@ def create_app(
     cfg = ServerConfig(data_dir=Path(data_dir), token=token, **config)
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     store = st.Store(cfg.data_dir / "loops.db")
-    engine = engine or Engine(cfg.dtype, cfg.device)
+    engine = engine or Engine(cfg.dtype, cfg.device, cfg.activation_checkpointing)
     pool = ComputePool(engine)
     files = CheckpointFiles(cfg.data_dir)
     ops = OperationRegistry(store, result_ttl_s=cfg.op_result_ttl_s,

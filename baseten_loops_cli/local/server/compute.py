@@ -46,7 +46,8 @@ class Engine:
     depends on this small surface rather than on the engine's module layout.
     """
 
-    def __init__(self, dtype: str = "float32", device: str = "cpu") -> None:
+    def __init__(self, dtype: str = "float32", device: str = "cpu",
+                 activation_checkpointing: str = "auto") -> None:
         self._modules: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self._specs: dict[str, ModelSpec] | None = None
@@ -54,6 +55,8 @@ class Engine:
         self.requested_dtype = dtype
         self.requested_device = device
         self._precision: Any = None
+        # trainer.configure_checkpointing's mode: auto|on|off (ServerConfig).
+        self.activation_checkpointing = activation_checkpointing
 
     def _load(self) -> dict[str, Any]:
         with self._lock:
@@ -74,6 +77,7 @@ class Engine:
                                                       self.requested_device)
                 log.info("compute: %s on %s (%s)", self._precision.dtype,
                          self._precision.device, self._precision.reason)
+                trainer.configure_checkpointing(self.activation_checkpointing)
 
                 self._modules = {"errors": errors, "registry": registry, "sampler": sampler,
                                  "trainer": trainer, "losses": losses, "datums": datums,
@@ -92,7 +96,8 @@ class Engine:
                 "requested_device": self.requested_device,
                 "dtype": chosen.dtype if chosen else None,
                 "device": chosen.device if chosen else None,
-                "reason": chosen.reason if chosen else "the engine has not loaded yet"}
+                "reason": chosen.reason if chosen else "the engine has not loaded yet",
+                "activation_checkpointing": self.activation_checkpointing}
 
     def preload(self) -> None:
         """Import torch and the engine (call from a background thread at startup)."""

@@ -54,5 +54,21 @@ class ServerConfig:
     # 0.53-0.63x; precision.py), float32 elsewhere.
     dtype: str = field(default_factory=lambda: os.environ.get("LOOPS_DTYPE") or "auto")
     device: str = field(default_factory=lambda: os.environ.get("LOOPS_DEVICE") or "auto")
+    # Per-layer activation checkpointing in the trainer (local/engine/trainer.py,
+    # ACTIVATION_BUDGET_BYTES): auto (recompute decoder layers only where a datum's
+    # activations pass the budget: long rows), on (always) or off (never); default
+    # LOOPS_ACTIVATION_CHECKPOINTING, else auto. An 8k-token SmolLM2 row peaked at 10.95 GiB
+    # without it.
+    activation_checkpointing: str = field(
+        default_factory=lambda: os.environ.get("LOOPS_ACTIVATION_CHECKPOINTING") or "auto")
     # Import torch in the background at startup so the first op doesn't pay for it.
     preload_engine: bool = True
+
+    def __post_init__(self) -> None:
+        # Checked here, torch-free, so a bad value stops the server at start with one line.
+        from baseten_loops_cli.memory_estimate import CHECKPOINTING_MODES as modes
+
+        if self.activation_checkpointing not in modes:
+            raise ValueError(f"activation_checkpointing must be one of {', '.join(modes)}, "
+                             f"got {self.activation_checkpointing!r} "
+                             "(LOOPS_ACTIVATION_CHECKPOINTING or the server option).")

@@ -1,0 +1,99 @@
+"""How much memory a LoRA training step on one row holds: the local trainer's activation budget
+(local/engine/trainer.py) and the plan's peak estimate (training/plan.py, ``train validate``),
+from a model's transformers config alone (no torch: the plan imports this).
+
+A backward pass keeps every decoder layer's activations until it runs. Measured per token, per
+layer and per unit of ``hidden_size + intermediate_size`` (torch.autograd.graph
+.saved_tensors_hooks over one forward_backward, frozen weights left out): SmolLM2 866 KB a token
+in bf16 (13.7; 1069 before precision.share_input_casts and grouped kv heads in float32
+attention), 1420 in float32 (22.4); the tiny model 16 in bf16. Past
+:data:`ACTIVATION_BUDGET_BYTES`, the trainer recomputes the first k decoder layers in the
+backward (:func:`checkpoint_layer_count`), which then keep only their float32 input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ACTIVATION_BYTES_PER_WIDTH = {"bfloat16": 14, "float32": 23}
+# Activation checkpointing (issue 40; trainer.checkpointed_layers). Without it an 8k-token
+# SmolLM2 row held ~7 GB of activations and the server peaked at 10.95 GiB. Past this budget
+# the first k decoder layers keep only their input (hidden_size float32 values a token) and run
+# their forward again in the backward, the fewest k that keeps the estimate under the budget.
+# The peak is then about the runtime and weights plus the budget: with 1 GiB, a 4k-token
+# SmolLM2 row peaked at 2.95 GiB in-process (2.10 at 1k), too near the 3 GiB target for 8k;
+# with 512 MiB rows up to ~600 SmolLM2 tokens (the examples' batches) recompute nothing.
+ACTIVATION_BUDGET_BYTES = 512 * 2**20
+# The server's activation_checkpointing option: "auto" (past the budget), "on" (every decoder
+# layer of every backward), "off" (never).
+CHECKPOINTING_MODES = ("auto", "on", "off")
+# Besides weights and activations, a local server process holds the interpreter, torch and its
+# allocator's slack: measured with SmolLM2 loaded in bf16, ~0.9 GiB over its weight bytes.
+RUNTIME_BYTES = 900 * 2**20
+# The trainer's LM head runs over 64 rows at a time (trainer.HEAD_CHUNK_ROWS).
+HEAD_CHUNK_ROWS = 64
+
+
+def _int(config: Any, name: str) -> int:
+    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+    return int(value or 0)
+
+
+def activation_bytes_per_token(config: Any, dtype: str) -> int:
+    """The activation bytes a backward pass keeps per token of a model with ``config`` (a
+    transformers config or its config.json as a dict) computing in ``dtype``."""
+    width = _int(config, "hidden_size") + _int(config, "intermediate_size")
+    per_width = ACTIVATION_BYTES_PER_WIDTH.get(dtype, ACTIVATION_BYTES_PER_WIDTH["float32"])
+    return max(1, _int(config, "num_hidden_layers") * width * per_width)
+
+
+def checkpoint_layer_count(config: Any, dtype: str, tokens: int, mode: str = "auto") -> int:
+    """How many decoder layers a backward over ``tokens`` tokens recomputes: with ``mode``
+    "auto", 0 while the estimate fits :data:`ACTIVATION_BUDGET_BYTES`, else the fewest that
+    make it fit (all of them if none do); "on": all; "off": none."""
+    layers = _int(config, "num_hidden_layers")
+    if mode != "auto" or layers == 0:
+        return layers if mode == "on" else 0
+    per_layer = tokens * activation_bytes_per_token(config, dtype) // layers
+    kept_input = tokens * _int(config, "hidden_size") * 4  # the float32 residual stream
+    if layers * per_layer <= ACTIVATION_BUDGET_BYTES:
+        return 0
+    # k recomputed layers hold k inputs plus, while one runs again, that layer's activations.
+    for k in range(1, layers + 1):
+        if (layers - k) * per_layer + k * kept_input + per_layer <= ACTIVATION_BUDGET_BYTES:
+            return k
+    return layers
+
+
+def parameter_count(config: Any) -> int:
+    """A Llama-like model's parameters from its config (embedding and LM head counted once
+    each unless tied; norms left out)."""
+    hidden, layers = _int(config, "hidden_size"), _int(config, "num_hidden_layers")
+    heads = _int(config, "num_attention_heads") or 1
+    kv_heads = _int(config, "num_key_value_heads") or heads
+    head_dim = _int(config, "head_dim") or hidden // heads
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    mlp = 3 * hidden * _int(config, "intermediate_size")
+    vocab = _int(config, "vocab_size")
+    tied = (config.get("tie_word_embeddings", True) if isinstance(config, dict)
+            else getattr(config, "tie_word_embeddings", True))
+    return layers * (attention + mlp) + vocab * hidden * (1 if tied else 2)
+
+
+def training_peak_bytes(config: Any, tokens: int, dtype: str = "float32",
+                        mode: str = "auto") -> int:
+    """A local server's peak while it trains one ``tokens``-token row (LoRA, the base in
+    ``dtype``): the base weights (float32; bf16 matmul weights take ~0.71x), the activations
+    kept with :func:`checkpoint_layer_count`'s recompute, the LM head's chunk and the runtime.
+    An estimate (SmolLM2 bf16, measured against it in docs/long-sequences.md)."""
+    layers = max(1, _int(config, "num_hidden_layers"))
+    hidden, vocab = _int(config, "hidden_size"), _int(config, "vocab_size")
+    weights = parameter_count(config) * 4
+    if dtype == "bfloat16":
+        weights = int(weights * 0.71)
+    per_layer = tokens * activation_bytes_per_token(config, dtype) // layers
+    recomputed = checkpoint_layer_count(config, dtype, tokens, mode)
+    activations = ((layers - recomputed) * per_layer + recomputed * tokens * hidden * 4
+                   + (per_layer if recomputed else 0))
+    head = 3 * HEAD_CHUNK_ROWS * vocab * 4 + tokens * hidden * 4 * 2
+    return RUNTIME_BYTES + weights + activations + head
