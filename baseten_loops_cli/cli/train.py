@@ -7,6 +7,7 @@ import typer
 
 from baseten_loops_cli.cli import train_samples
 from baseten_loops_cli.cli._state import get_state
+from baseten_loops_cli.training import kinds as _kinds  # the registry alone: no kind module is imported
 
 app = typer.Typer(
     help="Run YAML-defined SFT, RL and DPO loops on Baseten or the local backend.",
@@ -44,7 +45,7 @@ def _plan_lines(plan, loaded, backend_desc: str) -> list[str]:
 @app.command("init")
 def init(
     ctx: typer.Context,
-    kind: Annotated[str, typer.Option("--kind", help="sft, rl, dpo, kto or distill.")] = "sft",
+    kind: Annotated[str, typer.Option("--kind", help=f"{_kinds.names_text()}.")] = "sft",
     output_file: Annotated[
         Optional[Path], typer.Option("-O", "--output-file", help="Write here instead of stdout.")
     ] = None,
@@ -68,8 +69,7 @@ def init(
 
     state = get_state(ctx)
     if kind not in kinds.names():
-        names = list(kinds.names())
-        raise UsageError(f"--kind must be {', '.join(names[:-1])} or {names[-1]}, not {kind!r}")
+        raise UsageError(f"--kind must be {kinds.names_text()}, not {kind!r}")
     text = template(kind)
     if output_file is None:
         typer.echo(text, nl=False)
