@@ -333,7 +333,8 @@ def _ctrl_c_at_step(server, run_dir: Path, monkeypatch, at_step: int, overrides:
     (status, run id)."""
     from baseten_loops_cli.cli._backend import open_backend
     from baseten_loops_cli.training.service import absolute_raw
-    from baseten_loops_cli.training.kinds.dpo import run_dpo
+    from baseten_loops_cli.training.kinds.dpo import DPOSteps
+    from baseten_loops_cli.training.loop import run
     from baseten_loops_cli.training.metrics import MetricsSink
     from baseten_loops_cli.training.plan import load_data
     from baseten_loops_cli.training.rundir import RunDir
@@ -355,7 +356,7 @@ def _ctrl_c_at_step(server, run_dir: Path, monkeypatch, at_step: int, overrides:
                 stop.requested = True
 
     try:
-        status = run_dpo(session, data.train, data.eval, CtrlCAtStep(rundir), stop)
+        status = run(DPOSteps(session, data), CtrlCAtStep(rundir), stop)
         rundir.update_state(status=status)
     finally:
         session.close(deactivate=deactivate)

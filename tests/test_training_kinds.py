@@ -4,7 +4,8 @@ module, runs through `loops train init|validate|run` end to end against the real
 The toy kind ("toy") trains plain text rows ({"text": ...}) with cross-entropy on every token,
 through the same protocol routes the built-in kinds use; it declares its own config keys
 (``data.texts``, ``repeat``), data loading, plan estimate (noun "texts"), loop, main metric
-(``toy_loss``) and step fields, template and data path keys. Nothing outside the registry
+(``toy_loss``) and step fields, template and data path keys; its loop is the one every kind
+runs (training/loop.py), fed by its :class:`ToySteps` hooks. Nothing outside the registry
 knows it exists.
 """
 
@@ -22,7 +23,7 @@ from baseten_loops_cli.training import kinds
 from baseten_loops_cli.training.config import CommonConfig, Section, load_config
 from baseten_loops_cli.training.data import Example, read_jsonl, sft_datum, weighted_nll
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.session import adam_params, learning_rate, save_checkpoint, save_if_stopped
+from baseten_loops_cli.training.loop import ProtocolLoss, StepHooks, StepWork, total_steps
 from tests.cli_support import TINY, loops
 
 
@@ -47,36 +48,34 @@ def _load(loaded, tokenizer) -> LoadedData:
     return LoadedData(tokenizer, rows, None)
 
 
-def _steps(config, n: int) -> int:
-    steps = n * config.repeat
-    return min(steps, config.max_steps) if config.max_steps else steps
+class ToySteps(StepHooks):
+    """One text a step, in order, ``repeat`` times over: cross-entropy on every token."""
+
+    main_metric = "toy_loss"
+
+    def rows_per_step(self) -> int:
+        return 1
+
+    def epochs(self) -> int:
+        return self.config.repeat
+
+    def shuffle(self) -> bool:
+        return False
+
+    def step(self, step: int, rows: list[int], version: int) -> StepWork:
+        datums = [sft_datum(self.data.train[i]) for i in rows]
+
+        def fields(result: dict | None) -> dict:
+            nll, trained = weighted_nll(datums, result["loss_fn_outputs"])
+            return {"toy_loss": nll, "trained_tokens": trained}
+
+        return StepWork(datums, ProtocolLoss("cross_entropy"), fields_from=fields)
 
 
 def _estimate(config, data: LoadedData) -> Estimate:
-    steps = _steps(config, len(data.train))
+    steps = total_steps(len(data.train), 1, config.repeat, config.max_steps)
     tokens = sum(len(data.train[s % len(data.train)].tokens) - 1 for s in range(steps))
     return Estimate(steps, tokens, notes=["toy: one text per step"])
-
-
-def _run(session, data: LoadedData, sink, stop) -> str:
-    config = session.config
-    steps = _steps(config, len(data.train))
-    sink.start(steps, session.start_step, "toy_loss")
-    step = session.start_step
-    while step < steps:
-        if save_if_stopped(session, stop, step):
-            return "interrupted"
-        datums = [sft_datum(data.train[step % len(data.train)])]
-        lr = learning_rate(config.optimizer, step, steps)
-        fb = session.trainer.forward_backward(datums, "cross_entropy")
-        optim = session.trainer.optim_step(adam_params(config.optimizer, lr))
-        nll, trained = weighted_nll(datums, fb.result()["loss_fn_outputs"])
-        optim.result()
-        step += 1
-        sink.step({"step": step, "toy_loss": nll, "trained_tokens": trained, "learning_rate": lr, "policy_version": step})
-    record = save_checkpoint(session, steps, final=True)
-    sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
-    return "completed"
 
 
 TOY = Kind(
@@ -90,7 +89,7 @@ TOY = Kind(
     template=lambda: f"kind: toy\nname: my-toy\nbase_model: {TINY}\ndata:\n  texts: texts.jsonl\n",
     load_data=_load,
     estimate=_estimate,
-    run=_run,
+    hooks=ToySteps,
 )
 
 

@@ -33,7 +33,9 @@ def test_ctrl_c_at_the_last_step_then_resume_in_a_new_run_with_lineage(local_ser
     from baseten_loops_cli.training.plan import load_data
     from baseten_loops_cli.training.rundir import RunDir
     from baseten_loops_cli.training.session import StopRequested, open_session
-    from baseten_loops_cli.training.kinds.sft import run_sft
+    from baseten_loops_cli.training.kinds import LoadedData
+    from baseten_loops_cli.training.kinds.sft import SFTSteps
+    from baseten_loops_cli.training.loop import run
 
     for key, value in local_server.env.items():
         monkeypatch.setenv(key, value)
@@ -51,7 +53,7 @@ def test_ctrl_c_at_the_last_step_then_resume_in_a_new_run_with_lineage(local_ser
             if record["step"] == 2:
                 stop.requested = True  # what the SIGINT handler does, during the last step
 
-    status = run_sft(session, data.train, None, CtrlCDuringLastStep(rundir), stop)
+    status = run(SFTSteps(session, LoadedData(data.tokenizer, data.train, None)), CtrlCDuringLastStep(rundir), stop)
     assert status == "interrupted"  # -> exit 130 in `loops train run`, like any other step
     assert rundir.last_checkpoint()["step"] == 2 and rundir.last_checkpoint()["name"] != "final"
     rundir.update_state(status=status)

@@ -87,7 +87,6 @@ def kinds_text() -> str:
     """``sft, rl, dpo, kto or distill``: the training kinds as the registry names them, for help
     texts. The registry module lists them without importing any kind (``loops --help`` stays free
     of pydantic, yaml and torch)."""
-    from baseten_loops_cli.training.kinds import names
+    from baseten_loops_cli.training.kinds import names_text
 
-    kinds = list(names())
-    return kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + f" or {kinds[-1]}"
+    return names_text(quoted=False)

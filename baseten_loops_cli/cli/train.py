@@ -69,8 +69,7 @@ def init(
 
     state = get_state(ctx)
     if kind not in kinds.names():
-        names = list(kinds.names())
-        raise UsageError(f"--kind must be {', '.join(names[:-1])} or {names[-1]}, not {kind!r}")
+        raise UsageError(f"--kind must be {kinds.names_text()}, not {kind!r}")
     text = template(kind)
     if output_file is None:
         typer.echo(text, nl=False)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError, ExitCode, UsageError
 from baseten_loops_cli.training.formats.spec import SOURCE_TAGS
@@ -246,22 +246,25 @@ class CommonConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     batch_size: int = Field(8, ge=1)
     epochs: int = Field(1, ge=1)
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Train exactly this many steps: wins over epochs and cycles the data (HF Trainer, TRL).")
     eval_every: int = Field(0, ge=0)
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     pricing: PricingConfig = Field(default_factory=PricingConfig)
     eval: EvalConfig | None = Field(None, description="Evaluate the final checkpoint when training ends.")
     sweep: SweepConfig | None = Field(None, description="What `loops train sweep` varies (ignored by `train run`).")
-    EVAL_SUPPORTED: ClassVar[bool] = True  # the loop ends with final_eval.evaluate_final()
     # Sections whose keys may all be commented out (`logging:` alone means the defaults).
     SECTIONS: ClassVar[tuple[str, ...]] = ("optimizer", "checkpointing", "logging", "pricing", "eval")
 
     @field_validator("eval", mode="before")
     @classmethod
-    def _eval_shorthand(cls, value: Any) -> Any:
+    def _eval_shorthand(cls, value: Any, info: ValidationInfo) -> Any:
+        from baseten_loops_cli.training import kinds
+
         value = {} if value is True else None if value is False else value
-        if value is not None and not cls.EVAL_SUPPORTED:
+        kind = info.data.get("kind")
+        # The loop ends with final_eval.evaluate_final() for a kind that defines its eval task.
+        if value is not None and kind in kinds.names() and not kinds.can_score(kind):
             raise ValueError("not offered for this kind; score the final checkpoint with `loops eval RUN:final --data FILE`")
         return value
 

@@ -1,4 +1,4 @@
-"""Keeping the trainer busy: the loops submit step N+1 before they wait for step N.
+"""Keeping the trainer busy: the loop (training/loop.py) submits step N+1 before it waits for step N.
 
 The trainer runs a run's ops in ``seq_id`` order, so a loop can submit ``forward_backward``,
 ``optim_step``, an eval's ``forward`` passes and a checkpoint save back to back and wait for
@@ -65,8 +65,8 @@ class StepClock:
 
 def step_record(step: int, steps: int, clock: StepClock, *, learning_rate: float, tokens: int,
                 optim_result: dict, **metrics: Any) -> dict:
-    """One step's metrics record, the fields every supervised loop (SFT, DPO) writes, around the
-    loop's own ``metrics`` (loss, preference accuracy, ...)."""
+    """One step's metrics record, the fields the loop writes for every kind, around the kind's
+    own ``metrics`` (loss, preference accuracy, reward, ...)."""
     elapsed, time_s = clock.lap()
     record = {
         "step": step,

@@ -251,8 +251,6 @@ def make_plan(loaded: LoadedConfig, data: LoadedData, capabilities: Any) -> Plan
         notes.append("the time estimate leaves out provisioning (a cold trainer can take minutes)")
         if cost is None:
             notes.append("no cost estimate: set pricing.* in the config to get one")
-    if config.max_steps and steps < config.max_steps:
-        notes.append(f"max_steps {config.max_steps} is more than the data gives ({steps} steps)")
     notes += estimate.notes
     if capabilities.calibrated_plans:  # this machine trains: will the longest row fit?
         notes += memory_notes(config, data)

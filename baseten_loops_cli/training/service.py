@@ -133,7 +133,7 @@ def check_on_backend(client: Any, loaded: LoadedConfig) -> list[str]:
     kind = kinds.of(loaded.config)
     if kind.check is not None:
         kind.check(client, loaded)
-    reward = getattr(loaded.config, "reward", None)
+    reward = getattr(loaded.config, kind.reward_key) if kind.reward_key else None
     for index, spec in enumerate(reward if isinstance(reward, list) else [reward]):
         if getattr(spec, "judge", None) is None:
             continue
@@ -141,8 +141,8 @@ def check_on_backend(client: Any, loaded: LoadedConfig) -> list[str]:
         # a base model it serves), before capacity is provisioned.
         from baseten_loops_cli.training.judge import Judge
 
-        keys = ("reward", index, "judge") if isinstance(reward, list) else ("reward", "judge")
-        Judge(spec.judge, where=f"{loaded.where(*keys)}: reward.judge").check(client)
+        keys = (kind.reward_key, index, "judge") if isinstance(reward, list) else (kind.reward_key, "judge")
+        Judge(spec.judge, where=f"{loaded.where(*keys)}: {kind.reward_key}.judge").check(client)
     return notes
 
 
@@ -375,6 +375,7 @@ def _train(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir,
     is left billing.
     """
     from baseten_loops_cli.training import kinds
+    from baseten_loops_cli.training import loop as train_loop
     from baseten_loops_cli.training.metrics import MetricsSink, open_wandb
     from baseten_loops_cli.training.rewards import RewardError
     from baseten_loops_cli.training.session import StopRequested, open_session, save_checkpoint
@@ -414,7 +415,7 @@ def _train(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir,
                 announce(note)
             sink = MetricsSink(rundir, view, wandb=wandb, trackers=trackers, step_fields=kind.step_fields)
             try:
-                status = kind.run(session, data, sink, stop)
+                status = train_loop.run(kind.hooks(session, data), sink, stop)
             except RewardError:
                 # The run stops on a broken reward, but keeps what it learned so far: the
                 # trainer is at the last step recorded in metrics.jsonl.

@@ -22,7 +22,7 @@ optimizer:
   # grad_clip_norm: 1.0         # 0 = off
 
 epochs: 1
-# max_steps: 100                # stop early
+# max_steps: 100                # train exactly this many steps (wins over epochs; cycles the data)
 eval_every: 0                   # steps between evals (0 = only at the end)
 
 checkpointing:

@@ -43,8 +43,6 @@ KEY_FIELD = {
 }
 # The fields a row of a format needs all of (the first missing one is named).
 REQUIRED = {"unpaired_preference": ("completion", "label"), "preference": ("chosen", "rejected")}
-# The kind that reads each purpose's rows (for messages: "a paired row under kind: kto").
-PURPOSE_KIND = {"sft": "sft", "prompts": "rl", "preference": "dpo", "unpaired": "kto"}
 EXPECTED = ("expected a 'messages' list, ShareGPT 'conversations', Alpaca 'instruction'/'output', "
             "'prompt'/'completion', 'chosen'/'rejected' or 'text'")
 FORMATS_HINT = ("Map the columns: data.columns in a config ({prompt: question, completion: answer}), "
@@ -115,8 +113,9 @@ def detect(rows: list[tuple[str, dict]], label: str, forced: str | None = None,
             # The mistake users make most with preference data: thumbs-up/down rows among pairs.
             looks = ("this is an unpaired row ('completion'/'label')" if kind == "unpaired_preference"
                      else "this is a paired row ('chosen'/'rejected')")
-            if purpose in PURPOSE_KIND:
-                looks += f" under kind: {PURPOSE_KIND[purpose]}"
+            reader = _kind_reading(purpose)
+            if reader is not None:
+                looks += f" under kind: {reader}"
             hint = ("Pairs (chosen/rejected) train with kind: dpo, unpaired rows (completion + label) "
                     "with kind: kto; keep one kind of row per file.")
         raise ConfigError(
@@ -273,11 +272,18 @@ def _alpaca_prompt(r: _Row) -> list[dict]:
     return messages
 
 
+def _kind_reading(purpose: str) -> str | None:
+    """The kind that reads ``purpose`` rows, from the registry (for messages)."""
+    from baseten_loops_cli.training import kinds
+
+    return kinds.reading(purpose)
+
+
 def _wrong_purpose(r: _Row, purpose: str) -> ConfigError:
     needs = {"sft": "a reply to train on (messages, conversations, output or completion)",
              "prompts": "a prompt", "preference": "a 'chosen' and a 'rejected' reply",
              "unpaired": "a 'completion' and a 'label'"}[purpose]
-    kind = PURPOSE_KIND[purpose]
+    kind = _kind_reading(purpose)
     paired = r.has("chosen") and r.has("rejected")
     if purpose == "unpaired" and paired:
         return r.error(

@@ -1,8 +1,9 @@
 """The registry of training kinds: the one table that maps a config's ``kind:`` to its plug-in.
 
-A kind is one module here (``sft.py``, ``rl.py``, ``dpo.py``, ``kto.py``) that ends with ``KIND = Kind(...)``:
+A kind is one module here (``sft.py``, ``rl.py``, ``dpo.py``, ``kto.py``, ``distill.py``) that ends with ``KIND = Kind(...)``:
 its config model (the pydantic class of the whole config, built on ``config.CommonConfig``), its
-data loading, its plan estimate, its loop, its main metric and step fields, its ``train init``
+data loading, its plan estimate, its hooks into the one training loop (``training/loop.py``:
+the step's datums and loss, its record fields, its eval), its main metric and step fields, its ``train init``
 template, the config keys that name data files, and how its ``eval:`` task is built. Nothing
 outside this package asks which kind a config is: config loading, plans, the training service,
 ``train init`` and ``loops eval --config`` all go through :func:`get`.
@@ -21,8 +22,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from baseten_loops_cli.training.config import LoadedConfig
-    from baseten_loops_cli.training.metrics import MetricsSink
-    from baseten_loops_cli.training.session import StopRequested, TrainingSession
+    from baseten_loops_cli.training.loop import StepHooks
 
 # kind -> the module that defines it (its KIND), in the order messages list them.
 _BUILTIN = {
@@ -89,11 +89,12 @@ class Kind:
     template: Callable[[], str]  # `loops train init --kind NAME`
     load_data: Callable[["LoadedConfig", Any], LoadedData]  # (loaded, tokenizer): every row checked
     estimate: Callable[[Any, LoadedData], Estimate]  # (config, data)
-    run: Callable[["TrainingSession", LoadedData, "MetricsSink", "StopRequested"], str]  # -> completed | interrupted
+    hooks: type["StepHooks"]  # its part of the one training loop (training/loop.py), made with (session, data)
     eval_data_key: tuple[str, str] | None = None  # the config key of the default eval data (`eval:` and `loops eval --config`)
     train_data_key: tuple[str, str] = ("data", "train")  # the config key of the training rows (what from_train holds out of)
     eval_task: Callable[..., Any] | None = None  # (loaded, data, *, limit, seed, samples, k) -> evaluation.EvalTask
     code_keys: tuple[tuple[str, ...], ...] = ()  # keys whose value may be path/to/file.py:function (RL: reward)
+    reward_key: str | None = None  # the key of its reward(s) (RL, distill: reward): judges are checked before provisioning
     capabilities_use_case: str = "sft"  # the backend's model list that must offer base_model (sft, rl)
     check: Callable[[Any, "LoadedConfig"], None] | None = None  # (client, loaded): before provisioning
     # Its rows, for the data layer and `loops data check|preview`:
@@ -128,9 +129,10 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def names_text() -> str:
-    """``'sft', 'rl', 'dpo', 'kto' or 'distill'``: the registered kinds, for messages."""
-    kinds = [repr(k) for k in names()]
+def names_text(*, quoted: bool = True) -> str:
+    """``'sft', 'rl', 'dpo', 'kto' or 'distill'``: the registered kinds, for messages (unquoted
+    for help texts)."""
+    kinds = [repr(k) if quoted else k for k in names()]
     return kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + f" or {kinds[-1]}"
 
 
@@ -142,6 +144,18 @@ def get(name: str) -> Kind:
         entry = importlib.import_module(entry).KIND
         _REGISTRY[name] = entry
     return entry
+
+
+def reading(purpose: str) -> str | None:
+    """The first registered kind whose loader reads ``purpose`` rows (``row_purpose``), for
+    messages ("a paired row under kind: kto"); None when no kind reads them."""
+    return next((name for name in names() if get(name).row_purpose == purpose), None)
+
+
+def can_score(name: str) -> bool:
+    """Whether the kind defines an eval task: its config may have an ``eval:`` block (the loop
+    scores the final checkpoint) and ``loops eval --config`` takes it."""
+    return get(name).eval_task is not None
 
 
 def of(config: Any) -> Kind:

@@ -30,7 +30,8 @@ from baseten_loops_cli.training.config import CommonConfig, RewardConfig, Sampli
 from baseten_loops_cli.training.data import Prompt, rl_datum
 from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.session import StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped
+from baseten_loops_cli.training.loop import Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
+from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
 from baseten_loops_cli.training.teacher import (
     Endpoint, ServedModel, TeacherScores, ascore_with_sampler, check_same_tokenizer, is_checkpoint_ref,
@@ -68,7 +69,6 @@ class TeacherConfig(Section):
 
 class DistillConfig(CommonConfig):
     SECTIONS = CommonConfig.SECTIONS + ("sampling",)
-    EVAL_SUPPORTED = False
     kind: Literal["distill"]
     data: DistillData
     teacher: TeacherConfig
@@ -137,23 +137,14 @@ def check(client: Any, loaded: Any) -> None:
                              teacher_name=f"{teacher.model} ({checkpoint.base_model})", where=loaded.where("teacher"))  # fmt: skip
 
 
-def total_steps(n_prompts: int, config) -> int:
-    per_epoch = max(1, n_prompts // config.groups_per_batch)
-    steps = per_epoch * config.epochs
-    return min(steps, config.max_steps) if config.max_steps else steps
-
-
 def prompts_for_step(prompts: list[Prompt], step: int, config) -> list[Prompt]:
-    from baseten_loops_cli.training.data import batches_for_step
-
-    idx = batches_for_step(len(prompts), config.groups_per_batch, step, seed=config.seed, shuffle=config.data.shuffle)
-    return [prompts[i] for i in idx]
+    return [prompts[i] for i in step_rows(len(prompts), config.groups_per_batch, step, config, shuffle=config.data.shuffle)]
 
 
 def estimate(config, data: LoadedData) -> Estimate:
     """Upper bounds: every completion at ``sampling.max_tokens``; the teacher scores each
     prompt + completion once (a forward pass, no backward), and each eval prompt once per eval."""
-    steps = total_steps(len(data.train), config)
+    steps = total_steps(len(data.train), config.groups_per_batch, config.epochs, config.max_steps)
     completions = config.groups_per_batch * config.group_size
     prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in prompts_for_step(data.train, step, config))
     sample_tokens = steps * completions * config.sampling.max_tokens
@@ -300,92 +291,70 @@ def evaluate(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward,
     return out
 
 
-def run_distill(session: TrainingSession, prompts: list[Prompt], eval_prompts: list[Prompt] | None, tokenizer: Any,
-                reward: tuple[str, Any] | None, sink, stop: StopRequested) -> str:
-    config = session.config
-    steps = total_steps(len(prompts), config)
-    opt = config.optimizer
-    sink.start(steps, session.start_step, "reverse_kl")
-    from baseten_loops_cli.training.judge import JudgeMeter
+class DistillSteps(StepHooks):
+    """Per step: the student samples ``group_size`` completions of each prompt with its current
+    weights, the teacher scores every token, and the datums carry the per-token advantage."""
 
-    teacher = Teacher(session)
-    judges = JudgeMeter([reward[1]] if reward else [], session)  # judges sample on the run's backend
-    started = time.monotonic()
-    try:
-        step = session.start_step
-        published = session.trainer.save_weights_for_sampler(f"distill-{step:06d}", bump_version=True).result()
-        version = int(published.get("version") or step)
-        if step == 0 and eval_prompts:
-            # Where the student starts: a step-0 record (as DPO's) for the before/after comparison.
-            before = evaluate(session, teacher, tokenizer, reward, eval_prompts, config, version)
-            sink.step({"step": 0, **before})
-            sink.message("Before training: teacher agreement {:.1%}, reverse KL {:.3f}".format(
-                before["eval_teacher_agreement"], before["eval_reverse_kl"]))
-        while step < steps:
-            if save_if_stopped(session, stop, step):
-                return "interrupted"
-            step_started = time.monotonic()
-            batch_prompts = prompts_for_step(prompts, step, config)
-            groups = sample_and_score(session, teacher, tokenizer, reward, batch_prompts, n=config.group_size,
-                                      sampling=config.sampling, seed=config.seed * 1_000_003 + step * 1009, version=version)  # fmt: skip
-            sample_time = time.monotonic() - step_started
-            datums, kl_terms = datums_of(groups, config)
-            lr = learning_rate(opt, step, steps)
-            fb = session.trainer.forward_backward(datums, LOSS) if datums else None
-            optim = session.trainer.optim_step(adam_params(opt, lr if datums else 0.0))
-            step += 1
-            publish = session.trainer.save_weights_for_sampler(f"distill-{step:06d}", bump_version=True)
-            metrics_out = (fb.result().get("metrics") or {}) if fb is not None else {}
-            optim.result()
-            version = int(publish.result().get("version") or step)
-            sampled = sum(len(r.tokens) for g in groups for r in g)
-            elapsed = time.monotonic() - step_started
-            record = {
-                "step": step,
-                "reverse_kl": statistics.fmean(kl_terms) if kl_terms else float("nan"),
-                "learning_rate": lr,
-                "loss": metrics_out.get("loss:sum"),
-                "sampled_tokens": sampled,
-                "tokens_per_s": sampled / elapsed if elapsed > 0 else None,
-                "sample_time_s": sample_time,
-                "step_time_s": elapsed,
-                "time_s": time.monotonic() - started,
-                "progress": step / steps,
-            }
-            rewards = [r.reward for g in groups for r in g if r.reward is not None]
-            if rewards:
-                record["reward"] = statistics.fmean(rewards)
-            sink.samples([
-                {"step": step, "prompt": r.prompt.text, "completion": r.text, "stop_reason": r.stop_reason,
-                 "reverse_kl": statistics.fmean(s - t for s, t in zip(r.logprobs, r.teacher.logprobs)) if r.teacher and r.tokens else None,
-                 **({"reward": r.reward} if r.reward is not None else {})}
-                for g in groups for r in g
-            ])  # fmt: skip
-            try:
-                if eval_prompts and config.eval_every and step % config.eval_every == 0:
-                    record.update(evaluate(session, teacher, tokenizer, reward, eval_prompts, config, version))
-            finally:
-                record.update(judges.step_metrics())  # the judge's requests and tokens of this step
-                sink.step(record)
-            if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
-                save_checkpoint(session, step)
-        if save_if_stopped(session, stop, step):
-            return "interrupted"
-        if eval_prompts:
-            final = evaluate(session, teacher, tokenizer, reward, eval_prompts, config, version)
-            sink.message("Final eval: teacher agreement {:.1%}, reverse KL {:.3f}".format(
-                final["eval_teacher_agreement"], final["eval_reverse_kl"]))
-            sink.final({"step": steps, **final, **judges.step_metrics()})
-        record = save_checkpoint(session, steps, final=True)
-        sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
-        return "completed"
-    finally:
-        teacher.close()
-        judges.close()
+    main_metric = "reverse_kl"
+    on_policy = True
+    baseline_eval = True
+
+    def rows_per_step(self) -> int:
+        return self.config.groups_per_batch
+
+    def begin(self, loop: Loop) -> None:
+        from baseten_loops_cli.training.judge import JudgeMeter
+
+        reward = self.data.reward
+        self.teacher = Teacher(self.session)
+        self.judges = JudgeMeter([reward[1]] if reward else [], self.session)  # judges sample on the run's backend
+
+    def step(self, step: int, rows: list[int], version: int) -> StepWork:
+        config, started = self.config, time.monotonic()
+        groups = sample_and_score(self.session, self.teacher, self.data.tokenizer, self.data.reward,
+                                  [self.data.train[i] for i in rows], n=config.group_size, sampling=config.sampling,
+                                  seed=config.seed * 1_000_003 + step * 1009, version=version)  # fmt: skip
+        datums, kl_terms = datums_of(groups, config)
+        sampled = sum(len(r.tokens) for g in groups for r in g)
+        fields = {"reverse_kl": statistics.fmean(kl_terms) if kl_terms else float("nan"), "sampled_tokens": sampled,
+                  "sample_time_s": time.monotonic() - started}
+        rewards = [r.reward for g in groups for r in g if r.reward is not None]
+        if rewards:
+            fields["reward"] = statistics.fmean(rewards)
+        samples = [
+            {"step": step + 1, "prompt": r.prompt.text, "completion": r.text, "stop_reason": r.stop_reason,
+             "reverse_kl": statistics.fmean(s - t for s, t in zip(r.logprobs, r.teacher.logprobs)) if r.teacher and r.tokens else None,
+             **({"reward": r.reward} if r.reward is not None else {})}
+            for g in groups for r in g
+        ]  # fmt: skip
+        return StepWork(datums, ProtocolLoss(LOSS), fields, _loss_sum, samples, tokens=sampled)
+
+    def submit_eval(self, version: int) -> Waiter | None:
+        prompts = self.data.eval
+        if not prompts:
+            return None
+        return lambda: evaluate(self.session, self.teacher, self.data.tokenizer, self.data.reward, prompts, self.config,
+                                version)
+
+    def record_extras(self) -> dict:
+        return self.judges.step_metrics()  # the judge's requests and tokens since the last record
+
+    def baseline_line(self, baseline: dict) -> str | None:
+        return "Before training: teacher agreement {:.1%}, reverse KL {:.3f}".format(
+            baseline["eval_teacher_agreement"], baseline["eval_reverse_kl"])
+
+    def final_line(self, baseline: dict | None, last: dict) -> str | None:
+        return "Final eval: teacher agreement {:.1%}, reverse KL {:.3f}".format(
+            last["eval_teacher_agreement"], last["eval_reverse_kl"])
+
+    def close(self) -> None:
+        for opened in (getattr(self, "teacher", None), getattr(self, "judges", None)):
+            if opened is not None:
+                opened.close()
 
 
-def _run(session: TrainingSession, data: LoadedData, sink, stop: StopRequested) -> str:
-    return run_distill(session, data.train, data.eval, data.tokenizer, data.reward, sink, stop)
+def _loss_sum(result: dict | None) -> dict:
+    return {"loss": ((result or {}).get("metrics") or {}).get("loss:sum")}
 
 
 TEMPLATE = """\
@@ -435,8 +404,9 @@ KIND = Kind(
     template=lambda: TEMPLATE.format(name="my-distill", lr="1.0e-4", schedule="constant"),
     load_data=load_data,
     estimate=estimate,
-    run=_run,
+    hooks=DistillSteps,
     code_keys=(("reward",), ("reward", "fn")),
+    reward_key="reward",
     capabilities_use_case="rl",
     check=check,
     title="On-policy distillation",

@@ -8,12 +8,11 @@ Arrow, folders, hub datasets; ``data.columns``, mixtures, ``eval: {from_train: .
 another example's completion, ``kto_data.kl_examples``) gives the batch's KL estimate ``z0``.
 
 Before step 1 the reference scores every example and KL sequence of both splits once, as DPO's
-sequences (``dpo.reference_scores``: kept in ``reference_logprobs.jsonl``, reused on resume).
+sequences (``preference.reference_scores``: kept in ``reference_logprobs.jsonl``, reused on resume).
 Per step, the SDK's custom-loss path (``preference_losses.submit_custom_loss``): one ``/forward``
 of the batch's examples and their KL sequences, the KTO loss and its gradient in closed form on
 the client, then a weighted ``cross_entropy`` ``/forward_backward`` of the examples only (no
-gradient through ``z0``), and ``optim_step``; the loop is the one DPO uses
-(``dpo.preference_loop``). Metrics: ``loss``, ``desirable_reward`` / ``undesirable_reward``
+gradient through ``z0``), and ``optim_step``, in the one loop of training/loop.py (:class:`KTOSteps`). Metrics: ``loss``, ``desirable_reward`` / ``undesirable_reward``
 (``beta`` times the log-ratio, means over each label), ``reward_margin`` (their difference) and
 ``kl_estimate``, with ``eval_`` twins on ``data.eval``.
 """
@@ -30,15 +29,14 @@ from baseten_loops_cli.training.config import CommonConfig, Section, config_erro
 from baseten_loops_cli.training.data import Example, batches_for_step
 from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.kinds.dpo import (
-    StepSubmission, check_reference, param_error, preference_loop, reference_scores, reference_value, rows_to_train,
-    sequence_datum, submit_preference_step,
+from baseten_loops_cli.training.loop import CustomLoss, StepWork, Waiter, total_steps
+from baseten_loops_cli.training.preference import (
+    PreferenceSteps, check_reference, param_error, reference_value, rows_to_train, sequence_datum,
 )  # fmt: skip
-from baseten_loops_cli.training.kinds.sft import total_steps
-from baseten_loops_cli.training.session import StopRequested, TrainingSession, save_if_stopped
+from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
 
-__all__ = ["KIND", "KTOConfig", "KTOItem", "read_examples", "run_kto"]
+__all__ = ["KIND", "KTOConfig", "KTOItem", "KTOSteps", "read_examples"]
 
 
 class KTOData(Section, FormatOptions):
@@ -48,7 +46,6 @@ class KTOData(Section, FormatOptions):
 
 
 class KTOConfig(CommonConfig):
-    EVAL_SUPPORTED = False
     kind: Literal["kto"]
     data: KTOData
     loss: str = Field("kto", description="Always kto (the paired losses are kind: dpo's).")
@@ -142,8 +139,8 @@ def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None 
 def estimate(config, data: LoadedData) -> Estimate:
     """Exact: each step's examples are trained; their KL sequences are only scored (the step's
     ``/forward`` scores both); before step 1 the reference scores every example and KL sequence
-    the run uses once (dpo.rows_to_train and the eval split)."""
-    steps = total_steps(len(data.train), config)
+    the run uses once (preference.rows_to_train and the eval split)."""
+    steps = total_steps(len(data.train), config.batch_size, config.epochs, config.max_steps)
     batches = [batches_for_step(len(data.train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)
                for step in range(steps)]
     train_tokens = sum(len(data.train[i].example.tokens) for batch in batches for i in batch)
@@ -164,13 +161,13 @@ def estimate(config, data: LoadedData) -> Estimate:
     return Estimate(steps, train_tokens, 0, scored_tokens=reference + step_forward, notes=notes)
 
 
-def _datums(items: list[KTOItem], scores: dict[str, list[float]]) -> tuple[list[dict], list[dict], list[bool]]:
+def _datums(items: list[KTOItem], scores: dict[str, list[float]] | None) -> tuple[list[dict], list[dict], list[bool]]:
     """The examples' datums, their KL sequences' datums (scored, never trained) and labels."""
     return ([sequence_datum(item.example, scores) for item in items], [sequence_datum(item.kl, scores) for item in items],
             [item.label for item in items])
 
 
-def submit_eval(session: TrainingSession, items: list[KTOItem], scores: dict[str, list[float]]) -> Any:
+def submit_eval(session: TrainingSession, items: list[KTOItem], scores: dict[str, list[float]] | None) -> Waiter:
     """Submit the eval split's ``/forward`` passes (examples and KL sequences) now; the returned
     function waits for them and gives the KTO metrics of the whole split, prefixed ``eval_``."""
     config = session.config
@@ -194,39 +191,29 @@ def submit_eval(session: TrainingSession, items: list[KTOItem], scores: dict[str
     return metrics
 
 
-def run_kto(session: TrainingSession, train: list[KTOItem], eval_items: list[KTOItem] | None, sink: Any,
-            stop: StopRequested) -> str:
-    """Train to the end ("completed") or until Ctrl-C ("interrupted"); records go to ``sink``."""
-    config = session.config
-    params = config.loss_params
-    sink.start(total_steps(len(train), config), session.start_step, "loss")
-    items = [train[i] for i in rows_to_train(len(train), config, session.start_step)] + (eval_items or [])
-    scores = reference_scores(session, [s for item in items for s in (item.example, item.kl)], sink, stop)
-    if save_if_stopped(session, stop, session.start_step):
-        return "interrupted"
+class KTOSteps(PreferenceSteps):
+    """Per step, the custom-loss path: the batch's examples trained, their KL sequences scored
+    in the same ``/forward`` (no gradient through ``z0``)."""
 
-    def submit_step(indices: list[int]) -> StepSubmission:
-        datums, kls, labels = _datums([train[i] for i in indices], scores)
+    def sequences(self, row: KTOItem) -> list:
+        return [row.example, row.kl]
+
+    def step(self, step: int, rows: list[int], version: int) -> StepWork:
+        params = self.config.loss_params
+        datums, kls, labels = _datums([self.data.train[i] for i in rows], self.scores)
         n = len(datums)
-        return submit_preference_step(
-            session, datums, kls, lambda seqs: pl.kto_loss(seqs[:n], labels, seqs[n:], params), None,
-            {"examples": n, "desirable": sum(labels)},
-        )
+        loss = CustomLoss(lambda seqs: pl.kto_loss(seqs[:n], labels, seqs[n:], params), extra=kls)
+        return StepWork(datums, loss, {"examples": n, "desirable": sum(labels)})
 
-    def summary(baseline: dict | None, last: dict) -> str:
+    def submit_eval(self, version: int) -> Waiter | None:
+        return submit_eval(self.session, self.data.eval, self.scores) if self.data.eval else None
+
+    def final_line(self, baseline: dict | None, last: dict) -> str | None:
         margin = "eval_reward_margin"
         # round(...) + 0.0: a baseline of float noise (-1e-7) reads 0.000, not -0.000
         start = f"{round(baseline[margin], 3) + 0.0:.3f} -> " if baseline and margin in baseline else ""
         return (f"Eval: desirable-vs-undesirable reward margin {start}{last.get(margin, float('nan')):.3f}, "
                 f"KL estimate {last['eval_kl_estimate']:.3f}, loss {last['eval_loss']:.4f}")
-
-    return preference_loop(session, len(train), sink, stop, submit_step=submit_step,
-                           submit_eval=(lambda: submit_eval(session, eval_items, scores)) if eval_items else None,
-                           summary=summary)
-
-
-def _run(session: TrainingSession, data: LoadedData, sink: Any, stop: StopRequested) -> str:
-    return run_kto(session, data.train, data.eval, sink, stop)
 
 
 TEMPLATE = """\
@@ -268,7 +255,7 @@ KIND = Kind(
     template=lambda: TEMPLATE.format(name="my-kto", lr="5.0e-5", schedule="linear"),
     load_data=load_data,
     estimate=estimate,
-    run=_run,
+    hooks=KTOSteps,
     eval_data_key=("data", "eval"),
     eval_task=None,  # labelled completions are not rows `loops eval` scores (no `eval:` block)
     capabilities_use_case="rl",  # needs a sampler (the reference) as DPO does

@@ -6,6 +6,9 @@ advantage = reward - group mean, drop groups whose rewards are all equal (no sig
 datums carrying the sampler's logprobs, then ``forward_backward`` with the configured loss and
 ``optim_step``.
 
+The loop (training/loop.py) drives it through :class:`RLSteps`: ``gather`` (the rollouts),
+``advantages`` (the datums) and ``loss`` are the three hooks an RL algorithm overrides.
+
 ``max_steps_off_policy: 0`` is synchronous (sample with the weights of this very step).
 ``N >= 1`` overlaps: the next batch is sampled while this one trains. Each group is tagged
 with the policy version that sampled it, and a group more than N versions behind the trainer
@@ -19,7 +22,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -29,9 +32,8 @@ from baseten_loops_cli.training.data import Prompt, rl_datum
 from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.rewards import completion_text
-from baseten_loops_cli.training.session import (
-    StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped,
-)  # fmt: skip
+from baseten_loops_cli.training.loop import Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
+from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
 
 # Builtin rewards that compare against the row's "answer": a row without one fails at load time.
@@ -145,7 +147,7 @@ def load_env_rows(data, tokenizer: Any, **_: Any) -> list[Prompt]:
 def estimate(config, data: LoadedData) -> Estimate:
     """Each step's real prompts and ``sampling.max_tokens`` per completion: upper bounds
     (completions may stop early; groups without signal are not trained)."""
-    steps = total_steps(len(data.train), config)
+    steps = steps_of(config, len(data.train))
     completions = config.groups_per_batch * config.group_size
     prompt_tokens = sum(len(p.tokens) for step in range(steps) for p in prompts_for_step(data.train, step, config))
     turns = config.max_turns if config.env else 1
@@ -234,17 +236,12 @@ class Batch:
         return min(self.versions) if self.versions else 0
 
 
-def total_steps(n_prompts: int, config) -> int:
-    per_epoch = max(1, n_prompts // config.groups_per_batch)
-    steps = per_epoch * config.epochs
-    return min(steps, config.max_steps) if config.max_steps else steps
-
-
 def prompts_for_step(prompts: list[Prompt], step: int, config) -> list[Prompt]:
-    from baseten_loops_cli.training.data import batches_for_step
+    return [prompts[i] for i in step_rows(len(prompts), config.groups_per_batch, step, config, shuffle=config.data.shuffle)]
 
-    idx = batches_for_step(len(prompts), config.groups_per_batch, step, seed=config.seed, shuffle=config.data.shuffle)
-    return [prompts[i] for i in idx]
+
+def steps_of(config, n_prompts: int) -> int:
+    return total_steps(n_prompts, config.groups_per_batch, config.epochs, config.max_steps)
 
 
 class Rollouts:
@@ -425,9 +422,17 @@ class Rollouts:
         return Batch(step, [g for g, _ in tagged], [v for _, v in tagged], time.monotonic() - started)
 
 
-def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0) -> tuple[list[dict], int, float | None]:
+def group_mean_advantages(rewards: list[float]) -> list[float]:
+    """GRPO's advantages (without the std division, as the Tinker cookbook): reward - group mean."""
+    mean = statistics.fmean(rewards)
+    return [r - mean for r in rewards]
+
+
+def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0,
+            advantages: Callable[[list[float]], list[float]] = group_mean_advantages) -> tuple[list[dict], int, float | None]:
     """Datums of the groups with signal, the number of such groups, and the mean sampled-vs-base
-    KL estimate when a KL penalty is on.
+    KL estimate when a KL penalty is on. ``advantages`` maps a group's rewards to each rollout's
+    advantage (an RL algorithm's part: the group-mean baseline by default).
 
     With a penalty, each completion token's advantage becomes
     ``(reward - group mean) - kl_coef * (logp_policy - logp_base)``: the per-token k1 estimate of
@@ -442,20 +447,19 @@ def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0) -> tuple[list[dic
         if len(rewards) < 2 or (max(rewards) - min(rewards) < 1e-12 and not kl_coef):
             continue  # every rollout scored the same: no learning signal
         kept += 1
-        mean = statistics.fmean(rewards)
-        for r in group:
+        for r, adv in zip(group, advantages(rewards)):
             if r.episode is not None:
-                datum = episode_datum(r.episode, r.reward - mean)
+                datum = episode_datum(r.episode, adv)
                 if datum is not None:
                     datums.append(datum)
                 continue
             if not r.tokens or len(r.logprobs) != len(r.tokens):
                 continue
-            advantage: float | list[float] = r.reward - mean
+            advantage: float | list[float] = adv
             if kl_coef and r.base_logprobs is not None and len(r.base_logprobs) == len(r.tokens):
                 diffs = [lp - blp for lp, blp in zip(r.logprobs, r.base_logprobs)]
                 kl_terms.extend(diffs)
-                advantage = [r.reward - mean - kl_coef * d for d in diffs]
+                advantage = [adv - kl_coef * d for d in diffs]
             datums.append(rl_datum(r.prompt.tokens, r.tokens, r.logprobs, advantage))
     return datums, kept, (statistics.fmean(kl_terms) if kl_terms else None)
 
@@ -556,163 +560,136 @@ def evaluate(rollouts: Rollouts, prompts: list[Prompt], config, version: int) ->
     }
 
 
-def run_rl(
-    session: TrainingSession,
-    prompts: list[Prompt],
-    eval_prompts: list[Prompt] | None,
-    tokenizer: Any,
-    reward: tuple[str, Any],
-    sink,
-    stop: StopRequested,
-) -> str:
-    """Train to the end ("completed") or until Ctrl-C ("interrupted"); records go to ``sink``."""
-    from baseten_loops_cli.training.judge import JudgeMeter
+class AheadSampler:
+    """RL's off-policy window (``max_steps_off_policy: N``): the batches of the next N steps are
+    sampled on their own threads while this one trains. The batch for step s + k is sampled
+    with the weights published after step s, so it trains k <= N versions stale; a batch found
+    staler is resampled, never trained on."""
 
-    rollouts = Rollouts(session, tokenizer, reward)
-    judges = JudgeMeter([fn for _, fn, _ in reward or []], session)  # judges sample on the run's backend
-    try:
-        return _rl_loop(session, prompts, eval_prompts, rollouts, judges, sink, stop)
-    finally:
-        judges.close()
+    def __init__(self, sample: Callable[[int, int], Batch]) -> None:
+        self.sample = sample
+        self.ahead: dict[int, tuple[threading.Thread, dict]] = {}
 
-
-def _rl_loop(session: TrainingSession, prompts: list[Prompt], eval_prompts: list[Prompt] | None, rollouts: "Rollouts",
-             judges: Any, sink, stop: StopRequested) -> str:
-    from baseten_loops_cli.workers.types import AdamParams
-
-    config = session.config
-    steps = total_steps(len(prompts), config)
-    opt = config.optimizer
-    bound = config.max_steps_off_policy
-    warnings = HealthWarnings(config.warn_logprob_diff)
-    sink.start(steps, session.start_step, "reward")
-    started = time.monotonic()
-
-    def publish(step: int) -> int:
-        """Publish the current adapter; return the policy version the sampler must reach."""
-        result = session.trainer.save_weights_for_sampler(f"rl-{step:06d}", bump_version=True).result()
-        return int(result.get("version") or step)
-
-    def sample(step: int, version: int) -> Batch:
-        return rollouts.sample(
-            prompts_for_step(prompts, step, config), step=step, version=version,
-            n=config.group_size, sampling=config.sampling, seed=config.seed,
-        )  # fmt: skip
-
-    step = session.start_step
-    version = publish(step)
-    # Async mode: batches being sampled ahead, by step. The batch for step s + k is sampled with
-    # the weights published after step s, so it trains k <= max_steps_off_policy versions stale.
-    ahead: dict[int, tuple[threading.Thread, dict]] = {}
-
-    def prefetch(for_step: int, with_version: int) -> None:
+    def start(self, for_step: int, version: int) -> None:
+        if for_step in self.ahead:
+            return
         box: dict = {}
 
         def work() -> None:
             try:
-                box["batch"] = sample(for_step, with_version)
-            except BaseException as exc:  # surfaced on join
+                box["batch"] = self.sample(for_step, version)
+            except BaseException as exc:  # surfaced on take
                 box["error"] = exc
 
         thread = threading.Thread(target=work, name=f"loops-rl-prefetch-{for_step}", daemon=True)
         thread.start()
-        ahead[for_step] = (thread, box)
+        self.ahead[for_step] = (thread, box)
 
-    while step < steps:
-        if save_if_stopped(session, stop, step):
-            return "interrupted"
-        step_started = time.monotonic()
-        prefetched: Batch | None = None
-        if step in ahead:
-            thread, box = ahead.pop(step)
-            thread.join()
-            if "error" in box:
-                raise box["error"]
-            prefetched = box["batch"]
-        if prefetched is not None and step - prefetched.version <= bound:
-            batch = prefetched
-        else:
-            batch = sample(step, version)  # synchronous, or the prefetched batch was too stale
-        stale = step - batch.version
+    def take(self, step: int) -> Batch | None:
+        """The batch sampled ahead for ``step``, if one was (waits for it)."""
+        if step not in self.ahead:
+            return None
+        thread, box = self.ahead.pop(step)
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["batch"]
+
+
+class RLSteps(StepHooks):
+    """RL's part of the loop. Per step: gather the batch's rollouts (:meth:`gather`, through the
+    off-policy window), turn them into datums with their advantages (:meth:`advantages`), and
+    train them with the config's loss (:meth:`loss`). An RL algorithm (GSPO, DAPO, RLOO, ...)
+    overrides what it changes of these three."""
+
+    main_metric = "reward"
+    on_policy = True
+
+    def rows_per_step(self) -> int:
+        return self.config.groups_per_batch
+
+    def begin(self, loop: Loop) -> None:
+        from baseten_loops_cli.training.judge import JudgeMeter
+
+        self.sink = loop.sink
+        self.rollouts = Rollouts(self.session, self.data.tokenizer, self.data.reward)
+        self.judges = JudgeMeter([fn for _, fn, _ in self.data.reward or []], self.session)  # judges sample on the run's backend
+        self.warnings = HealthWarnings(self.config.warn_logprob_diff)
+        self.window = AheadSampler(self.sample)
+        self.steps = loop.steps
+
+    def sample(self, step: int, version: int) -> Batch:
+        config = self.config
+        prompts = [self.data.train[i] for i in self.rows(step)]
+        return self.rollouts.sample(prompts, step=step, version=version, n=config.group_size,
+                                    sampling=config.sampling, seed=config.seed)
+
+    def gather(self, step: int, version: int) -> Batch:
+        """This step's batch: sampled ahead when within the staleness bound, else now; then the
+        window is kept full for the next steps, with the weights published so far."""
+        bound = self.config.max_steps_off_policy
+        batch = self.window.take(step)
+        if batch is None or step - batch.version > bound:
+            batch = self.sample(step, version)  # synchronous, or the prefetched batch was too stale
         try:
-            check_failures(batch, config)
+            check_failures(batch, self.config)
         except Exception:
-            sink.samples([r.record(step + 1, v) for g, v in zip(batch.groups, batch.versions) for r in g])
+            self.sink.samples(self.samples(batch, step + 1))
             raise
-        # Overlap: keep the next `bound` steps sampling with the weights published so far.
-        for next_step in range(step + 1, min(step + bound, steps - 1) + 1):
-            if next_step not in ahead:
-                prefetch(next_step, version)
-        datums, kept, kl_estimate = _datums(batch.groups, config.kl_penalty_coef)
-        lr = learning_rate(opt, step, steps)
-        fb = None
-        if datums:
-            fb = session.trainer.forward_backward(datums, config.loss.name, config.loss.config or None)
-            optim = session.trainer.optim_step(adam_params(opt, lr))
-        else:
-            # No group had signal: still take the (empty) step so step == policy version.
-            optim = session.trainer.optim_step(AdamParams(learning_rate=0.0))
-        step += 1
-        # Submitted behind the optim_step (the trainer runs them in seq_id order), awaited together.
-        published = (session.trainer.save_weights_for_sampler(f"rl-{step:06d}", bump_version=True)
-                     if step < steps or eval_prompts else None)
-        fb_result = fb.result() if fb is not None else None
-        metrics_out = (fb_result.get("metrics") or {}) if fb_result is not None else {}
-        optim.result()
-        if published is not None:
-            version = int(published.result().get("version") or step)
+        for next_step in range(step + 1, min(step + bound, self.steps - 1) + 1):
+            self.window.start(next_step, version)
+        return batch
+
+    def advantages(self, batch: Batch) -> tuple[list[dict], int, float | None]:
+        """(datums, groups with signal, KL estimate): the group-mean baseline, the KL penalty."""
+        return _datums(batch.groups, self.config.kl_penalty_coef)
+
+    def loss(self) -> ProtocolLoss:
+        return ProtocolLoss(self.config.loss.name, self.config.loss.config or None)
+
+    @staticmethod
+    def samples(batch: Batch, step: int) -> list[dict]:
+        return [r.record(step, v) for g, v in zip(batch.groups, batch.versions) for r in g]
+
+    def step(self, step: int, rows: list[int], version: int) -> StepWork:
+        config = self.config
+        batch = self.gather(step, version)
+        datums, kept, kl_estimate = self.advantages(batch)
         rewards = [r.reward for g in batch.groups for r in g if not r.failed]
-        sampled_tokens = sum(len(r.tokens) for g in batch.groups for r in g)
-        elapsed = time.monotonic() - step_started
-        record = {
-            "step": step,
+        fields: dict[str, Any] = {
             "reward": statistics.fmean(rewards) if rewards else float("nan"),
             "pass_rate": sum(x >= config.pass_threshold for x in rewards) / len(rewards) if rewards else float("nan"),
-            "groups_trained": kept,
-            "groups": len(batch.groups),
-            "learning_rate": lr,
-            "loss": metrics_out.get("loss:sum"),
-            "sampled_tokens": sampled_tokens,
-            "tokens_per_s": sampled_tokens / elapsed if elapsed > 0 else None,
-            "sample_time_s": batch.sample_time_s,
-            "step_time_s": elapsed,
-            "time_s": time.monotonic() - started,
-            "policy_version": step,
-            "sampled_with_version": batch.version,
-            "staleness": stale,
-            "progress": step / steps,
-        }
+            "groups_trained": kept, "groups": len(batch.groups),
+            "sampled_tokens": sum(len(r.tokens) for g in batch.groups for r in g),
+            "sample_time_s": batch.sample_time_s, "sampled_with_version": batch.version, "staleness": step - batch.version,
+        }  # fmt: skip
         if kl_estimate is not None:
-            record["kl_policy_base"] = kl_estimate
-        record.update(health(batch, config, fb_result, datums))
-        for warning in warnings.check(record):
-            sink.message(warning)
-        sink.samples([r.record(step, v) for g, v in zip(batch.groups, batch.versions) for r in g])
-        try:
-            if eval_prompts and config.eval_every and step % config.eval_every == 0:
-                record.update(evaluate(rollouts, eval_prompts, config, version))
-        finally:
-            record.update(judges.step_metrics())
-            # The step is trained whatever the eval did: record it, so a checkpoint taken on a
-            # failing eval reward matches metrics.jsonl (resume neither repeats nor skips it).
-            sink.step(record)
-        if config.checkpointing.save_every and step % config.checkpointing.save_every == 0 and step < steps:
-            save_checkpoint(session, step)
-    for thread, _ in ahead.values():
-        thread.join()
-    if save_if_stopped(session, stop, step):  # Ctrl-C during the last step
-        return "interrupted"
-    if eval_prompts:
-        final = evaluate(rollouts, eval_prompts, config, version)
-        sink.message(f"Final eval: mean reward {final['eval_reward_mean']:.3f}, pass rate {final['eval_pass_rate']:.0%}")
-        sink.final({"step": steps, **final, **judges.step_metrics()})
-    record = save_checkpoint(session, steps, final=True)
-    sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
-    if config.eval is not None:
-        from baseten_loops_cli.training.final_eval import evaluate_final
+            fields["kl_policy_base"] = kl_estimate
 
-        evaluate_final(session, record, sink)
-    return "completed"
+        def trained(result: dict | None) -> dict:
+            out = {"loss": ((result or {}).get("metrics") or {}).get("loss:sum"), **health(batch, config, result, datums)}
+            for warning in self.warnings.check({"step": step + 1, **out}):
+                self.sink.message(warning)
+            return out
+
+        return StepWork(datums, self.loss(), fields, trained, self.samples(batch, step + 1), tokens=fields["sampled_tokens"])
+
+    def submit_eval(self, version: int) -> Waiter | None:
+        prompts = self.data.eval
+        if not prompts:
+            return None
+        return lambda: evaluate(self.rollouts, prompts, self.config, version)
+
+    def record_extras(self) -> dict:
+        return self.judges.step_metrics()
+
+    def final_line(self, baseline: dict | None, last: dict) -> str | None:
+        return f"Final eval: mean reward {last['eval_reward_mean']:.3f}, pass rate {last['eval_pass_rate']:.0%}"
+
+    def close(self) -> None:
+        judges = getattr(self, "judges", None)
+        if judges is not None:
+            judges.close()
 
 
 def reward_test(loaded, data: LoadedData, new_sampler, rows: int, serving: Any = None) -> list[dict]:
@@ -735,10 +712,6 @@ def reward_test(loaded, data: LoadedData, new_sampler, rows: int, serving: Any =
         if judges is not None:
             judges.close()
     return [r.record(0, 0) for g in batch.groups for r in g]
-
-
-def _run(session: TrainingSession, data: LoadedData, sink, stop: StopRequested) -> str:
-    return run_rl(session, data.train, data.eval, data.tokenizer, data.reward, sink, stop)
 
 
 TEMPLATE = """\
@@ -800,12 +773,13 @@ KIND = Kind(
     template=lambda: TEMPLATE.format(name="my-rl", lr="4.0e-5", schedule="constant"),
     load_data=load_data,
     estimate=estimate,
-    run=_run,
+    hooks=RLSteps,
     eval_data_key=("data", "eval_prompts"),
     train_data_key=("data", "prompts"),
     eval_task=eval_task,
     # `reward: file.py:fn`, `reward: {fn: ...}`, a list of either, `env: file.py:Class` ("*": each list item)
     code_keys=(("reward",), ("reward", "fn"), ("reward", "*"), ("reward", "*", "fn"), ("env",)),
+    reward_key="reward",
     capabilities_use_case="rl",
     row_purpose="prompts",
     row_formats=("prompt_only",),

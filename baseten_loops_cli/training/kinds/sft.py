@@ -1,10 +1,8 @@
 """Supervised fine-tuning (``kind: sft``): chat or prompt/completion rows, cross-entropy on the
 trained tokens.
 
-Per step: build the batch's datums (order is a pure function of seed and epoch, so a resumed
-run sees the same batches), submit ``forward_backward`` and ``optim_step`` (and, on schedule,
-the eval's ``forward`` passes and a checkpoint save), then collect the *previous* step's results
-and record them (``training/pipeline.py``): the trainer never waits for the client.
+Per step (:class:`SFTSteps`, in the one loop of training/loop.py): the batch's examples as
+cross-entropy datums; on schedule the eval's ``forward`` passes give ``eval_loss``.
 """
 
 from __future__ import annotations
@@ -15,12 +13,9 @@ from baseten_loops_cli.training.config import CommonConfig, Section
 from baseten_loops_cli.training.data import Example, batches_for_step, sft_datum, weighted_nll
 from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
+from baseten_loops_cli.training.loop import ProtocolLoss, StepHooks, StepWork, Waiter, total_steps
+from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
-from baseten_loops_cli.training.session import (
-    StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped,
-    submit_checkpoint,
-)  # fmt: skip
 
 
 class SFTData(Section, FormatOptions):
@@ -58,7 +53,7 @@ def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str = "last
 
 def estimate(config, data: LoadedData) -> Estimate:
     """Exact: the datums' input tokens of each step's batch, as the loop builds them."""
-    steps = total_steps(len(data.train), config)
+    steps = total_steps(len(data.train), config.batch_size, config.epochs, config.max_steps)
     train_tokens = sum(
         len(data.train[i].tokens) - 1
         for step in range(steps)
@@ -73,16 +68,6 @@ def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> A
 
     config = loaded.config
     return SFTTask(data, config.data.train_on, config.max_seq_len, limit)
-
-
-def total_steps(n_examples: int, config) -> int:
-    per_epoch = max(1, n_examples // config.batch_size)
-    steps = per_epoch * config.epochs
-    return min(steps, config.max_steps) if config.max_steps else steps
-
-
-def evaluate(session: TrainingSession, eval_examples: list[Example], batch_size: int) -> float:
-    return submit_eval(session, eval_examples, batch_size)()
 
 
 def submit_eval(session: TrainingSession, eval_examples: list[Example], batch_size: int) -> Callable[[], float]:
@@ -104,74 +89,26 @@ def submit_eval(session: TrainingSession, eval_examples: list[Example], batch_si
     return mean_nll
 
 
-def run_sft(
-    session: TrainingSession,
-    train: list[Example],
-    eval_examples: list[Example] | None,
-    sink,
-    stop: StopRequested,
-) -> str:
-    """Train to the end (returns "completed") or until Ctrl-C (returns "interrupted").
+class SFTSteps(StepHooks):
+    """Per step: the batch's examples as cross-entropy datums; ``eval_loss`` on ``data.eval``."""
 
-    ``sink`` is a :class:`~baseten_loops_cli.training.metrics.MetricsSink`: every record goes
-    through it (metrics.jsonl, the display, W&B)."""
+    def step(self, step: int, rows: list[int], version: int) -> StepWork:
+        datums = [sft_datum(self.data.train[i]) for i in rows]
 
-    config = session.config
-    steps = total_steps(len(train), config)
-    opt = config.optimizer
-    sink.start(steps, session.start_step, "loss")
-    clock = StepClock()
-    pipeline = StepPipeline()
-    step = session.start_step
-    while step < steps:
-        if save_if_stopped(session, stop, step, pipeline):
-            return "interrupted"
-        batch = [train[i] for i in batches_for_step(len(train), config.batch_size, step, seed=config.seed, shuffle=config.data.shuffle)]
-        datums = [sft_datum(e) for e in batch]
-        lr = learning_rate(opt, step, steps)
-        fb = session.trainer.forward_backward(datums, "cross_entropy")
-        optim = session.trainer.optim_step(adam_params(opt, lr))
-        step += 1
-        # Submitted right behind this step's optim_step, so they see exactly its weights.
-        eval_loss = (submit_eval(session, eval_examples, config.batch_size)
-                     if eval_examples and config.eval_every and step % config.eval_every == 0 else None)
-        checkpoint = (submit_checkpoint(session, step)
-                      if config.checkpointing.save_every and step % config.checkpointing.save_every == 0
-                      and step < steps else None)  # fmt: skip
+        def fields(result: dict | None) -> dict:
+            nll, trained = weighted_nll(datums, result["loss_fn_outputs"]) if result else (float("nan"), 0)
+            return {"loss": nll, "trained_tokens": trained}
 
-        def collect(step=step, datums=datums, lr=lr, fb=fb, optim=optim, eval_loss=eval_loss,
-                    checkpoint=checkpoint) -> None:
-            fb_result = fb.result()
-            optim_result = optim.result()
-            nll, trained = weighted_nll(datums, fb_result["loss_fn_outputs"])
-            tokens = sum(len(d["model_input"]["chunks"][0]["tokens"]) for d in datums)
-            record = step_record(step, steps, clock, learning_rate=lr, tokens=tokens, optim_result=optim_result,
-                                 loss=nll, trained_tokens=trained)
-            if eval_loss is not None:
-                record["eval_loss"] = eval_loss()
-            sink.step(record)
-            if checkpoint is not None:
-                checkpoint()
+        return StepWork(datums, ProtocolLoss("cross_entropy"), fields_from=fields)
 
-        pipeline.push(collect)
-    pipeline.drain()
-    if save_if_stopped(session, stop, step):  # Ctrl-C during the last step
-        return "interrupted"
-    if eval_examples and (not config.eval_every or steps % config.eval_every):
-        final_eval = evaluate(session, eval_examples, config.batch_size)
-        sink.message(f"Final eval loss: {final_eval:.4f}")
-        sink.final({"step": steps, "eval_loss": final_eval})
-    record = save_checkpoint(session, steps, final=True)
-    sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
-    if config.eval is not None:
-        from baseten_loops_cli.training.final_eval import evaluate_final
+    def submit_eval(self, version: int) -> Waiter | None:
+        if not self.data.eval:
+            return None
+        mean_nll = submit_eval(self.session, self.data.eval, self.config.batch_size)
+        return lambda: {"eval_loss": mean_nll()}
 
-        evaluate_final(session, record, sink)
-    return "completed"
-
-
-def _run(session: TrainingSession, data: LoadedData, sink, stop: StopRequested) -> str:
-    return run_sft(session, data.train, data.eval, sink, stop)
+    def final_line(self, baseline: dict | None, last: dict) -> str | None:
+        return f"Final eval loss: {last['eval_loss']:.4f}"
 
 
 TEMPLATE = """\
@@ -201,7 +138,7 @@ KIND = Kind(
     template=lambda: TEMPLATE.format(name="my-sft", lr="2.0e-4", schedule="linear"),
     load_data=load_data,
     estimate=estimate,
-    run=_run,
+    hooks=SFTSteps,
     eval_data_key=("data", "eval"),
     eval_task=eval_task,
     capabilities_use_case="sft",
