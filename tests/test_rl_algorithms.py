@@ -215,3 +215,22 @@ def test_each_preset_matches_its_paper_value_and_gradient(preset, overrides):
             assert 0 < metrics["clip_low_fraction"] + metrics["clip_high_fraction"] < 1, metrics
         for a, b in zip(our_grads, ref_grads):
             assert torch.allclose(a.to(torch.float64), b, rtol=1e-5, atol=1e-5), (preset, a, b)
+
+
+def test_the_smollm2_reasoning_example_is_valid(smollm2_cache, monkeypatch):
+    """examples/smol-math-rl.yaml: every row loads with SmolLM2's tokenizer and fits 256-token
+    replies, and its plan names what `algorithm: dapo` expanded to."""
+    from baseten_loops_cli.training import kinds
+    from baseten_loops_cli.training.config import load_config
+    from baseten_loops_cli.training.plan import load_data
+
+    pytest.importorskip("math_verify")
+    monkeypatch.setenv("LOOPS_CACHE_DIR", str(smollm2_cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(smollm2_cache / "empty-hub"))
+    loaded = load_config(EXAMPLES / "smol-math-rl.yaml")
+    data = load_data(loaded)
+    assert len(data.train) == 160 and len(data.eval) == 32
+    assert loaded.config.sampling.max_tokens == 256
+    assert all(len(p.tokens) + 256 <= loaded.config.max_seq_len for p in data.train + data.eval)
+    plan = kinds.of(loaded.config).estimate(loaded.config, data)
+    assert any(n.startswith("algorithm dapo: ") and "length_normalization token" in n for n in plan.notes), plan.notes
