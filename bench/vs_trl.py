@@ -432,7 +432,7 @@ def compare_rl256(args: Any, steps: int) -> list[dict]:
         log(f"RL256 loops {preset} rewards: {curve(ours_rewards)}; reply tokens: "
             f"{curve([float(r.get('completion_tokens') or math.nan) for r in records])}")
         grid = [False] if args.quick else [False, True]
-        theirs = try_configs(f"GRPO {trl_loss['loss_type']}", [(f"bf16={onoff(b)}", lambda b=b: trl_grpo(
+        theirs = try_configs(f"GRPO {trl_loss['loss_type']}", [(f"bf16={onoff(b)}", lambda b=b, trl_loss=trl_loss: trl_grpo(
             steps, prompts, group, max_tokens, lr, b, data="smol_math_prompts.jsonl", reward_fn=build(),
             **trl_loss)) for b in grid])
         for name, side in theirs:

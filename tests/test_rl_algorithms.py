@@ -21,7 +21,7 @@ PRESETS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo")
 def loops(server, *args, timeout=300):
     from tests.support import cli_env
 
-    return subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], env=cli_env(server),
+    return subprocess.run([sys.executable, "-m", "baseten_loops_cli", *args], check=False, env=cli_env(server),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -234,3 +234,79 @@ def test_the_smollm2_reasoning_example_is_valid(smollm2_cache, monkeypatch):
     assert all(len(p.tokens) + 256 <= loaded.config.max_seq_len for p in data.train + data.eval)
     plan = kinds.of(loaded.config).estimate(loaded.config, data)
     assert any(n.startswith("algorithm dapo: ") and "length_normalization token" in n for n in plan.notes), plan.notes
+
+
+# ------------------------------------------------------------------ the config and the pure pieces
+def _config(**keys):
+    from baseten_loops_cli.training.kinds.rl import RLConfig
+
+    return RLConfig.model_validate({"kind": "rl", "name": "t", "base_model": "loops-local/tiny",
+                                    "data": {"prompts": "p.jsonl"}, "reward": "exact_match", **keys})
+
+
+def test_explicit_keys_override_the_preset_piece_by_piece():
+    config = _config(algorithm="dapo", advantage={"normalize": "none"}, loss={"clip_high": 0.5}, dynamic_sampling=None)
+    assert (config.advantage.normalize, config.advantage.length_normalization) == ("none", "token")
+    assert (config.loss.name, config.loss.clip_low, config.loss.clip_high) == ("ppo", 0.2, 0.5)
+    assert config.dynamic_sampling is None and config.overlong is not None
+    other = _config(algorithm="dapo", loss={"name": "importance_sampling"}, overlong=False)
+    assert (other.loss.name, other.loss.clip_low, other.overlong) == ("importance_sampling", None, None)
+    plain = _config()  # no preset: the historical rule
+    assert (plain.advantage.normalize, plain.advantage.length_normalization, plain.loss.name) == ("none", "none", "importance_sampling")
+    assert plain.overlong is None and plain.dynamic_sampling is None
+
+
+@pytest.mark.parametrize("keys,message", [
+    ({"loss": {"name": "importance_sampling", "clip_low": 0.1}}, "clip_low applies to ppo, cispo and gspo"),
+    ({"loss": {"name": "ppo", "clip_high": 0.3, "config": {"clip_high_threshold": 1.3}}}, "not both"),
+    ({"algorithm": "gspo", "kl_penalty_coef": 0.1}, "not supported with loss gspo"),
+    ({"advantage": {"baseline": "mean"}}, "group_mean"),
+])
+def test_bad_pieces_are_named(keys, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        _config(**keys)
+
+
+def test_ppo_clip_epsilons_reach_the_protocol_as_thresholds():
+    from baseten_loops_cli.training import rl_algorithms as algos
+
+    assert algos.protocol_loss(_config(algorithm="dapo").loss) == ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
+    assert algos.protocol_loss(_config(loss={"name": "ppo", "config": {"clip_low_threshold": 0.7}}).loss) == (
+        "ppo", {"clip_low_threshold": 0.7})  # the config's own thresholds travel as they are
+    assert algos.protocol_loss(_config().loss) == ("importance_sampling", None)
+
+
+def test_overlong_penalty_follows_dapo_eq_13():
+    from baseten_loops_cli.training import rl_algorithms as algos
+
+    limit, cache = 16, 4
+    for length in range(0, 21):
+        expected = 0.0 if length <= limit - cache else ((limit - cache) - length) / cache if length <= limit else -1.0
+        assert algos.overlong_penalty(length, limit, cache, 1.0) == pytest.approx(expected)
+    assert algos.overlong_penalty(16, 16, 4, 0.5) == pytest.approx(-0.5)
+
+
+def test_dynamic_sampling_fills_from_new_groups_within_its_bound():
+    from baseten_loops_cli.training import rl_algorithms as algos
+
+    groups = [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.5, 0.0]]
+    versions = [3, 3, 3, 3]
+    draws = iter([([[0.0, 0.0], [1.0, 0.0]], [4, 4]), ([[0.2, 0.3]], [5])])
+    asked = []
+
+    def draw(count, round_):
+        asked.append((count, round_))
+        return next(draws)
+
+    out = algos.fill_groups(groups, versions, draw, 3, lambda g: g)
+    assert asked == [(2, 1), (1, 2)]  # as many as were missing, each round
+    assert groups == [[1.0, 0.0], [1.0, 0.0], [0.2, 0.3], [0.5, 0.0]] and versions == [3, 4, 5, 3]
+    assert out == {"groups_resampled": 3, "resample_rounds": 2, "groups_unfilled": 0}
+    stuck = [[0.0, 0.0]]
+    out = algos.fill_groups(stuck, [0], lambda n, r: ([[1.0, 1.0]] * n, [0] * n), 2, lambda g: g)
+    assert out == {"groups_resampled": 2, "resample_rounds": 2, "groups_unfilled": 1}  # bounded
+    # The same (seed, step, round) draws the same prompts: what a resume relies on.
+    assert algos.replacement_prompts(64, 5, seed=0, step=3, round_=1) == algos.replacement_prompts(64, 5, seed=0, step=3, round_=1)
+    assert algos.replacement_prompts(64, 5, seed=0, step=3, round_=1) != algos.replacement_prompts(64, 5, seed=0, step=3, round_=2)

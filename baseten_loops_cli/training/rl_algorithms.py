@@ -38,7 +38,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from baseten_loops_cli.training.config import Section
 from baseten_loops_cli.training.preference_losses import LossResult, SequenceScore
