@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """loops against Hugging Face TRL on the same work, side by side: SFT, DPO, GRPO, and MFU.
 
-    python bench/vs_trl.py [--quick] [--json] [--only sft,dpo,grpo,mfu] [--steps N] [--threads T]
+    python bench/vs_trl.py [--quick] [--json] [--only sft,dpo,grpo,rl256,mfu] [--steps N] [--threads T]
 
 One invocation, SmolLM2-135M-Instruct, LoRA rank 16 / alpha 32 / dropout 0 on q,k,v,o,gate,up,down,
 the loops side in its bench servers' dtype (``LOOPS_BENCH_DTYPE``, default auto: bf16 autocast
@@ -34,6 +34,12 @@ stderr, since the same curve is the evidence of the same work:
   clip (epsilon 0.2), lr, no KL term (beta 0, TRL's default), fp32 and bf16 (``--quick``: fp32).
   Sampling is random on both sides: the rewards are printed to show the same task, not the
   same curve.
+- **RL at 256-token replies** (s/step, target TRL / loops >= 1.0, one row per preset):
+  ``examples/smol-math-rl.yaml`` (4 prompts x 4 replies of up to 256 tokens, two-digit additions
+  with reasoning, ``math_answer``) with ``algorithm: dr_grpo`` and ``algorithm: dapo`` (dynamic
+  sampling and overlong shaping off: TRL has neither) against ``GRPOTrainer`` with
+  ``loss_type="dr_grpo"`` (``scale_rewards="none"``) and ``loss_type="dapo"``
+  (``epsilon_high=0.28``), fp32 (and bf16 without ``--quick``). Not yet run end to end.
 - **MFU** (target >= 25%): loops' SFT tokens/s above times the FLOPs per trained token over a
   bf16 matmul peak measured here (the best of square bf16 matmuls and the SFT's own shapes, with
   the thread count the server uses).
@@ -71,12 +77,13 @@ from typing import Any, Callable
 from _common import ROOT, loops, print_ratio
 from train_throughput import SMOLLM2, bench_env, bench_server, load_local_model, make_batch, wire_data
 
-TARGETS = {"sft": 1.3, "dpo": 1.3, "grpo": 1.5, "mfu": 0.25}
+TARGETS = {"sft": 1.3, "dpo": 1.3, "grpo": 1.5, "rl256": 1.0, "mfu": 0.25}
 RANK, ALPHA, SEED = 16, 32, 0
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
         "grad_clip_norm": 1.0}
 DPO_YAML, RL_YAML = ROOT / "examples" / "smol-dpo.yaml", ROOT / "examples" / "smol-rl.yaml"
+MATH_YAML = ROOT / "examples" / "smol-math-rl.yaml"
 # Both sides of DPO and GRPO with the example's settings, a constant learning rate, no shuffling
 # (TRL reads rows in file order too), and nothing but training steps in the run.
 RUN_OVERRIDES = ["optimizer.schedule=constant", "optimizer.warmup_steps=0", "data.shuffle=false",
@@ -240,24 +247,29 @@ def trl_dpo(steps: int, batch: int, lr: float, beta: float, precompute: bool, bf
     return {"seconds": seconds, "losses": [float(e["loss"]) for e in history if "loss" in e]}
 
 
-def trl_grpo(steps: int, prompts: int, group: int, max_tokens: int, lr: float, bf16: bool) -> dict:
+def trl_grpo(steps: int, prompts: int, group: int, max_tokens: int, lr: float, bf16: bool,
+             data: str = "smol_rl_prompts.jsonl", reward_fn: Callable[[str, dict], float] | None = None,
+             **loss: Any) -> dict:
+    """GRPOTrainer on ``data``'s rows; ``loss``: GRPOConfig's loss keys (loss_type, epsilon_high,
+    scale_rewards) over the GRPO defaults used here (epsilon 0.2, no KL)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(ROOT / "examples"))
     from rewards import number_answer
 
-    rows = [json.loads(line) for line in (ROOT / "examples" / "data" / "smol_rl_prompts.jsonl")
+    score = reward_fn or number_answer
+    rows = [json.loads(line) for line in (ROOT / "examples" / "data" / data)
             .read_text().splitlines() if line.strip()][:prompts * (steps + 1)]
 
     def reward(completions: list, answer: list, **_: Any) -> list[float]:
-        return [number_answer(c[0]["content"] if isinstance(c, list) else c, {"answer": a})
+        return [score(c[0]["content"] if isinstance(c, list) else c, {"answer": a})
                 for c, a in zip(completions, answer)]
 
     def make(out: str, clock: Any) -> Any:
         config = GRPOConfig(**trl_common(out, steps, bf16, lr, prompts * group),
                             num_generations=group, max_completion_length=max_tokens,
-                            temperature=1.0, beta=0.0, epsilon=0.2, shuffle_dataset=False)
+                            temperature=1.0, beta=0.0, **{"epsilon": 0.2, **loss}, shuffle_dataset=False)
         data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
                                    "answer": str(r["answer"])} for r in rows])
         return GRPOTrainer(model=lora_model(), reward_funcs=reward, args=config,
@@ -391,6 +403,51 @@ def compare_grpo(args: Any, steps: int) -> dict:
                   TARGETS["grpo"], detail, ours_spp, "s/step")
 
 
+# loops' presets beside GRPOTrainer's loss_type of the same name, at 256-token replies
+# (examples/smol-math-rl.yaml). TRL's "dapo" loss_type is the token-level aggregation with the
+# clip bounds; it has neither dynamic sampling nor overlong shaping, so loops runs without them
+# here (both add work: resampled groups, nothing else) and the two sides do the same step.
+RL256 = {
+    "dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": "none"},
+    "dapo": {"loss_type": "dapo", "epsilon_high": 0.28},
+}
+
+
+def compare_rl256(args: Any, steps: int) -> list[dict]:
+    """s/step of loops' dr_grpo and dapo presets against GRPOTrainer(loss_type=...) at 256-token
+    replies, fp32 on both sides (bf16 TRL too without --quick); one row per preset."""
+    import yaml
+
+    from baseten_loops_cli.training.math_reward import build
+
+    spec = yaml.safe_load(MATH_YAML.read_text())
+    prompts, group = int(spec["groups_per_batch"]), int(spec["group_size"])
+    max_tokens, lr = int(spec["sampling"]["max_tokens"]), float(spec["optimizer"]["learning_rate"])
+    rows = []
+    for preset, trl_loss in RL256.items():
+        records = loops_run(MATH_YAML, steps, [f"algorithm={preset}", "dynamic_sampling=null", "overlong=null",
+                                               "data.eval_prompts=null"])
+        ours_rewards = [float(r["reward"]) for r in records]
+        ours_spp = statistics.fmean(float(r["step_time_s"]) for r in records[1:])
+        log(f"RL256 loops {preset} rewards: {curve(ours_rewards)}; reply tokens: "
+            f"{curve([float(r.get('completion_tokens') or math.nan) for r in records])}")
+        grid = [False] if args.quick else [False, True]
+        theirs = try_configs(f"GRPO {trl_loss['loss_type']}", [(f"bf16={onoff(b)}", lambda b=b, trl_loss=trl_loss: trl_grpo(
+            steps, prompts, group, max_tokens, lr, b, data="smol_math_prompts.jsonl", reward_fn=build(),
+            **trl_loss)) for b in grid])
+        for name, side in theirs:
+            log(f"RL256 TRL {trl_loss['loss_type']} {name} rewards: {curve(side['rewards'])}")
+        spp = lambda side: side["seconds"] / (len(side["losses"]) - 1)  # noqa: E731
+        best_name, best = min(theirs, key=lambda item: spp(item[1]))
+        detail = (f"smol-math-rl.yaml, {prompts} prompts x {group}, max_tokens {max_tokens}, {steps} steps after a "
+                  f"warm-up: loops algorithm={preset} {ours_spp:.2f} s/step, reward {statistics.fmean(ours_rewards):.3f}"
+                  f" mean; TRL loss_type={trl_loss['loss_type']} fastest ({best_name}) {spp(best):.2f} s/step, reward "
+                  f"{statistics.fmean(best['rewards']):.3f} mean")
+        rows.append(result(f"RL {preset} 256-token replies s/step, TRL / loops", spp(best) / ours_spp,
+                           TARGETS["rl256"], detail, ours_spp, "s/step"))
+    return rows
+
+
 # The peak is the best of several shapes: square ones, and the SFT's own (its tokens against
 # SmolLM2's MLP and LM head). On a 2-core AVX512-BF16 EPYC (no AMX) 4096^3 alone gave 397 GFLOP/s
 # and 472 x 576 x 1536 gave 440: one shape would flatter the utilisation.
@@ -449,7 +506,7 @@ def result(case: str, ratio: float, target: float, detail: str, value: float, un
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="sft,dpo,grpo,mfu", help="comma-separated comparisons")
+    parser.add_argument("--only", default="sft,dpo,grpo,rl256,mfu", help="comma-separated comparisons")
     parser.add_argument("--steps", type=int, help="timed steps per side, after one warm-up step")
     parser.add_argument("--batch", type=int, default=8, help="SFT sequences per step")
     parser.add_argument("--seq-len", type=int, default=64, help="SFT: tokens of the longest sequence")
@@ -473,6 +530,7 @@ def main() -> None:
                                         args.rounds or (1 if args.quick else 3))),
             ("dpo", lambda: compare_dpo(args, args.steps or (1 if args.quick else 4))),
             ("grpo", lambda: compare_grpo(args, args.steps or (1 if args.quick else 3))),
+            ("rl256", lambda: compare_rl256(args, args.steps or (1 if args.quick else 3))),
             ("mfu", lambda: compare_mfu(args, sft_stats))]
     for name, job in jobs:
         if name not in only:
@@ -487,7 +545,7 @@ def main() -> None:
         if name == "sft" and isinstance(out, tuple):
             out, sft_stats = out
         log(f"   {name}: {time.monotonic() - started:.0f}s")
-        rows.append(out)
+        rows.extend(out if isinstance(out, list) else [out])
     if args.json:
         print(json.dumps({"results": rows}))
         return

@@ -76,6 +76,14 @@ def main() -> None:
     smol_prompts = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in small]
     write("smol_rl_prompts.jsonl", smol_prompts[:80])
     write("smol_rl_eval.jsonl", smol_prompts[80:96])
+    # RL with reasoning (SmolLM2, examples/smol-math-rl.yaml): two-digit additions, worked out in
+    # up to 256 tokens, graded by the builtin math_answer reward (the final boxed number).
+    rng3 = random.Random(4)
+    sums = [(rng3.randint(10, 99), rng3.randint(10, 99)) for _ in range(192)]
+    math_rows = [{"prompt": f"What is {a} + {b}? Think it through step by step, then give the final answer "
+                            f"as \\boxed{{<number>}}.", "answer": str(a + b)} for a, b in sums]
+    write("smol_math_prompts.jsonl", math_rows[:160])
+    write("smol_math_eval.jsonl", math_rows[160:])
 
 
 if __name__ == "__main__":

@@ -194,8 +194,12 @@ class RewardConfig(Section):
 
 
 class LossConfig(Section):
-    name: Literal["importance_sampling", "ppo", "cispo", "dro"] = "importance_sampling"
+    name: Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"] = "importance_sampling"
     config: dict[str, float] = Field(default_factory=dict)
+    # The clip epsilons (DAPO's decoupled eps_low, eps_high): the ratio is clipped to
+    # [1 - clip_low, 1 + clip_high]; ppo and cispo send them as the protocol's thresholds.
+    clip_low: float | None = Field(None, ge=0, lt=1, description="ppo, cispo, gspo: the ratio's floor is 1 - clip_low.")
+    clip_high: float | None = Field(None, ge=0, description="ppo, cispo, gspo: the ratio's ceiling is 1 + clip_high.")
 
     @model_validator(mode="after")
     def _known_keys(self) -> "LossConfig":
@@ -204,11 +208,18 @@ class LossConfig(Section):
             "ppo": {"clip_low_threshold", "clip_high_threshold"},
             "cispo": {"clip_low_threshold", "clip_high_threshold"},
             "dro": {"beta"},
+            "gspo": set(),
         }[self.name]
         for key in self.config:
             if key not in allowed:
                 valid = ", ".join(sorted(allowed)) or "none"
                 raise ValueError(f"unknown {self.name} config key {key!r} (valid: {valid})")
+        clips = [k for k in ("clip_low", "clip_high") if getattr(self, k) is not None]
+        if clips and self.name not in ("ppo", "cispo", "gspo"):
+            raise ValueError(f"{clips[0]} applies to ppo, cispo and gspo, not to {self.name}; remove it")
+        for eps, threshold in (("clip_low", "clip_low_threshold"), ("clip_high", "clip_high_threshold")):
+            if getattr(self, eps) is not None and threshold in self.config:
+                raise ValueError(f"set {eps} or config.{threshold}, not both")
         return self
 
 

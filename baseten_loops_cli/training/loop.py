@@ -75,6 +75,7 @@ class CustomLoss:
 
     compute: Callable[[list["SequenceScore"]], "LossResult"]
     extra: list[dict] = field(default_factory=list)
+    ref_key: str = "ref_logprobs"  # the datums' input scored as each sequence's reference (GSPO: the sampler's "logprobs")
 
 
 @dataclass
@@ -255,7 +256,8 @@ class Loop:
             return future.result
         from baseten_loops_cli.training import preference_losses as pl
 
-        future, custom = pl.submit_custom_loss(self.trainer, work.datums, work.loss.compute, extra=work.loss.extra)
+        future, custom = pl.submit_custom_loss(self.trainer, work.datums, work.loss.compute, extra=work.loss.extra,
+                                               ref_key=work.loss.ref_key)
 
         def wait() -> dict:
             result = future.result()

@@ -468,9 +468,10 @@ def _output(result: Any) -> tuple[dict, list]:
     return dict(result.metrics or {}), list(result.loss_fn_outputs)
 
 
-def scores_from_forward(datums: Sequence[Mapping[str, Any]], result: Any) -> list[SequenceScore]:
+def scores_from_forward(datums: Sequence[Mapping[str, Any]], result: Any, *,
+                        ref_key: str = "ref_logprobs") -> list[SequenceScore]:
     """Each datum's :class:`SequenceScore` from a ``/forward`` result (the reference from the
-    datum's ``ref_logprobs`` where it has them)."""
+    datum's ``ref_key`` input where it has one: GSPO compares with the sampler's ``logprobs``)."""
     metrics, outputs = _output(result)
     check_unnormalized(metrics)
     if len(outputs) != len(datums):
@@ -478,7 +479,7 @@ def scores_from_forward(datums: Sequence[Mapping[str, Any]], result: Any) -> lis
     scores = []
     for datum, out in zip(datums, outputs):
         inputs = datum["loss_fn_inputs"]
-        refs = inputs.get("ref_logprobs")
+        refs = inputs.get(ref_key)
         tensor = out["logprobs"] if isinstance(out, Mapping) else out.logprobs
         logprobs = tensor["data"] if isinstance(tensor, Mapping) else tensor.data
         scores.append(score_sequence(logprobs, inputs["weights"]["data"], refs["data"] if refs else None))
@@ -487,16 +488,18 @@ def scores_from_forward(datums: Sequence[Mapping[str, Any]], result: Any) -> lis
 
 def submit_custom_loss(trainer: Any, datums: Sequence[Mapping[str, Any]],
                        compute: Callable[[list[SequenceScore]], LossResult], *,
-                       extra: Sequence[Mapping[str, Any]] = (), backward: bool = True) -> tuple[Any, LossResult]:
+                       extra: Sequence[Mapping[str, Any]] = (), backward: bool = True,
+                       ref_key: str = "ref_logprobs") -> tuple[Any, LossResult]:
     """The SDK's ``forward_backward_custom`` for a closed-form loss: ``/forward`` (waited for),
     ``compute`` on the scores, then (``backward``) ``/forward_backward`` with the weights,
     submitted and not waited for (an ``optim_step`` may pipeline behind it). ``extra`` datums are
     scored in the same ``/forward`` and passed to ``compute`` after ``datums``' scores, with no
     backward (KTO's mismatched KL sequences). ``trainer`` is a ``workers.trainer.TrainerClient``
-    (anything with its ``forward``/``forward_backward``). Returns (the future or None, result)."""
+    (anything with its ``forward``/``forward_backward``). ``ref_key``: the datums' input that
+    :func:`scores_from_forward` reads as each sequence's reference. Returns (the future or None, result)."""
     everything = list(datums) + list(extra)
     forward = trainer.forward([forward_datum(d) for d in everything], CUSTOM_LOSS_FN, dict(CUSTOM_LOSS_CONFIG))
-    result = compute(scores_from_forward(everything, forward.result()))
+    result = compute(scores_from_forward(everything, forward.result(), ref_key=ref_key))
     if not backward:
         return None, result
     data = [backward_datum(d, g) for d, g in zip(datums, result.grads)]

@@ -27,12 +27,13 @@ from typing import Any, Callable, Literal
 from pydantic import Field, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError
+from baseten_loops_cli.training import rl_algorithms as algos
 from baseten_loops_cli.training.config import CommonConfig, LossConfig, RewardConfig, SamplingConfig, Section
 from baseten_loops_cli.training.data import Prompt, rl_datum
 from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.rewards import completion_text
-from baseten_loops_cli.training.loop import Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
+from baseten_loops_cli.training.loop import CustomLoss, Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
 
@@ -66,6 +67,23 @@ class RLConfig(CommonConfig):
     kl_penalty_coef: float = Field(0.0, ge=0, description="KL penalty against the base model (0 = off).")
     max_steps_off_policy: int = Field(0, ge=0, description="0 = synchronous; N >= 1 = async with that staleness bound.")
     pass_threshold: float = Field(1.0, description="A rollout passes when its reward is at least this.")
+    # The RL algorithm's pieces (training/rl_algorithms.py, docs/rl-algorithms.md); `algorithm:`
+    # is a preset that fills them in under the keys the config sets itself (_expand_algorithm).
+    algorithm: Literal[algos.ALGORITHMS] | None = Field(None, description="A preset: " + ", ".join(algos.ALGORITHMS) + ".")
+    advantage: algos.AdvantageConfig = Field(default_factory=algos.AdvantageConfig)
+    overlong: algos.OverlongConfig | None = Field(None, description="DAPO's soft overlong reward shaping (off unless set).")
+    dynamic_sampling: algos.DynamicSamplingConfig | None = Field(
+        None, description="DAPO's: replace groups without signal by newly sampled ones (off unless set).")
+
+    @field_validator("overlong", "dynamic_sampling", mode="before")
+    @classmethod
+    def _on_off(cls, value: Any) -> Any:
+        return {} if value is True else None if value is False else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_algorithm(cls, data: Any) -> Any:
+        return algos.expand_preset(data) if isinstance(data, dict) else data
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -91,6 +109,8 @@ class RLConfig(CommonConfig):
             raise ValueError(f"env must be path/to/file.py:ClassName, got {self.env!r}")
         if self.env is not None and self.kl_penalty_coef:
             raise ValueError("kl_penalty_coef is not supported with env: yet (episodes are scored as one sequence); set it to 0")
+        if self.loss.name == "gspo" and self.kl_penalty_coef:
+            raise ValueError("kl_penalty_coef is not supported with loss gspo (its advantage is one per reply); set it to 0")
         return self
 
 
@@ -155,6 +175,8 @@ def estimate(config, data: LoadedData) -> Estimate:
     notes = ["RL token counts are upper bounds (every completion at sampling.max_tokens)"]
     if config.env:
         notes.append(f"environment episodes: up to max_turns={turns} replies each; opening prompts not counted")
+    if config.algorithm or config.model_fields_set & {"advantage", "overlong", "dynamic_sampling"} or config.loss.name == "gspo":
+        notes.append(algos.describe(config))  # what `algorithm:` expanded to (`train validate` prints it)
     judge = None
     if config.reward is not None:
         from baseten_loops_cli.training.judge import plan_tokens
@@ -422,46 +444,58 @@ class Rollouts:
         return Batch(step, [g for g, _ in tagged], [v for _, v in tagged], time.monotonic() - started)
 
 
-def group_mean_advantages(rewards: list[float]) -> list[float]:
-    """GRPO's advantages (without the std division, as the Tinker cookbook): reward - group mean."""
-    mean = statistics.fmean(rewards)
-    return [r - mean for r in rewards]
-
-
 def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0,
-            advantages: Callable[[list[float]], list[float]] = group_mean_advantages) -> tuple[list[dict], int, float | None]:
+            rule: algos.AdvantageRule | None = None) -> tuple[list[dict], int, float | None]:
     """Datums of the groups with signal, the number of such groups, and the mean sampled-vs-base
-    KL estimate when a KL penalty is on. ``advantages`` maps a group's rewards to each rollout's
-    advantage (an RL algorithm's part: the group-mean baseline by default).
+    KL estimate when a KL penalty is on. ``rule`` turns rewards into token advantages (the
+    config's ``advantage:`` and ``overlong:``; the default: reward - group mean).
 
     With a penalty, each completion token's advantage becomes
-    ``(reward - group mean) - kl_coef * (logp_policy - logp_base)``: the per-token k1 estimate of
+    ``(advantage - kl_coef * (logp_policy - logp_base)) * scale``: the per-token k1 estimate of
     KL(policy || base), as in the Tinker cookbook's ``kl_penalty_coef``.
     """
     from baseten_loops_cli.training.envs import episode_datum
 
-    datums, kept, kl_terms = [], 0, []
+    rule = rule or algos.AdvantageRule()
+    datums, kl_terms, trained = [], [], []
     for group in groups:
         group = [r for r in group if not r.failed]  # a failed rollout has no reward: not trained
         rewards = [r.reward for r in group]
-        if len(rewards) < 2 or (max(rewards) - min(rewards) < 1e-12 and not kl_coef):
+        if len(rewards) < 2 or (max(rewards) - min(rewards) < algos.SAME_REWARD and not kl_coef):
             continue  # every rollout scored the same: no learning signal
-        kept += 1
-        for r, adv in zip(group, advantages(rewards)):
+        trained.append(group)
+    advantages = rule.apply([[r.reward for r in g] for g in trained], [[len(r.tokens) for r in g] for g in trained])
+    for group, group_advantages in zip(trained, advantages):
+        for r, (advantage, scale) in zip(group, group_advantages):
             if r.episode is not None:
-                datum = episode_datum(r.episode, adv)
+                datum = episode_datum(r.episode, advantage * scale)
                 if datum is not None:
                     datums.append(datum)
                 continue
             if not r.tokens or len(r.logprobs) != len(r.tokens):
                 continue
-            advantage: float | list[float] = adv
+            per_token: float | list[float] = advantage * scale
             if kl_coef and r.base_logprobs is not None and len(r.base_logprobs) == len(r.tokens):
                 diffs = [lp - blp for lp, blp in zip(r.logprobs, r.base_logprobs)]
                 kl_terms.extend(diffs)
-                advantage = [adv - kl_coef * d for d in diffs]
-            datums.append(rl_datum(r.prompt.tokens, r.tokens, r.logprobs, advantage))
-    return datums, kept, (statistics.fmean(kl_terms) if kl_terms else None)
+                per_token = [(advantage - kl_coef * d) * scale for d in diffs]
+            datums.append(rl_datum(r.prompt.tokens, r.tokens, r.logprobs, per_token))
+    return datums, len(trained), (statistics.fmean(kl_terms) if kl_terms else None)
+
+
+def fill_batch(batch: Batch, rollouts: "Rollouts", prompts: list[Prompt], version: int, config) -> dict:
+    """DAPO's dynamic sampling (``dynamic_sampling:``): the batch's groups without signal
+    replaced, in place, by groups of newly drawn prompts (the same ones on a resume:
+    ``rl_algorithms.replacement_prompts``); returns its metrics."""
+    def draw(count: int, round_: int) -> tuple[list[list[Rollout]], list[int]]:
+        chosen = algos.replacement_prompts(len(prompts), count, seed=config.seed, step=batch.step, round_=round_)
+        more = rollouts.sample([prompts[i] for i in chosen], step=batch.step, version=version, n=config.group_size,
+                               sampling=config.sampling, seed=config.seed + 104_729 * round_)
+        batch.sample_time_s += more.sample_time_s
+        return more.groups, more.versions
+
+    return algos.fill_groups(batch.groups, batch.versions, draw, config.dynamic_sampling.max_rounds,
+                             lambda group: [r.reward for r in group if not r.failed])
 
 
 def health(batch: Batch, config, fb_result: dict | None, datums: list[dict]) -> dict:
@@ -492,6 +526,8 @@ def health(batch: Batch, config, fb_result: dict | None, datums: list[dict]) -> 
         "entropy": -statistics.fmean(tokens) if tokens else None,
         "failed_rollouts": (len(rollouts) - len(ok)) / len(rollouts) if rollouts else 0.0,
     }
+    if config.overlong is not None:  # DAPO's shaping, in the advantages only: `reward` stays the task's
+        out["overlong_penalty"] = statistics.fmean(algos.AdvantageRule.of(config).shaped(0.0, len(r.tokens)) for r in ok) if ok else 0.0
     for label in {k for r in ok for k in (r.components or {})}:
         values = [r.components[label] for r in ok if r.components and label in r.components]
         out[f"reward/{label}"] = statistics.fmean(values)
@@ -636,16 +672,25 @@ class RLSteps(StepHooks):
         except Exception:
             self.sink.samples(self.samples(batch, step + 1))
             raise
+        # DAPO's dynamic sampling refills groups without signal before the window moves on.
+        resampled = fill_batch(batch, self.rollouts, self.data.train, version, self.config) if self.config.dynamic_sampling else {}
         for next_step in range(step + 1, min(step + bound, self.steps - 1) + 1):
             self.window.start(next_step, version)
-        return batch
+        return batch, resampled
 
     def advantages(self, batch: Batch) -> tuple[list[dict], int, float | None]:
-        """(datums, groups with signal, KL estimate): the group-mean baseline, the KL penalty."""
-        return _datums(batch.groups, self.config.kl_penalty_coef)
+        """(datums, groups with signal, KL estimate): the config's advantage rule (``advantage:``,
+        ``overlong:``; rl_algorithms.AdvantageRule), the KL penalty."""
+        return _datums(batch.groups, self.config.kl_penalty_coef, algos.AdvantageRule.of(self.config))
 
-    def loss(self) -> ProtocolLoss:
-        return ProtocolLoss(self.config.loss.name, self.config.loss.config or None)
+    def loss(self, datums: list[dict]) -> tuple[list[dict], ProtocolLoss | CustomLoss]:
+        """The datums to train and their loss: the protocol's (ppo/cispo with the config's clip
+        bounds as thresholds), or GSPO as a custom loss over the sampler's logprobs."""
+        loss = self.config.loss
+        if loss.name == "gspo":
+            data, compute = algos.gspo_custom_loss(datums, *algos.clip_bounds(loss))
+            return data, CustomLoss(compute, ref_key="logprobs")
+        return datums, ProtocolLoss(*algos.protocol_loss(loss))
 
     @staticmethod
     def samples(batch: Batch, step: int) -> list[dict]:
@@ -653,8 +698,9 @@ class RLSteps(StepHooks):
 
     def step(self, step: int, rows: list[int], version: int) -> StepWork:
         config = self.config
-        batch = self.gather(step, version)
+        batch, resampled = self.gather(step, version)
         datums, kept, kl_estimate = self.advantages(batch)
+        train_datums, loss = self.loss(datums)
         rewards = [r.reward for g in batch.groups for r in g if not r.failed]
         fields: dict[str, Any] = {
             "reward": statistics.fmean(rewards) if rewards else float("nan"),
@@ -665,14 +711,20 @@ class RLSteps(StepHooks):
         }  # fmt: skip
         if kl_estimate is not None:
             fields["kl_policy_base"] = kl_estimate
+        fields.update(resampled)
+        bounds = algos.clip_bounds(config.loss) if isinstance(loss, ProtocolLoss) else None
 
         def trained(result: dict | None) -> dict:
-            out = {"loss": ((result or {}).get("metrics") or {}).get("loss:sum"), **health(batch, config, result, datums)}
+            out = health(batch, config, result, datums)
+            if isinstance(loss, ProtocolLoss):  # a custom loss's own metrics (GSPO's loss, ratios) are in fields
+                out["loss"] = ((result or {}).get("metrics") or {}).get("loss:sum")
+            if bounds is not None:
+                out.update(algos.clip_fractions(datums, (result or {}).get("loss_fn_outputs") or [], *bounds))
             for warning in self.warnings.check({"step": step + 1, **out}):
                 self.sink.message(warning)
             return out
 
-        return StepWork(datums, self.loss(), fields, trained, self.samples(batch, step + 1), tokens=fields["sampled_tokens"])
+        return StepWork(train_datums, loss, fields, trained, self.samples(batch, step + 1), tokens=fields["sampled_tokens"])
 
     def submit_eval(self, version: int) -> Waiter | None:
         prompts = self.data.eval
@@ -740,8 +792,14 @@ reward: exact_match             # exact_match | numeric_match | contains | start
 # max_failed_fraction: 0.1      # the run stops (resumable) when more of a batch fails
 
 loss:
-  name: importance_sampling     # importance_sampling | ppo | cispo | dro
+  name: importance_sampling     # importance_sampling | ppo | cispo | dro | gspo
   # config: {{clip_low_threshold: 0.8, clip_high_threshold: 1.2}}
+  # clip_low: 0.2               # or the epsilons: ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO: 0.2, 0.28)
+  # clip_high: 0.28
+# algorithm: dapo               # a preset: grpo | dr_grpo | dapo | gspo | rloo (docs/rl-algorithms.md); keys set here win
+# advantage: {{baseline: group_mean, normalize: none, length_normalization: none}}
+# overlong: {{max_tokens: 32, buffer: 8, penalty: 1.0}}   # DAPO's soft overlong punishment
+# dynamic_sampling: {{max_rounds: 3}}                     # replace groups without signal by new ones
 
 sampling:
   max_tokens: 32
@@ -763,7 +821,8 @@ KIND = Kind(
                   "sampled_with_version", "staleness", "kl_policy_base", "eval_reward_mean", "eval_pass_rate",
                   "reward_std", "zero_variance_groups", "completion_tokens", "max_tokens_share", "entropy",
                   "logprob_diff", "failed_rollouts", "judge_requests", "judge_prompt_tokens",
-                  "judge_completion_tokens"),  # plus reward/NAME and reward_std/NAME for a list of rewards
+                  "judge_completion_tokens", "clip_low_fraction", "clip_high_fraction", "sequence_ratio_mean",
+                  "sequence_ratio_std", "groups_resampled", "resample_rounds", "groups_unfilled", "overlong_penalty"),  # plus reward/NAME and reward_std/NAME for a list of rewards
     step_fields=(
         StepField("reward", "reward", ".3f"), StepField("pass_rate", "pass", ".0%"),
         StepField("groups_trained", "groups", of="groups"),
