@@ -63,7 +63,7 @@ def test_validate_prints_the_expansion_and_an_unknown_name_lists_the_known_ones(
     assert ("algorithm dapo: advantage group_mean, normalize std, length_normalization token; loss ppo (ratio clipped "
             "to [0.8, 1.3]); overlong penalty 1 over the last 2 of 8 tokens; dynamic sampling (up to 3 rounds)") in out, out
     bad = loops(local_server, "train", "validate", str(EXAMPLES / "tiny-rl.yaml"), "--offline", "--set", "algorithm=ppo2")
-    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     (line,) = [l for l in bad.stderr.splitlines() if l.startswith("Error: ")]
     assert "algorithm" in line and all(repr(name) in line for name in PRESETS), line
 
