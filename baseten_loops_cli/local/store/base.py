@@ -1,18 +1,5 @@
-"""The plumbing every table of the store shares: one connection per thread, transactions, ids.
-
-One database file (``<data_dir>/loops.db``) in WAL mode, so readers never block the writer.
-Each thread gets its own connection (sqlite3 connections must not be shared across threads
-without a lock); in practice the server writes from its event-loop thread only and the
-compute threads hand their results back to it.
-
-Rows come back as small frozen dataclasses (``RunRow``, ``CheckpointRow``, ...) rather than
-dicts, so the rest of the server reads typed attributes and the column list lives here only.
-Times are stored as float epoch seconds; :func:`iso` renders them for the wire.
-
-IDs follow the hosted product's shapes so clients that (wrongly) pattern-match them still
-work: runs, sessions, samplers and deployments are 7-char lowercase base36, model ids are
-8-char lowercase base36, checkpoint primary keys are 8-char mixed-case alphanumerics.
-"""
+"""The plumbing every table of the store shares (see the package's docstring for the design):
+one connection per thread, nested transactions, row decoding, fresh ids, the statuses' names."""
 
 from __future__ import annotations
 
