@@ -208,7 +208,7 @@ def cached_items(
     entry = _read_cache().get(key)
     now = time.time()
     if isinstance(entry, dict) and now - entry.get("at", 0) < TTL_S:
-        return [tuple(i) for i in entry.get("items", [])]  # type: ignore[misc]
+        return [tuple(i) for i in entry.get("items", [])]
 
     result: dict[str, list[Item]] = {}
 
@@ -228,7 +228,7 @@ def cached_items(
     if thread.is_alive() and spawn:
         _spawn_refresher(profile_flag, kind, arg)
     if isinstance(entry, dict) and now - entry.get("at", 0) < MAX_STALE_S:
-        return [tuple(i) for i in entry.get("items", [])]  # type: ignore[misc]
+        return [tuple(i) for i in entry.get("items", [])]
     return []
 
 

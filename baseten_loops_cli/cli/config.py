@@ -71,6 +71,7 @@ def get(ctx: typer.Context, key: Annotated[str, typer.Argument(help=KEYS_HELP + 
 
     state = get_state(ctx)
     config = ConfigFile.load()
+    value: str | None
     if key == "active":
         value = resolve_profile(state.profile, config=config).name
     elif key in PROFILE_KEYS:

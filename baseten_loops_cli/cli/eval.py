@@ -120,6 +120,7 @@ def eval_command(
     def config_base_model() -> str:  # --base without a checkpoint: the config's base model
         from baseten_loops_cli.training.config import load_config
 
+        assert config is not None  # passed to candidates only when --config is given (below)
         return load_config(config).config.base_model
 
     from baseten_loops_cli.services.evaluation import SamplerPool, candidates as eval_candidates

@@ -5,18 +5,21 @@ Imports stay inside the commands: `loops --help` must not pull in httpx or torch
 """
 
 from enum import Enum
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from baseten_loops_cli.cli._state import get_state
+
+if TYPE_CHECKING:
+    from baseten_loops_cli.output.sink import Column
 
 app = typer.Typer(
     help="Run the local backend: a Loops-compatible server on 127.0.0.1 for offline training.",
     no_args_is_help=True,
 )
 
-_INFO_FIELDS = [
+_INFO_FIELDS: "list[Column]" = [
     ("URL", "url"),
     ("PID", "pid"),
     ("Version", "version"),

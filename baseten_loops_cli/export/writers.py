@@ -42,6 +42,11 @@ def base_dir(name: str) -> Path | None:
     """The base's HF folder on this machine (None for the built-in tiny model)."""
     if name == TINY:
         return None
+    return _hf_dir(name)
+
+
+def _hf_dir(name: str) -> Path:
+    """The HF folder of a base other than the tiny model (an error if this machine has none)."""
     path = find_model_dir(name)
     if path is None:
         raise LoopsError(f"this machine has no files for the base model {name}",
@@ -60,7 +65,7 @@ def load_base(name: str) -> Any:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(base_dir(name), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(_hf_dir(name), dtype=torch.float32)
     model.name_or_path = model.config._name_or_path = name
     return model.eval()
 
@@ -332,6 +337,7 @@ def _add_tokenizer(writer: Any, base_model: str, config: Any) -> None:
         if isinstance(value, int):
             add(value)
     directory = base_dir(base_model)
+    template: str | None
     if directory is None:  # the tiny byte tokenizer, in its tokenizer.json form
         from baseten_loops_cli.tokenization.byte_tokenizer import CHAT_TEMPLATE, tokenizer_json
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from baseten_loops_cli.errors import LoopsError, UsageError
@@ -141,7 +142,7 @@ def candidates(backend: "Connected", refs: list[str], pool: SamplerPool, *, base
         for model in models:
             rows.append(Candidate(
                 f"base ({model})" if len(models) > 1 else "base", model, f"{backend.base_url}|base|{model}",
-                lambda model=model: pool.for_base(model), is_base=True,
+                partial(pool.for_base, model), is_base=True,
             ))  # fmt: skip
     for cp in resolved:
         uri = uri_of(cp) or cp.uri
@@ -150,6 +151,6 @@ def candidates(backend: "Connected", refs: list[str], pool: SamplerPool, *, base
         created = cp.created_at.isoformat() if cp.created_at else ""
         rows.append(Candidate(
             display_name(cp), cp.base_model, f"{backend.base_url}|{cp.id}|{uri}|{created}",
-            lambda uri=uri: pool.for_checkpoint(uri), uri=uri,
+            partial(pool.for_checkpoint, uri), uri=uri,
         ))  # fmt: skip
     return rows

@@ -42,9 +42,13 @@ __all__ = [
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
-    eos_token_id: int | None
-    bos_token_id: int | None
-    pad_token_id: int | None
+    # Read-only (properties), so a tokenizer that always has the id (an ``int``) fits.
+    @property
+    def eos_token_id(self) -> int | None: ...
+    @property
+    def bos_token_id(self) -> int | None: ...
+    @property
+    def pad_token_id(self) -> int | None: ...
     stop_token_ids: tuple[int, ...]  # ids that end a generation (eos, end-of-turn)
 
     def encode(self, text: str) -> list[int]: ...

@@ -70,7 +70,9 @@ def template_supports_tools(tokenizer: Any) -> bool:
     """Whether the model's chat template renders tool definitions and tool calls (it names
     ``tools``); the built-in ChatML rendering has no tools."""
     template = getattr(tokenizer, "chat_template", None)
-    return bool(template) and "tools" in template and "tool_calls" in template
+    if not template:
+        return False
+    return "tools" in template and "tool_calls" in template
 
 
 def render_generation_prompt(tokenizer: Any, messages: Sequence[dict],

@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 STARTUP_S = 3.0  # fixed cost of a run when an old calibration file does not say
 # Other load per core above which a plan's time becomes a range: under it a run gets the CPU it
@@ -70,7 +71,7 @@ def _read() -> dict:
         return {}
 
 
-def _usable(entry: object) -> bool:
+def _usable(entry: object) -> TypeGuard[dict]:
     return isinstance(entry, dict) and isinstance(entry.get("s_per_token"), (int, float))
 
 

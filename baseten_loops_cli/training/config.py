@@ -10,7 +10,7 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -384,7 +384,7 @@ def _load_yaml_with_lines(text: str, path: Path) -> tuple[Any, dict[tuple, int]]
     return data, by_path
 
 
-def _model_for(raw: dict) -> type[BaseModel]:
+def _model_for(raw: dict) -> type[CommonConfig]:
     from baseten_loops_cli.training import kinds
 
     return kinds.get(raw["kind"]).config_model
@@ -479,7 +479,7 @@ def _override_of(overrides: dict[tuple, str], loc: tuple) -> str | None:
     return None
 
 
-def _problem(err: dict, lines: dict[tuple, int], raw: dict, overrides: dict[tuple, str] | None = None) -> Problem:
+def _problem(err: Mapping[str, Any], lines: dict[tuple, int], raw: dict, overrides: dict[tuple, str] | None = None) -> Problem:
     err = {**err, "loc": tuple(p for p in err["loc"] if p not in SOURCE_TAGS)}  # a data source's shape tag
     problem = _file_problem(err, lines, raw)
     loc = tuple(err["loc"])
@@ -490,7 +490,7 @@ def _problem(err: dict, lines: dict[tuple, int], raw: dict, overrides: dict[tupl
     return problem
 
 
-def _file_problem(err: dict, lines: dict[tuple, int], raw: dict) -> Problem:
+def _file_problem(err: Mapping[str, Any], lines: dict[tuple, int], raw: dict) -> Problem:
     loc = tuple(err["loc"])
     key = ".".join(str(p) for p in loc) or "(top level)"
     line = _line_of(lines, loc)
@@ -652,6 +652,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_f
         problems += [_problem(err, lines, raw, applied) for err in exc.errors()]
     if problems:
         raise ConfigProblems(path, problems)
+    # Validation either set config or added a problem, which raised just above.
+    assert config is not None
     if "max_seq_len" not in raw:
         config.max_seq_len = default_max_seq_len(config.base_model)
     return LoadedConfig(config, path.resolve(), raw, lines, applied)
@@ -685,9 +687,9 @@ def _base_model_folder(raw: dict, lines: dict[tuple, int], base_dir: Path, overr
 
     value = raw.get("base_model")
     folder = local_model_dir(value, base_dir) if isinstance(value, str) and value else None
-    if folder is None:
-        return None
-    found = local_model_problem(folder) if problems is not None else None
+    if folder is None or problems is None:
+        return folder
+    found = local_model_problem(folder)
     if found is not None:
         override = _override_of(overrides, ("base_model",))
         problems.append(Problem(None if override else lines.get(("base_model",)), "base_model", f"base_model: {found}",

@@ -172,8 +172,8 @@ class EvalReport:
         for metric in self.metrics:
             if metric.better is None:
                 continue
-            scored = [(r.metrics.get(metric.key), r.label) for r in self.results]
-            scored = [(v, label) for v, label in scored if isinstance(v, (int, float)) and not math.isnan(v)]
+            found = [(r.metrics.get(metric.key), r.label) for r in self.results]
+            scored = [(v, label) for v, label in found if isinstance(v, (int, float)) and not math.isnan(v)]
             if scored:
                 top = (min if metric.better == "lower" else max)(v for v, _ in scored)
                 best[metric.key] = [label for v, label in scored if v == top]
@@ -270,8 +270,8 @@ def check_gates(report: EvalReport, gates: Sequence[Gate]) -> list[str]:
     failures = []
     for gate in gates:
         metric = next(m for m in report.metrics if m.key == gate.metric)
-        values = [(r.metrics.get(gate.metric), r.label) for r in pool]
-        values = [(v, label) for v, label in values if isinstance(v, (int, float)) and not math.isnan(v)]
+        found = [(r.metrics.get(gate.metric), r.label) for r in pool]
+        values = [(v, label) for v, label in found if isinstance(v, (int, float)) and not math.isnan(v)]
         if not values:
             failures.append(f"no checkpoint has a {gate.metric} to check")
             continue
@@ -313,6 +313,7 @@ def _load_rows(task: EvalTask, tokenizer: Any) -> list[Any]:
         from baseten_loops_cli.training.multiple_choice import load_mc_rows
 
         return load_mc_rows(task.data, tokenizer, limit=task.limit)
+    rows: list[data_mod.Prompt] | list[data_mod.Example]
     if isinstance(task, RLTask):
         rows = data_mod.load_prompts(task.data, tokenizer, max_seq_len=task.max_seq_len, max_tokens=task.sampling.max_tokens)
     else:
@@ -541,9 +542,9 @@ def evaluate(
     results = []
     for candidate, path, hit in plan:
         rows = rows_by_model[candidate.base_model]
-        common = {"label": candidate.label, "base_model": candidate.base_model, "uri": candidate.uri, "is_base": candidate.is_base}
         if hit is not None:
-            results.append(CandidateResult(**common, rows=int(hit.get("rows", len(rows))), metrics=hit["metrics"], cached=True))
+            results.append(CandidateResult(label=candidate.label, base_model=candidate.base_model, uri=candidate.uri,
+                                           is_base=candidate.is_base, rows=int(hit.get("rows", len(rows))), metrics=hit["metrics"], cached=True))
             continue
         errors: list[RowError] = []
 
@@ -566,5 +567,6 @@ def evaluate(
         metrics = asyncio.run(run())
         if not errors:
             _write_cache(path, len(rows), metrics)
-        results.append(CandidateResult(**common, rows=len(rows), metrics=metrics, errors=errors))
+        results.append(CandidateResult(label=candidate.label, base_model=candidate.base_model, uri=candidate.uri,
+                                       is_base=candidate.is_base, rows=len(rows), metrics=metrics, errors=errors))
     return EvalReport(task.kind, str(task.data), data_sha, {"kind": task.kind, **task.settings()}, results)

@@ -93,7 +93,7 @@ def open_wandb(config: Any, rundir: RunDir, *, run_id: str, raw_config: dict | N
     if not project:
         return None, None
     try:
-        import wandb  # type: ignore[import-not-found]
+        import wandb
     except ImportError:
         return None, (
             f"logging.wandb_project is {project!r} but wandb is not installed; "

@@ -54,7 +54,7 @@ class TrainingSummary:
     judge: dict | None = None
 
     def as_dict(self) -> dict:
-        out = {
+        out: dict[str, Any] = {
             "run_id": self.run_id,
             "run_dir": self.run_dir,
             "status": self.status,

@@ -134,7 +134,7 @@ class Endpoint:
                 hint="The teacher endpoint must score the prompt (vLLM and `loops deploy` do); use a checkpoint "
                      "or base model teacher otherwise.",
             )
-        top1 = [max(t, key=t.get) if isinstance(t, dict) and t else None for t in tops[:n_tokens]]
+        top1 = [max(t, key=t.__getitem__) if isinstance(t, dict) and t else None for t in tops[:n_tokens]]
         return list(values[:n_tokens]), [str(t) for t in texts[:n_tokens]], top1
 
     def check(self, student: Any, student_name: str) -> None:

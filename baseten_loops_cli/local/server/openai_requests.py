@@ -415,13 +415,13 @@ def render_chat_prompt(tokenizer: Any, raw_messages: Any, body: dict) -> list[in
     try:
         import jinja2
 
-        template_error: tuple[type[BaseException], ...] = (jinja2.TemplateError,)
+        render_errors: tuple[type[BaseException], ...] = (ValueError, TypeError, jinja2.TemplateError)
     except ImportError:
-        template_error = ()
+        render_errors = (ValueError, TypeError)
     try:
         prompt = list(render_generation_prompt(tokenizer, messages, options.tools,
                                                options.template_kwargs))
-    except (ValueError, TypeError, *template_error) as exc:
+    except render_errors as exc:
         raise bad(f"The model's chat template cannot render these messages: {exc}",
                   "messages", "TemplateError") from None
     if options.forced is not None:

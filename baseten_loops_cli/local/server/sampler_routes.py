@@ -130,7 +130,8 @@ def _logprobs(tokens: list[int], logprobs: list[float],
 
 def completions_body(job: SampleRequest, out: SampleResult, model: str,
                      want_logprobs: bool) -> dict[str, Any]:
-    prompt_logprobs = None
+    # Per prompt position: token id (as text) -> its logprob, rank and text; None where unscored.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
     if out.prompt_logprobs is not None:
         prompt_logprobs = []
         for pos, entry in enumerate(out.prompt_logprobs):

@@ -140,7 +140,7 @@ async def sse_batch_response(samplers: SamplerService, base_model: str,
                 if sent := frame(chunk(index, "token", (delta, event))):
                     yield sent
             item = await anext(events, None)
-        usage = on_done(outputs)  # type: ignore[arg-type]
+        usage = on_done(outputs)
         if include_usage:
             yield frame(chunk(None, "usage", usage))
         yield "data: [DONE]\n\n"

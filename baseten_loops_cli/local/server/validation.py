@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from baseten_loops_cli.local.server.compute import Engine, ModelSpec
 from baseten_loops_cli.local.server.errors import bad_request, choices
@@ -70,7 +70,8 @@ async def validate_forward(engine: Engine, body: dict, spec: ModelSpec,
                         "truncate.)")
         raise bad_request(message, error_class) from None
     tokens = sum(len(p.tokens) for p in parsed)
-    return ForwardRequest(data, loss_fn, config, top_k, tokens, parsed if spec.vocab_size else None)
+    # parse_forward refused anything but a non-empty list of datum objects (dicts).
+    return ForwardRequest(cast(list[dict], data), loss_fn, config, top_k, tokens, parsed if spec.vocab_size else None)
 
 
 def check_token_ids(tokens: list[Any], spec: ModelSpec, where: str) -> None:

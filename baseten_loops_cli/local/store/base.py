@@ -71,9 +71,7 @@ RowT = TypeVar("RowT")
 _JSON_COLUMNS = {"manifest"}
 
 
-def _row(cls: type[RowT], row: sqlite3.Row | None) -> RowT | None:
-    if row is None:
-        return None
+def _row(cls: type[RowT], row: sqlite3.Row) -> RowT:
     return cls(**{k: json.loads(row[k]) if k in _JSON_COLUMNS else row[k] for k in row.keys()})
 
 
@@ -148,7 +146,8 @@ class StoreBase:
         return self._tx()
 
     def _one(self, cls: type[RowT], sql: str, args: Iterable[Any] = ()) -> RowT | None:
-        return _row(cls, self._conn().execute(sql, tuple(args)).fetchone())
+        row = self._conn().execute(sql, tuple(args)).fetchone()
+        return None if row is None else _row(cls, row)
 
     def _all(self, cls: type[RowT], sql: str, args: Iterable[Any] = ()) -> list[RowT]:
         return [_row(cls, r) for r in self._conn().execute(sql, tuple(args)).fetchall()]

@@ -89,7 +89,8 @@ class OperationsTable(StoreBase):
         self, *, run_id: str | None = None, statuses: Iterable[str] | None = None,
         since: float | None = None,
     ) -> list[OperationRow]:
-        clauses, args = [], []
+        clauses: list[str] = []
+        args: list[str | float] = []
         if run_id is not None:
             clauses.append("run_id = ?")
             args.append(run_id)

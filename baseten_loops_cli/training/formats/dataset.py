@@ -39,6 +39,8 @@ class Source:
         if self.dataset is not None:
             return readers.read_hub(self.dataset, split=self.split, subset=self.subset, revision=self.revision,
                                     columns=self.columns)
+        # Every Source is built with a dataset or a path (plain_spec, _sources_of).
+        assert self.path is not None
         return readers.read_path(self.path, self.columns)
 
 
@@ -147,7 +149,7 @@ def _load(spec: DataSpec, purpose: str) -> list[tuple[str, dict]]:
 def _report_duplicates(spec: DataSpec, purpose: str, rows: list[tuple[str, dict]]) -> None:
     if spec.compare_with is None:
         return
-    train = {}
+    train: dict[str, str] = {}  # row key -> where the training data has it
     for where, row in _load(spec.compare_with, purpose):
         train.setdefault(_key(row), where)
     both = [(where, train[_key(row)]) for where, row in rows if _key(row) in train]
@@ -172,12 +174,11 @@ def plain_spec(value: Any, label: str | None = None, *, columns: dict[str, str] 
     """A path given on its own (``loops eval --data``, ``loops data check``) as a DataSpec,
     with the format options a config's ``data:`` section (or ``--columns``) gives it."""
     text = str(value)
-    options = dict(columns=dict(columns or {}), format=format)
     if text.startswith(HUB_PREFIX):
         name, revision = readers.hub_name(text)
-        source = Source(text, dataset=name, revision=revision, **options)
+        source = Source(text, dataset=name, revision=revision, format=format, columns=dict(columns or {}))
     else:
-        source = Source(text, path=Path(text), **options)
+        source = Source(text, path=Path(text), format=format, columns=dict(columns or {}))
     return DataSpec(label or text, [source], truncation=truncation)
 
 
@@ -236,7 +237,9 @@ def data_specs(loaded: Any, train_key: tuple[str, str] = ("data", "train"),
     truncation = section_options(section)["truncation"]
     train = DataSpec(train_label, _sources_of(loaded, train_key, getattr(section, train_key[1]), section), config.seed,
                      truncation=truncation)
-    eval_section = getattr(config, eval_key[0], None) if eval_key else None
+    if eval_key is None:
+        return train, None
+    eval_section = getattr(config, eval_key[0], None)
     value = getattr(eval_section, eval_key[1], None) if eval_section is not None else None
     if value is None:
         return train, None

@@ -129,7 +129,7 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
     spec = plain_spec(path, columns=columns)
     if max_seq_len is None:
         max_seq_len = default_max_seq_len(base_model)
-    kind, fmt = _kind_of(spec, kind)
+    kind_def, fmt = _kind_of(spec, kind)
     tokenizer = _tokenizer(base_model)
     problems: list[RowProblem] = []
     lengths: list[int] = []
@@ -140,7 +140,7 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
     over = 0
     policies = {"error": {"refused": 0}, "drop": {"dropped": 0}, **{p: {"cut": 0, "refused": 0} for p in CUTS}}
     try:
-        converted = list(read_rows(spec, kind.row_purpose))
+        converted = list(read_rows(spec, kind_def.row_purpose))
     except ConfigError as exc:  # a row the format layer refuses: the file cannot be read as this kind
         raise ConfigError(exc.message, hint=exc.hint) from None
     for where, row in converted:
@@ -153,7 +153,7 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
         else:
             seen[key] = where
         try:
-            rendered = _load_one(kind, where, row, tokenizer, UNLIMITED, train_on)
+            rendered = _load_one(kind_def, where, row, tokenizer, UNLIMITED, train_on)
         except ConfigError as exc:
             problems.append(RowProblem(where, exc.message.removeprefix(f"{where}: "), exc.hint))
             continue
@@ -165,7 +165,7 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
             policies["drop"]["dropped"] += 1
             for policy in CUTS:  # what the loader makes of the row under each cut
                 try:
-                    _load_one(kind, where, row, tokenizer, max_seq_len, train_on, policy)
+                    _load_one(kind_def, where, row, tokenizer, max_seq_len, train_on, policy)
                     policies[policy]["cut"] += 1
                 except ConfigError:
                     policies[policy]["refused"] += 1
@@ -181,7 +181,7 @@ def check(path: str, *, kind: str | None = None, base_model: str = "loops-local/
     while histogram and histogram[-1]["rows"] == 0 and histogram[-1]["up_to"] > max_seq_len:
         histogram.pop()
     tokens = {"min": min(lengths), "mean": round(sum(lengths) / len(lengths)), "max": max(lengths)} if lengths else {}
-    return DataCheck(str(path), fmt, kind.name, len(converted), base_model, max_seq_len, tokens, histogram, over,
+    return DataCheck(str(path), fmt, kind_def.name, len(converted), base_model, max_seq_len, tokens, histogram, over,
                      policies, dict(roles), empty, duplicates, problems)
 
 
@@ -199,15 +199,15 @@ def preview(path: str, *, rows: int = 3, kind: str | None = None, base_model: st
             train_on: str = "last_assistant", columns: dict[str, str] | None = None) -> tuple[str, str, list[PreviewRow]]:
     """(kind, format, the first ``rows`` rows rendered with their trained spans)."""
     spec = plain_spec(path, columns=columns)
-    kind, fmt = _kind_of(spec, kind)
+    kind_def, fmt = _kind_of(spec, kind)
     tokenizer = _tokenizer(base_model)
     out: list[PreviewRow] = []
-    for where, row in list(read_rows(spec, kind.row_purpose))[:rows]:
-        rendered = _load_one(kind, where, row, tokenizer, UNLIMITED, train_on)
-        for side, item in zip(kind.row_sides, rendered):
+    for where, row in list(read_rows(spec, kind_def.row_purpose))[:rows]:
+        rendered = _load_one(kind_def, where, row, tokenizer, UNLIMITED, train_on)
+        for side, item in zip(kind_def.row_sides, rendered):
             weights = getattr(item, "weights", None) or [0.0] * len(item.tokens)
             out.append(_spans(where, side, item.tokens, weights, tokenizer))
-    return kind.name, fmt, out
+    return kind_def.name, fmt, out
 
 
 def _spans(where: str, side: str | None, tokens: list[int], weights: list[float], tokenizer: Any) -> PreviewRow:

@@ -103,8 +103,10 @@ def detect(rows: list[tuple[str, dict]], label: str, forced: str | None = None,
         where, row = rows[0]
         raise ConfigError(f"{where}: no known row format in keys {sorted(row)}; {EXPECTED}", hint=FORMATS_HINT)
     fmt = counts.most_common(1)[0][0]
+    row_formats: list[str] = []  # every row's format (a row of none is an error below)
     for (where, row), kind in zip(rows, kinds):
-        if kind == fmt or frozenset({kind, fmt}) in NATIVE_MIX:
+        if kind is not None and (kind == fmt or frozenset({kind, fmt}) in NATIVE_MIX):
+            row_formats.append(kind)
             continue
         field = next((k for k in REQUIRED.get(fmt, ()) if k not in row), KEY_FIELD[fmt])
         looks = f"this row looks like {kind}" if kind else "this row is in no known format"
@@ -123,7 +125,7 @@ def detect(rows: list[tuple[str, dict]], label: str, forced: str | None = None,
             f"but {counts[fmt]:,} of the {len(rows):,} rows of {label} are {fmt}",
             hint=hint,
         )
-    return fmt, kinds
+    return fmt, row_formats
 
 
 _PAIRED_AND_UNPAIRED = frozenset({"preference", "unpaired_preference"})
@@ -328,6 +330,7 @@ def convert(where: str, row: dict, fmt: str, purpose: str, mapped: dict[str, str
     r = _Row(where, row, fmt, mapped)
     if purpose == "unpaired" and fmt != "unpaired_preference":
         raise _wrong_purpose(r, purpose)
+    prompt: str | list[dict] | None  # each format's branch below sets it its own way
     if fmt in ("messages", "sharegpt"):
         if fmt == "sharegpt":
             messages = r.turns("conversations" if "conversations" in row else "messages")
