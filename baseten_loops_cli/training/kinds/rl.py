@@ -660,9 +660,10 @@ class RLSteps(StepHooks):
         return self.rollouts.sample(prompts, step=step, version=version, n=config.group_size,
                                     sampling=config.sampling, seed=config.seed)
 
-    def gather(self, step: int, version: int) -> Batch:
-        """This step's batch: sampled ahead when within the staleness bound, else now; then the
-        window is kept full for the next steps, with the weights published so far."""
+    def gather(self, step: int, version: int) -> tuple[Batch, dict]:
+        """This step's batch: sampled ahead when within the staleness bound, else now (with
+        dynamic sampling, its groups without signal refilled: their metrics come with it); then
+        the window is kept full for the next steps, with the weights published so far."""
         bound = self.config.max_steps_off_policy
         batch = self.window.take(step)
         if batch is None or step - batch.version > bound:
