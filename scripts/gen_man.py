@@ -47,6 +47,7 @@ ENVIRONMENT: list[tuple[str, str]] = [
     ("LOOPS_NO_AUTOSTART", "Set to 1 to not start the local server automatically when a command needs it."),
     ("LOOPS_DTYPE", "The local server's compute dtype when `loops server start --dtype` is not given: auto (the default: bfloat16 where the hardware has it, else float32), float32 or bfloat16."),
     ("LOOPS_DEVICE", "The local server's compute device when `loops server start --device` is not given: auto (the default), cpu or cuda."),
+    ("LOOPS_ACTIVATION_CHECKPOINTING", "The local trainer's per-layer activation checkpointing: auto (the default: recompute the fewest decoder layers that keep a long sequence's activations within the engine's budget), on (every layer) or off."),
     ("LOOPS_CONFIG_DIR", "Directory of config.toml and the credentials file (default ~/.config/baseten-loops)."),
     ("LOOPS_STATE_DIR", "Directory of the local server's pid, log, token and URL files "
      "(default ~/.local/state/baseten-loops)."),
