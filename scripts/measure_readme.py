@@ -133,10 +133,13 @@ def duration(seconds: float) -> str:
 def markdown(cases: list[Case], repeat: int, started: str, argv: list[str]) -> str:
     loads = [x for c in cases for x in c.loads]
     command = " ".join(["python scripts/measure_readme.py", *argv])
+    cores = os.cpu_count() or 1
+    # The plan's rule: over half a process per core, a machine is busy (training/calibration.py).
+    busy = "other jobs were using the cores at the time" if max(loads) > cores / 2 else "nothing else was running"
     lines = [
         f"Measured {started} by `{command}` at {commit()} on {machine()}: 1-minute load average "
         f"{span(loads, digits=1)} during the runs (/proc/loadavg, before and after each command; on this machine "
-        f"other jobs were using the cores at the time). Wall time of the whole command, "
+        f"{busy}). Wall time of the whole command, "
         + ("one run each" if repeat == 1 else f"the fastest and slowest of {repeat} runs each")
         + f"; on an idle machine, about the wall time times cores / (cores + load) (the rule the plan's "
         f"time range uses; an estimate, not a measurement).",
@@ -144,7 +147,6 @@ def markdown(cases: list[Case], repeat: int, started: str, argv: list[str]) -> s
         "| command | what | wall time | load average | idle machine (estimate) |",
         "|---|---|---|---|---|",
     ]
-    cores = os.cpu_count() or 1
     for case in cases:
         if case.seconds:
             low, high = min(case.seconds), max(case.seconds)
