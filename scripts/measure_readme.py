@@ -135,7 +135,9 @@ def markdown(cases: list[Case], repeat: int, started: str, argv: list[str]) -> s
     command = " ".join(["python scripts/measure_readme.py", *argv])
     cores = os.cpu_count() or 1
     # The plan's rule: over half a process per core, a machine is busy (training/calibration.py).
-    busy = "other jobs were using the cores at the time" if max(loads) > cores / 2 else "nothing else was running"
+    # Judged before the first command: later readings count the measured commands themselves.
+    quiet = cases[0].loads[0] <= cores / 2 if cases and cases[0].loads else False
+    busy = "nothing else was running" if quiet else "other jobs were using the cores at the time"
     lines = [
         f"Measured {started} by `{command}` at {commit()} on {machine()}: 1-minute load average "
         f"{span(loads, digits=1)} during the runs (/proc/loadavg, before and after each command; on this machine "
@@ -150,9 +152,11 @@ def markdown(cases: list[Case], repeat: int, started: str, argv: list[str]) -> s
     for case in cases:
         if case.seconds:
             low, high = min(case.seconds), max(case.seconds)
-            took = duration(low) if high - low < 0.5 else f"{duration(low)} - {duration(high)}"
+            took = duration(low) if duration(low) == duration(high) else f"{duration(low)} - {duration(high)}"
             load = sum(case.loads) / len(case.loads)
-            idle = sum(case.seconds) / len(case.seconds) * cores / (cores + load)
+            mean = sum(case.seconds) / len(case.seconds)
+            # On a quiet machine the load is the command itself: what was measured is the idle figure.
+            idle = mean if quiet else mean * cores / (cores + load)
             lines.append(f"| `loops {' '.join(case.args)}` | {case.label} | {took} | {load:.1f} | {duration(idle)} |")
     return "\n".join(lines)
 
