@@ -143,10 +143,11 @@ def markdown(cases: list[Case], repeat: int, started: str, argv: list[str]) -> s
         f"{span(loads, digits=1)} during the runs (/proc/loadavg, before and after each command; on this machine "
         f"{busy}). Wall time of the whole command, "
         + ("one run each" if repeat == 1 else f"the fastest and slowest of {repeat} runs each")
-        + f"; on an idle machine, about the wall time times cores / (cores + load) (the rule the plan's "
-        f"time range uses; an estimate, not a measurement).",
+        + ("; the last column is their mean (measured on an idle machine)." if quiet else
+           "; on an idle machine, about the wall time times cores / (cores + load) (the rule the plan's "
+           "time range uses; an estimate, not a measurement)."),
         "",
-        "| command | what | wall time | load average | idle machine (estimate) |",
+        "| command | what | wall time | load average | idle machine |",
         "|---|---|---|---|---|",
     ]
     for case in cases:
