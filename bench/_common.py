@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,3 +57,13 @@ def loops(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProc
 
 def print_ratio(name: str, ratio: float, target: str, detail: str) -> None:
     print(f"{name}: ratio {ratio:.3f} (target {target}); {detail}")
+
+
+def print_rows(rows: list[dict], *, as_json: bool, target: Callable[[dict], str]) -> None:
+    """A bench's result rows: one JSON document (what run_all.py reads with --json), or one
+    :func:`print_ratio` line each, ``target(row)`` naming its target (``>= 1.3``)."""
+    if as_json:
+        print(json.dumps({"results": rows}))
+        return
+    for row in rows:
+        print_ratio(row["case"], row["ratio"], target(row), row["detail"])

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, print_ratio
+from _common import ROOT, print_rows
 from memory import vm_kib
 from train_throughput import (
     SMOLLM2,
@@ -329,11 +329,7 @@ def main() -> None:
                           0.0, "", ok=False)]
         log(f"   {name}: {time.monotonic() - started:.0f}s")
         rows += out
-    if args.json:
-        print(json.dumps({"results": rows}))
-        return
-    for row in rows:
-        print_ratio(row["case"], row["ratio"], f"{row['op']} {row['target']}", row["detail"])
+    print_rows(rows, as_json=args.json, target=lambda row: f"{row['op']} {row['target']}")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from _common import ROOT, loops, print_ratio
+from _common import ROOT, loops, print_rows
 from train_throughput import SMOLLM2, bench_env, bench_server, load_local_model, make_batch, wire_data
 
 TARGETS = {"sft": 1.3, "dpo": 1.3, "grpo": 1.5, "rl256": 1.0, "mfu": 0.25}
@@ -546,11 +546,7 @@ def main() -> None:
             out, sft_stats = out
         log(f"   {name}: {time.monotonic() - started:.0f}s")
         rows.extend(out if isinstance(out, list) else [out])
-    if args.json:
-        print(json.dumps({"results": rows}))
-        return
-    for row in rows:
-        print_ratio(row["case"], row["ratio"], f">= {row['target']}", row["detail"])
+    print_rows(rows, as_json=args.json, target=lambda row: f">= {row['target']}")
 
 
 if __name__ == "__main__":
