@@ -1142,15 +1142,21 @@ def test_activation_checkpointing_option_reaches_the_trainer(server_factory):
     assert compute["activation_checkpointing"] == "on"
 
 
+def _assert_start_refused(proc, tmp_path, *, code: int, error: str, hint: str) -> None:
+    """`loops server start` refused in one Error line naming ``error``, a Hint naming ``hint``,
+    exit ``code``, no traceback, and nothing started."""
+    assert proc.returncode == code, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: ") and error in lines[0], proc.stderr
+    assert any(line.startswith("Hint: ") and hint in line for line in lines)
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "state" / "server.json").exists()  # nothing was started
+
+
 def test_an_unknown_activation_checkpointing_mode_is_a_one_line_usage_error(tmp_path):
     dirs = {f"LOOPS_{name}_DIR": str(tmp_path / name.lower()) for name in ("STATE", "DATA", "CONFIG", "CACHE")}
     bad = _cli({**dirs, "LOOPS_ACTIVATION_CHECKPOINTING": "sometimes"}, "server", "start")
-    assert bad.returncode == 2, (bad.stdout, bad.stderr)
-    lines = bad.stderr.strip().splitlines()
-    assert lines[0].startswith("Error: ") and "'sometimes'" in lines[0], bad.stderr
-    assert any(line.startswith("Hint: ") and "auto, on, off" in line for line in lines)
-    assert "Traceback" not in bad.stderr
-    assert not (tmp_path / "state" / "server.json").exists()  # nothing was started
+    _assert_start_refused(bad, tmp_path, code=2, error="'sometimes'", hint="auto, on, off")
 
 
 def test_fixture_servers_compute_in_float32(local_server: LocalServer):
@@ -1166,11 +1172,6 @@ def test_server_start_on_cuda_without_cuda_is_a_one_line_error(tmp_path):
     dirs = {f"LOOPS_{name}_DIR": str(tmp_path / name.lower()) for name in ("STATE", "DATA", "CONFIG", "CACHE")}
     # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on a GPU machine too.
     started = _cli({**dirs, "CUDA_VISIBLE_DEVICES": ""}, "server", "start", "--device", "cuda")
-    assert started.returncode == 1, (started.stdout, started.stderr)
-    lines = started.stderr.strip().splitlines()
-    assert lines[0].startswith("Error: ") and "no CUDA device" in lines[0], started.stderr
-    assert any(line.startswith("Hint: ") and "--device cpu" in line for line in lines)
-    assert "Traceback" not in started.stderr
-    assert not (tmp_path / "state" / "server.json").exists()  # nothing was started
+    _assert_start_refused(started, tmp_path, code=1, error="no CUDA device", hint="--device cpu")
     bad = _cli(dirs, "server", "start", "--dtype", "float16")
     assert bad.returncode == 2 and "float16" in bad.stderr  # a usage error, before anything starts
