@@ -193,7 +193,8 @@ def store_matmul_weights_bf16(module: Any) -> int:
         layer.weight.data = layer.weight.data.to(torch.bfloat16)
         # PEFT moves a new adapter to its base layer's dtype (rounding a fresh LoRA A to bf16)
         # unless the layer names a compute dtype: LoRA weights stay float32 masters.
-        layer.compute_dtype = torch.float32
+        # torch types Module.__setattr__ for tensors and modules only; PEFT reads a plain attribute.
+        layer.compute_dtype = torch.float32  # type: ignore[assignment]
     # transformers maps safetensors files (mmap): the weights left in float32 (embeddings,
     # norms) still point into the file, which keeps all of it mapped and counted in the
     # server's RSS beside the bf16 copies (SmolLM2: the whole 513 MiB file). Copies of their
@@ -272,7 +273,8 @@ def share_input_casts(module: Any) -> None:
         if copy is None or copy.dtype != dtype or copy._version != 0:
             with torch.no_grad():
                 copy = x.to(dtype)
-            x._loops_autocast_copy = copy
+            # torch's stubs declare no attributes of our own on a Tensor (it takes any at run time).
+            x._loops_autocast_copy = copy  # type: ignore[attr-defined]
         return (shared_cast.apply(x, copy), *args[1:])
 
     for layer in module.modules():
@@ -283,7 +285,8 @@ def share_input_casts(module: Any) -> None:
             if (isinstance(linear, torch.nn.Linear)
                     and not getattr(linear, "_loops_shares_input_casts", False)):
                 linear.register_forward_pre_hook(cast_once)
-                linear._loops_shares_input_casts = True
+                # torch types Module.__setattr__ for tensors and modules only: a plain flag here.
+                linear._loops_shares_input_casts = True  # type: ignore[assignment]
 
 
 _SHARED_CAST: Any = None

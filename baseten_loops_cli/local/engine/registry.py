@@ -20,9 +20,12 @@ import re
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.nn.modules.module import _IncompatibleKeys
 
 from baseten_loops_cli.local.engine import precision
 from baseten_loops_cli.local.engine.model_zoo import (
@@ -181,8 +184,10 @@ class BaseModel:
         from peft import set_peft_model_state_dict
 
         with self.lock:
-            result = set_peft_model_state_dict(self._peft, state,
-                                               adapter_name=self._adapter_names[name])
+            # peft annotates the return as `namedtuple` (the factory); it is the
+            # (missing_keys, unexpected_keys) of torch's Module.load_state_dict.
+            result: _IncompatibleKeys = set_peft_model_state_dict(
+                self._peft, state, adapter_name=self._adapter_names[name])
         marker = f".{self._adapter_names[name]}."
         missing = [k for k in result.missing_keys if marker in k]
         if missing or result.unexpected_keys:

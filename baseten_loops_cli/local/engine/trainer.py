@@ -87,6 +87,10 @@ class LoraTrainer:
             base.add_adapter(adapter_name, lora_config(lora_rank, base.name))
         self._params = [p for _, p in base.adapter_parameters(adapter_name)]
         self._optimizer = self._new_optimizer()
+        # What the gradients accumulated since the last optim_step need (_TOKEN_MEAN, _SUM;
+        # None: nothing accumulated) and over how many tokens; _reset_accumulation sets them.
+        self._pending_mode: str | None
+        self._pending_tokens: int
         self._reset_accumulation()
 
     # ── compute ──
@@ -216,7 +220,7 @@ class LoraTrainer:
     def _reset_accumulation(self) -> None:
         for p in self._params:
             p.grad = None
-        self._pending_mode: str | None = None
+        self._pending_mode = None
         self._pending_tokens = 0
 
     # ── checkpoints ──
@@ -281,6 +285,7 @@ class LoraTrainer:
         self._optimizer = self._new_optimizer()
         self._reset_accumulation()
         if with_optimizer:
+            assert state is not None  # refused above: with_optimizer needs the trainer state
             self._optimizer.load_state_dict(
                 torch.load(directory / OPTIMIZER_FILE, weights_only=True))
             self.step = int(state["step"])
@@ -695,8 +700,8 @@ def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top
                 top[d][0][at] = values[offset: offset + count].detach()
                 top[d][1][at] = ids[offset: offset + count]
             offset += count
-    for d, datum in enumerate(inputs):
-        datum.target_logprobs = picked_by_datum[d] * datum.valid
+    for d, loss_input in enumerate(inputs):
+        loss_input.target_logprobs = picked_by_datum[d] * loss_input.valid
     return inputs, top
 
 

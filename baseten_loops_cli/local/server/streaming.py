@@ -116,7 +116,7 @@ async def sse_batch_response(samplers: SamplerService, base_model: str,
             obj.setdefault("usage", None)
         return f"data: {json.dumps(obj)}\n\n"
 
-    async def sse():
+    async def sse() -> AsyncIterator[str]:
         texts = [Detokenizer(tokenizer, job.stop) for job in jobs for _ in range(job.n)]
         for index in range(total):
             if started := frame(chunk(index, "start", None)):
@@ -140,7 +140,8 @@ async def sse_batch_response(samplers: SamplerService, base_model: str,
                 if sent := frame(chunk(index, "token", (delta, event))):
                     yield sent
             item = await anext(events, None)
-        usage = on_done(outputs)
+        # Each job's stream ends with its SampleResult (or raised): none is None by now.
+        usage = on_done([output for output in outputs if output is not None])
         if include_usage:
             yield frame(chunk(None, "usage", usage))
         yield "data: [DONE]\n\n"
