@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -21,8 +21,8 @@ class AppState:
     quiet: bool = False
     profile: str | None = None
     debug: bool = False
-    _output: Any = field(default=None, repr=False)
-    _backend: Any = field(default=None, repr=False)
+    _output: "Output | None" = field(default=None, repr=False)
+    _backend: "Backend | None" = field(default=None, repr=False)
 
     @property
     def output(self) -> "Output":

@@ -3,12 +3,16 @@ broken reward is found before a run (nothing is trained; the samplers it starts 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from baseten_loops_cli.errors import UsageError
 
+if TYPE_CHECKING:
+    from baseten_loops_cli.services import Connected  # the backend: cli._backend.Backend is one
+    from baseten_loops_cli.training.config import LoadedConfig
 
-def test_rewards(backend: Any, loaded: Any, *, rows: int,
+
+def test_rewards(backend: "Connected", loaded: "LoadedConfig", *, rows: int,
                  on_started: Callable[[str, str], None] | None = None) -> list[dict]:
     """One reply or episode per row (the first ``rows`` rows), each as samples.jsonl records it:
     reward, per-reward values, transcript and per-turn rewards, or the failure and traceback."""

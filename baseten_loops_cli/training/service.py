@@ -22,7 +22,10 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from baseten_loops_cli.services import Connected  # the backend: cli._backend.Backend is one
 
 from baseten_loops_cli.errors import InterruptedByUser, LoopsError, UsageError
 from baseten_loops_cli.training.config import LoadedConfig
@@ -146,7 +149,7 @@ def check_on_backend(client: Any, loaded: LoadedConfig) -> list[str]:
     return notes
 
 
-def validate(loaded: LoadedConfig, backend: Any | None, *, offline: bool = False) -> Plan:
+def validate(loaded: LoadedConfig, backend: "Connected | None", *, offline: bool = False) -> Plan:
     """Check a config (every row, and against ``backend`` when one is given) and plan it. An
     unreachable backend is a note, not an error (none when ``offline``: not asked); without
     one the plan is this machine's."""
@@ -200,7 +203,7 @@ def default_run_dir(name: str) -> Path:
     return Path("runs") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def prepare(loaded: LoadedConfig, rundir: RunDir, backend: Any, *, started: float | None = None) -> PreparedRun:
+def prepare(loaded: LoadedConfig, rundir: RunDir, backend: "Connected", *, started: float | None = None) -> PreparedRun:
     """Check the config against ``backend``, load its data and plan it (nothing provisioned).
     ``started`` (monotonic) is when the command began, for the calibration of local plans."""
     from baseten_loops_cli.training.plan import load_data, make_plan
@@ -212,7 +215,7 @@ def prepare(loaded: LoadedConfig, rundir: RunDir, backend: Any, *, started: floa
 
 
 # ------------------------------------------------------------------ run and resume
-def run(prepared: PreparedRun, backend: Any, *, view: Any, announce: Announce, keep_run: bool = False) -> TrainingSummary:
+def run(prepared: PreparedRun, backend: "Connected", *, view: Any, announce: Announce, keep_run: bool = False) -> TrainingSummary:
     """Create the run directory and train the prepared config to the end.
 
     Raises :class:`TrainingInterrupted` on Ctrl-C (state saved; the summary is on it) and
@@ -256,7 +259,7 @@ def load_data(loaded: LoadedConfig) -> LoadedData:
     return load(loaded)
 
 
-def resume(target: ResumeTarget, data: LoadedData, backend: Any, *, view: Any, announce: Announce,
+def resume(target: ResumeTarget, data: LoadedData, backend: "Connected", *, view: Any, announce: Announce,
            keep_run: bool = False) -> TrainingSummary:
     """Continue an interrupted run from its last checkpoint (see :func:`run` for what it raises)."""
     return _execute(backend, target.loaded, data, target.rundir, resume=True, keep_run=keep_run,
@@ -350,7 +353,7 @@ def absolute_raw(loaded: LoadedConfig) -> dict:
     return raw
 
 
-def _execute(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir, **options: Any) -> TrainingSummary:
+def _execute(backend: "Connected", loaded: LoadedConfig, data: LoadedData, rundir: RunDir, **options: Any) -> TrainingSummary:
     """:func:`_train` with the run directory held by this process (its .lock): a second `train
     resume` of the same directory (a sweep's resume while a killed sweep's run still stops) is
     refused instead of replaying the other's steps."""
@@ -366,7 +369,7 @@ def _execute(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDi
         rundir.release()
 
 
-def _train(backend: Any, loaded: LoadedConfig, data: LoadedData, rundir: RunDir, *, resume: bool, keep_run: bool,
+def _train(backend: "Connected", loaded: LoadedConfig, data: LoadedData, rundir: RunDir, *, resume: bool, keep_run: bool,
            view: Any, announce: Announce) -> TrainingSummary:
     """Connect, train, and leave the run directory and the backend in a clean state.
 

@@ -12,7 +12,10 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from baseten_loops_cli.services import Connected  # the backend: cli._backend.Backend is one
 
 from baseten_loops_cli.errors import LoopsError
 from baseten_loops_cli.training.config import CommonConfig, LoadedConfig
@@ -163,7 +166,7 @@ def _create_run(client: Any, config: CommonConfig, resumed_from: str | None = No
 def open_session(
     loaded: LoadedConfig,
     rundir: RunDir,
-    backend: Any,
+    backend: "Connected",
     *,
     resume: bool,
     announce: Callable[[str], None],

@@ -40,7 +40,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from baseten_loops_cli.services import Connected  # the backend: cli._backend.Backend is one
 
 from baseten_loops_cli.api.polling import Poll
 from baseten_loops_cli.errors import ConfigError, InterruptedByUser, LoopsError, UsageError
@@ -143,7 +146,7 @@ class SweepPlan:
     spec: SweepSpec
     points: list[SweepPoint]
     prepared: list[Any]
-    backend: Any
+    backend: "Connected"
     parallel: int
 
     def create(self) -> Sweep:

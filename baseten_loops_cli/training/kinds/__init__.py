@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from baseten_loops_cli.api.client import LoopsClient
     from baseten_loops_cli.training.config import LoadedConfig
     from baseten_loops_cli.training.loop import StepHooks
 
@@ -75,6 +76,29 @@ class Estimate:
     judge: dict | None = None
 
 
+class EvalTaskMaker(Protocol):
+    """``Kind.eval_task``: the evaluation task of a config's rows in ``data`` (a file's path or
+    the data layer's spec); returns an ``evaluation.EvalTask``."""
+
+    def __call__(self, loaded: "LoadedConfig", data: Any, *, limit: int | None = None, seed: int | None = None,
+                 samples: int | None = None, k: int | None = None) -> Any: ...
+
+
+class RowRenderer(Protocol):
+    """``Kind.render_rows``: each row of ``spec`` (a ``formats.DataSpec``) as the kind trains or
+    samples it: its sequences (``.tokens``, and ``.weights`` when trained)."""
+
+    def __call__(self, spec: Any, tokenizer: Any, *, max_seq_len: int, train_on: str = ...) -> list[list[Any]]: ...
+
+
+class RewardTester(Protocol):
+    """``Kind.reward_test`` (`loops reward test`): ``rows`` samples.jsonl records; ``new_sampler()``
+    opens a base-model sampler, ``serving`` (client, api_key, new_model_sampler_client) serves judges."""
+
+    def __call__(self, loaded: "LoadedConfig", data: LoadedData, new_sampler: Callable[[], Any], rows: int,
+                 serving: Any = None) -> list[dict]: ...
+
+
 @dataclass(frozen=True)
 class Kind:
     """A kind of training, as the rest of the code sees it (see the module docstring)."""
@@ -92,17 +116,17 @@ class Kind:
     hooks: type["StepHooks"]  # its part of the one training loop (training/loop.py), made with (session, data)
     eval_data_key: tuple[str, str] | None = None  # the config key of the default eval data (`eval:` and `loops eval --config`)
     train_data_key: tuple[str, str] = ("data", "train")  # the config key of the training rows (what from_train holds out of)
-    eval_task: Callable[..., Any] | None = None  # (loaded, data, *, limit, seed, samples, k) -> evaluation.EvalTask
+    eval_task: EvalTaskMaker | None = None  # (loaded, data, *, limit, seed, samples, k) -> evaluation.EvalTask
     code_keys: tuple[tuple[str, ...], ...] = ()  # keys whose value may be path/to/file.py:function (RL: reward)
     reward_key: str | None = None  # the key of its reward(s) (RL, distill: reward): judges are checked before provisioning
     capabilities_use_case: str = "sft"  # the backend's model list that must offer base_model (sft, rl)
-    check: Callable[[Any, "LoadedConfig"], None] | None = None  # (client, loaded): before provisioning
+    check: Callable[["LoopsClient", "LoadedConfig"], None] | None = None  # (client, loaded): before provisioning
     # Its rows, for the data layer and `loops data check|preview`:
     row_purpose: str = "sft"  # the internal row type its loader reads (formats.rows.PURPOSES)
     row_formats: tuple[str, ...] = ()  # row formats `loops data` takes as this kind's when --kind is not given
     row_sides: tuple[str | None, ...] = (None,)  # what each rendered sequence of a row is (DPO: chosen, rejected)
-    render_rows: Callable[..., list[list[Any]]] | None = None  # (spec, tokenizer, *, max_seq_len, train_on) -> each row's sequences (.tokens, .weights)
-    reward_test: Callable[..., list[dict]] | None = None  # (loaded, data, new_sampler, rows, serving=): `loops reward test`
+    render_rows: RowRenderer | None = None  # (spec, tokenizer, *, max_seq_len, train_on) -> each row's sequences (.tokens, .weights)
+    reward_test: RewardTester | None = None  # (loaded, data, new_sampler, rows, serving=): `loops reward test`
     title: str = ""  # how plans name it (default: NAME in capitals)
 
     @property
