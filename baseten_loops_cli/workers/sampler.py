@@ -14,10 +14,8 @@ is a floor (never sent as 0); the sampler answers 408 while it is behind, which 
 from __future__ import annotations
 
 import contextlib
-import random
-import time
 import uuid
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence, TypedDict, Unpack
+from typing import Any, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence, TypedDict, Unpack
 from urllib.parse import quote
 
 import httpx
@@ -28,13 +26,13 @@ from baseten_loops_cli.api.errors import (
     RequestTimeoutError,
     SampleTimeoutError,
 )
-from baseten_loops_cli.api.http import USER_AGENT, connection_error
+from baseten_loops_cli.api.http import connection_error
 from baseten_loops_cli.api.retry import RetryPolicy
-from baseten_loops_cli.api.polling import Clock, Poll, Sleep
+from baseten_loops_cli.api.polling import Poll
 from baseten_loops_cli.workers.client import (
-    DEFAULT_GET_RETRIES,
     DEFAULT_POLL_HOLD_TIMEOUT,
     WorkerClient,
+    WorkerOptions,
     json_body,
     require_dict,
 )
@@ -278,15 +276,9 @@ class SamplerClient(WorkerClient):
         ready_timeout: float = DEFAULT_READY_TIMEOUT,
         poll_hold_timeout: float = DEFAULT_POLL_HOLD_TIMEOUT,
         max_unavailable_retries: int = 6,
-        get_retries: int = DEFAULT_GET_RETRIES,
-        user_agent: str = USER_AGENT,
-        sleep: Sleep = time.sleep,
-        clock: Clock = time.monotonic,
-        rng: Callable[[], float] = random.random,
-        transport: httpx.BaseTransport | None = None,
+        **worker: Unpack[WorkerOptions],
     ):
-        super().__init__(base_url, api_key=api_key, run_id=run_id, timeout=timeout, get_retries=get_retries,
-                         user_agent=user_agent, sleep=sleep, clock=clock, rng=rng, transport=transport)  # fmt: skip
+        super().__init__(base_url, api_key=api_key, run_id=run_id, timeout=timeout, **worker)
         self.sampler_id = sampler_id
         self.checkpoint_path = checkpoint_path
         self.min_policy_version = min_policy_version
