@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import builtins  # `list` alone names a resource class's own list() method in its annotations
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypedDict, Unpack
 from urllib.parse import quote
 
 import httpx
@@ -74,6 +74,38 @@ MAX_FILE_PAGES = 1000
 def _seg(value: str) -> str:
     """A path segment, URL-encoded (ids are opaque strings)."""
     return quote(str(value), safe="")
+
+
+class LogWindow(TypedDict, total=False):
+    """Which logs a logs query asks for: a time window (≤7 days; default: the last 30 min),
+    ``direction`` asc or desc, ``limit`` 1-1000, and the lowest level (any case)."""
+
+    start_epoch_millis: int | None
+    end_epoch_millis: int | None
+    direction: str | None
+    limit: int | None
+    min_level: str | None
+
+
+class MetricsWindow(TypedDict, total=False):
+    """A deployment's metrics query: :class:`MetricsRequest`'s fields."""
+
+    start_epoch_millis: int | None
+    end_epoch_millis: int | None
+    step_seconds: int | None
+    time_divisor_seconds: int | None
+
+
+def _log_query(window: LogWindow) -> dict[str, Any]:
+    """The query (trainer logs) or body (model logs) of a logs request, unset keys left out."""
+    direction, limit, min_level = window.get("direction"), window.get("limit"), window.get("min_level")
+    if direction is not None and direction not in ("asc", "desc"):
+        raise UsageError(f"direction must be asc or desc, not {direction!r}")
+    if limit is not None and not 1 <= limit <= 1000:
+        raise UsageError(f"limit must be between 1 and 1000, not {limit}")
+    query = {key: window.get(key) for key in LogWindow.__annotations__}  # in the declared order
+    query["min_level"] = min_level.upper() if min_level else None
+    return {k: v for k, v in query.items() if v is not None}
 
 
 class _Resource:
@@ -289,46 +321,13 @@ class Deployments(_Resource):
         data = self._post(f"/v1/loops/deployments/{_seg(deployment_id)}/deactivate", json={}, safe_to_repeat=True)
         return DeactivateResponse.model_validate(data)
 
-    def logs(
-        self,
-        deployment_id: str,
-        *,
-        start_epoch_millis: int | None = None,
-        end_epoch_millis: int | None = None,
-        direction: str | None = None,
-        limit: int | None = None,
-        min_level: str | None = None,
-    ) -> builtins.list[Log]:
-        """Trainer logs in a time window (≤7 days; default last 30 min), ``limit`` 1-1000."""
-        if direction is not None and direction not in ("asc", "desc"):
-            raise UsageError(f"direction must be asc or desc, not {direction!r}")
-        if limit is not None and not 1 <= limit <= 1000:
-            raise UsageError(f"limit must be between 1 and 1000, not {limit}")
-        params = {
-            "start_epoch_millis": start_epoch_millis,
-            "end_epoch_millis": end_epoch_millis,
-            "direction": direction,
-            "limit": limit,
-            "min_level": min_level.upper() if min_level else None,
-        }
-        data = self._get(f"/v1/loops/deployments/{_seg(deployment_id)}/logs", params=params)
+    def logs(self, deployment_id: str, **window: Unpack[LogWindow]) -> builtins.list[Log]:
+        """Trainer logs in a :class:`LogWindow`."""
+        data = self._get(f"/v1/loops/deployments/{_seg(deployment_id)}/logs", params=_log_query(window))
         return LogsResponse.model_validate(data).logs
 
-    def metrics(
-        self,
-        deployment_id: str,
-        *,
-        start_epoch_millis: int | None = None,
-        end_epoch_millis: int | None = None,
-        step_seconds: int | None = None,
-        time_divisor_seconds: int | None = None,
-    ) -> DeploymentMetricsResponse:
-        body = MetricsRequest(
-            start_epoch_millis=start_epoch_millis,
-            end_epoch_millis=end_epoch_millis,
-            step_seconds=step_seconds,
-            time_divisor_seconds=time_divisor_seconds,
-        ).to_body()
+    def metrics(self, deployment_id: str, **window: Unpack[MetricsWindow]) -> DeploymentMetricsResponse:
+        body = MetricsRequest(**window).to_body()
         # A read-only query sent as POST: safe to repeat.
         data = self._post(f"/v1/loops/deployments/{_seg(deployment_id)}/metrics", json=body, safe_to_repeat=True)
         return DeploymentMetricsResponse.model_validate(data)
@@ -383,28 +382,11 @@ class Models(_Resource):
 
     # -- added for `loops runs logs --sampler` and `loops deploy` (cli/runs.py, cli/deploy.py) --
 
-    def logs(
-        self,
-        model_id: str,
-        deployment_id: str,
-        *,
-        start_epoch_millis: int | None = None,
-        end_epoch_millis: int | None = None,
-        direction: str | None = None,
-        limit: int | None = None,
-        min_level: str | None = None,
-    ) -> list[Log]:
+    def logs(self, model_id: str, deployment_id: str, **window: Unpack[LogWindow]) -> list[Log]:
         """``POST /v1/models/{model_id}/deployments/{deployment_id}/logs`` (a sampler's or a
-        checkpoint deployment's logs; the window in the body, as truss sends it)."""
-        body = {
-            "start_epoch_millis": start_epoch_millis,
-            "end_epoch_millis": end_epoch_millis,
-            "direction": direction,
-            "limit": limit,
-            "min_level": min_level.upper() if min_level else None,
-        }
-        body = {k: v for k, v in body.items() if v is not None}
-        data = self._post(f"/v1/models/{_seg(model_id)}/deployments/{_seg(deployment_id)}/logs", json=body, safe_to_repeat=True)
+        checkpoint deployment's logs; the :class:`LogWindow` in the body, as truss sends it)."""
+        data = self._post(f"/v1/models/{_seg(model_id)}/deployments/{_seg(deployment_id)}/logs", json=_log_query(window),
+                          safe_to_repeat=True)  # fmt: skip
         return LogsResponse.model_validate(data).logs
 
     def deactivate(self, model_id: str, deployment_id: str) -> dict[str, Any]:
