@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import builtins  # `list` alone names a resource class's own list() method in its annotations
 import time
-from typing import Any, Callable, Iterator, Mapping, TypedDict, Unpack
+from typing import Any, Callable, Iterator, Mapping, TypedDict, TypeVar, Unpack
 from urllib.parse import quote
 
 import httpx
@@ -76,6 +76,9 @@ def _seg(value: str) -> str:
     return quote(str(value), safe="")
 
 
+T = TypeVar("T")
+
+
 class LogWindow(TypedDict, total=False):
     """Which logs a logs query asks for: a time window (≤7 days; default: the last 30 min),
     ``direction`` asc or desc, ``limit`` 1-1000, and the lowest level (any case)."""
@@ -119,6 +122,16 @@ class _Resource:
     def _post(self, path: str, **kw: Any) -> Any:
         return self._http.request_json("POST", path, **kw)
 
+    def _create_found_again(self, route: str, req: Any, *, parse: Callable[[Any], T], listed: Callable[[], list[T]],
+                            mine: Callable[[T], bool], discard: Callable[[T], Any], what: str) -> T:
+        """``POST {create_root}/{route}`` with ``req``, a create without an Idempotency-Key
+        (:meth:`HttpClient.create`): after an ambiguous failure, what it may have made is the
+        ``listed()`` items that are ``mine`` and were made since it began; extras are ``discard``-ed."""
+        since = time.time()
+        return self._http.create(f"{self._client.create_root}/{route}", json=req.to_body(), parse=parse,
+                                 find=lambda: _made_since([x for x in listed() if mine(x)], since),
+                                 discard=discard, what=what)  # fmt: skip
+
 
 class Sessions(_Resource):
     def create(self, training_project_id: str | None = None) -> Session:
@@ -158,22 +171,12 @@ class Runs(_Resource):
         return self._create("trainers", req)
 
     def _create(self, route: str, req: CreateTrainerRequest) -> LoopsRun:
-        since = time.time()
+        def mine(r: LoopsRun) -> bool:  # a live run of this session and name (listed by its model)
+            return r.session_id == req.session_id and r.is_active and (req.name is None or r.name in (None, req.name))
 
-        def find() -> list[LoopsRun]:
-            # Runs of this session, name and model made since the create began.
-            runs = self.list(base_model=req.base_model)
-            return _made_since([r for r in runs if r.session_id == req.session_id and r.is_active
-                                and (req.name is None or r.name in (None, req.name))], since)  # fmt: skip
-
-        return self._http.create(
-            f"{self._client.create_root}/{route}",
-            json=req.to_body(),
-            parse=lambda data: RunResponse.model_validate(data).run,
-            find=find,
-            discard=lambda run: self.deactivate(run.id),
-            what="run",
-        )
+        return self._create_found_again(route, req, parse=lambda data: RunResponse.model_validate(data).run,
+                                        listed=lambda: self.list(base_model=req.base_model), mine=mine,
+                                        discard=lambda run: self.deactivate(run.id), what="run")  # fmt: skip
 
     def list(self, *, base_model: str | None = None, scope: str | None = None, run_id: str | None = None) -> list[LoopsRun]:
         """``GET /v1/loops/runs`` (unpaginated, order not guaranteed). ``scope="org"`` = whole org."""
@@ -198,25 +201,16 @@ class Samplers(_Resource):
                 "a sampler needs exactly one of base_model, run_id or model_path"
                 + (f" (got {', '.join(chosen)})" if chosen else "")
             )
-        since = time.time()
 
-        def find() -> list[LoopsSampler]:
+        def mine(s: LoopsSampler) -> bool:
             # The listing carries each sampler's session and source (fields a backend may send).
-            def mine(s: LoopsSampler) -> bool:
-                return (s.session_id == req.session_id and not SamplerDeploymentStatus.is_terminal(s.status_name)
-                        and all(getattr(s, k) == getattr(req, k) for k in chosen if k != "base_model")
-                        and (req.base_model is None or s.base_model == req.base_model))  # fmt: skip
+            return (s.session_id == req.session_id and not SamplerDeploymentStatus.is_terminal(s.status_name)
+                    and all(getattr(s, k) == getattr(req, k) for k in chosen if k != "base_model")
+                    and (req.base_model is None or s.base_model == req.base_model))  # fmt: skip
 
-            return _made_since([s for s in self.list() if mine(s)], since)
-
-        return self._http.create(
-            f"{self._client.create_root}/samplers",
-            json=req.to_body(),
-            parse=lambda data: SamplerResponse.model_validate(data).sampler,
-            find=find,
-            discard=lambda sampler: self.deactivate(sampler.id),
-            what="sampler",
-        )
+        return self._create_found_again("samplers", req, parse=lambda data: SamplerResponse.model_validate(data).sampler,
+                                        listed=self.list, mine=mine,
+                                        discard=lambda sampler: self.deactivate(sampler.id), what="sampler")  # fmt: skip
 
     def list(self, *, scope: str | None = None) -> list[LoopsSampler]:
         data = self._get(f"{self._client.create_root}/samplers", params={"scope": scope})
