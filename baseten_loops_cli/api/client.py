@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import builtins  # `list` alone names a resource class's own list() method in its annotations
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypedDict, TypeVar, Unpack
 from urllib.parse import quote
 
 import httpx
@@ -76,6 +76,41 @@ def _seg(value: str) -> str:
     return quote(str(value), safe="")
 
 
+T = TypeVar("T")
+
+
+class LogWindow(TypedDict, total=False):
+    """Which logs a logs query asks for: a time window (≤7 days; default: the last 30 min),
+    ``direction`` asc or desc, ``limit`` 1-1000, and the lowest level (any case)."""
+
+    start_epoch_millis: int | None
+    end_epoch_millis: int | None
+    direction: str | None
+    limit: int | None
+    min_level: str | None
+
+
+class MetricsWindow(TypedDict, total=False):
+    """A deployment's metrics query: :class:`MetricsRequest`'s fields."""
+
+    start_epoch_millis: int | None
+    end_epoch_millis: int | None
+    step_seconds: int | None
+    time_divisor_seconds: int | None
+
+
+def _log_query(window: LogWindow) -> dict[str, Any]:
+    """The query (trainer logs) or body (model logs) of a logs request, unset keys left out."""
+    direction, limit, min_level = window.get("direction"), window.get("limit"), window.get("min_level")
+    if direction is not None and direction not in ("asc", "desc"):
+        raise UsageError(f"direction must be asc or desc, not {direction!r}")
+    if limit is not None and not 1 <= limit <= 1000:
+        raise UsageError(f"limit must be between 1 and 1000, not {limit}")
+    query = {key: window.get(key) for key in LogWindow.__annotations__}  # in the declared order
+    query["min_level"] = min_level.upper() if min_level else None
+    return {k: v for k, v in query.items() if v is not None}
+
+
 class _Resource:
     def __init__(self, client: "LoopsClient"):
         self._client = client
@@ -86,6 +121,16 @@ class _Resource:
 
     def _post(self, path: str, **kw: Any) -> Any:
         return self._http.request_json("POST", path, **kw)
+
+    def _create_found_again(self, route: str, req: Any, *, parse: Callable[[Any], T], listed: Callable[[], list[T]],
+                            mine: Callable[[T], bool], discard: Callable[[T], Any], what: str) -> T:
+        """``POST {create_root}/{route}`` with ``req``, a create without an Idempotency-Key
+        (:meth:`HttpClient.create`): after an ambiguous failure, what it may have made is the
+        ``listed()`` items that are ``mine`` and were made since it began; extras are ``discard``-ed."""
+        since = time.time()
+        return self._http.create(f"{self._client.create_root}/{route}", json=req.to_body(), parse=parse,
+                                 find=lambda: _made_since([x for x in listed() if mine(x)], since),
+                                 discard=discard, what=what)  # fmt: skip
 
 
 class Sessions(_Resource):
@@ -126,22 +171,12 @@ class Runs(_Resource):
         return self._create("trainers", req)
 
     def _create(self, route: str, req: CreateTrainerRequest) -> LoopsRun:
-        since = time.time()
+        def mine(r: LoopsRun) -> bool:  # a live run of this session and name (listed by its model)
+            return r.session_id == req.session_id and r.is_active and (req.name is None or r.name in (None, req.name))
 
-        def find() -> list[LoopsRun]:
-            # Runs of this session, name and model made since the create began.
-            runs = self.list(base_model=req.base_model)
-            return _made_since([r for r in runs if r.session_id == req.session_id and r.is_active
-                                and (req.name is None or r.name in (None, req.name))], since)  # fmt: skip
-
-        return self._http.create(
-            f"{self._client.create_root}/{route}",
-            json=req.to_body(),
-            parse=lambda data: RunResponse.model_validate(data).run,
-            find=find,
-            discard=lambda run: self.deactivate(run.id),
-            what="run",
-        )
+        return self._create_found_again(route, req, parse=lambda data: RunResponse.model_validate(data).run,
+                                        listed=lambda: self.list(base_model=req.base_model), mine=mine,
+                                        discard=lambda run: self.deactivate(run.id), what="run")  # fmt: skip
 
     def list(self, *, base_model: str | None = None, scope: str | None = None, run_id: str | None = None) -> list[LoopsRun]:
         """``GET /v1/loops/runs`` (unpaginated, order not guaranteed). ``scope="org"`` = whole org."""
@@ -166,25 +201,16 @@ class Samplers(_Resource):
                 "a sampler needs exactly one of base_model, run_id or model_path"
                 + (f" (got {', '.join(chosen)})" if chosen else "")
             )
-        since = time.time()
 
-        def find() -> list[LoopsSampler]:
+        def mine(s: LoopsSampler) -> bool:
             # The listing carries each sampler's session and source (fields a backend may send).
-            def mine(s: LoopsSampler) -> bool:
-                return (s.session_id == req.session_id and not SamplerDeploymentStatus.is_terminal(s.status_name)
-                        and all(getattr(s, k) == getattr(req, k) for k in chosen if k != "base_model")
-                        and (req.base_model is None or s.base_model == req.base_model))  # fmt: skip
+            return (s.session_id == req.session_id and not SamplerDeploymentStatus.is_terminal(s.status_name)
+                    and all(getattr(s, k) == getattr(req, k) for k in chosen if k != "base_model")
+                    and (req.base_model is None or s.base_model == req.base_model))  # fmt: skip
 
-            return _made_since([s for s in self.list() if mine(s)], since)
-
-        return self._http.create(
-            f"{self._client.create_root}/samplers",
-            json=req.to_body(),
-            parse=lambda data: SamplerResponse.model_validate(data).sampler,
-            find=find,
-            discard=lambda sampler: self.deactivate(sampler.id),
-            what="sampler",
-        )
+        return self._create_found_again("samplers", req, parse=lambda data: SamplerResponse.model_validate(data).sampler,
+                                        listed=self.list, mine=mine,
+                                        discard=lambda sampler: self.deactivate(sampler.id), what="sampler")  # fmt: skip
 
     def list(self, *, scope: str | None = None) -> list[LoopsSampler]:
         data = self._get(f"{self._client.create_root}/samplers", params={"scope": scope})
@@ -289,46 +315,13 @@ class Deployments(_Resource):
         data = self._post(f"/v1/loops/deployments/{_seg(deployment_id)}/deactivate", json={}, safe_to_repeat=True)
         return DeactivateResponse.model_validate(data)
 
-    def logs(
-        self,
-        deployment_id: str,
-        *,
-        start_epoch_millis: int | None = None,
-        end_epoch_millis: int | None = None,
-        direction: str | None = None,
-        limit: int | None = None,
-        min_level: str | None = None,
-    ) -> builtins.list[Log]:
-        """Trainer logs in a time window (≤7 days; default last 30 min), ``limit`` 1-1000."""
-        if direction is not None and direction not in ("asc", "desc"):
-            raise UsageError(f"direction must be asc or desc, not {direction!r}")
-        if limit is not None and not 1 <= limit <= 1000:
-            raise UsageError(f"limit must be between 1 and 1000, not {limit}")
-        params = {
-            "start_epoch_millis": start_epoch_millis,
-            "end_epoch_millis": end_epoch_millis,
-            "direction": direction,
-            "limit": limit,
-            "min_level": min_level.upper() if min_level else None,
-        }
-        data = self._get(f"/v1/loops/deployments/{_seg(deployment_id)}/logs", params=params)
+    def logs(self, deployment_id: str, **window: Unpack[LogWindow]) -> builtins.list[Log]:
+        """Trainer logs in a :class:`LogWindow`."""
+        data = self._get(f"/v1/loops/deployments/{_seg(deployment_id)}/logs", params=_log_query(window))
         return LogsResponse.model_validate(data).logs
 
-    def metrics(
-        self,
-        deployment_id: str,
-        *,
-        start_epoch_millis: int | None = None,
-        end_epoch_millis: int | None = None,
-        step_seconds: int | None = None,
-        time_divisor_seconds: int | None = None,
-    ) -> DeploymentMetricsResponse:
-        body = MetricsRequest(
-            start_epoch_millis=start_epoch_millis,
-            end_epoch_millis=end_epoch_millis,
-            step_seconds=step_seconds,
-            time_divisor_seconds=time_divisor_seconds,
-        ).to_body()
+    def metrics(self, deployment_id: str, **window: Unpack[MetricsWindow]) -> DeploymentMetricsResponse:
+        body = MetricsRequest(**window).to_body()
         # A read-only query sent as POST: safe to repeat.
         data = self._post(f"/v1/loops/deployments/{_seg(deployment_id)}/metrics", json=body, safe_to_repeat=True)
         return DeploymentMetricsResponse.model_validate(data)
@@ -383,28 +376,11 @@ class Models(_Resource):
 
     # -- added for `loops runs logs --sampler` and `loops deploy` (cli/runs.py, cli/deploy.py) --
 
-    def logs(
-        self,
-        model_id: str,
-        deployment_id: str,
-        *,
-        start_epoch_millis: int | None = None,
-        end_epoch_millis: int | None = None,
-        direction: str | None = None,
-        limit: int | None = None,
-        min_level: str | None = None,
-    ) -> list[Log]:
+    def logs(self, model_id: str, deployment_id: str, **window: Unpack[LogWindow]) -> list[Log]:
         """``POST /v1/models/{model_id}/deployments/{deployment_id}/logs`` (a sampler's or a
-        checkpoint deployment's logs; the window in the body, as truss sends it)."""
-        body = {
-            "start_epoch_millis": start_epoch_millis,
-            "end_epoch_millis": end_epoch_millis,
-            "direction": direction,
-            "limit": limit,
-            "min_level": min_level.upper() if min_level else None,
-        }
-        body = {k: v for k, v in body.items() if v is not None}
-        data = self._post(f"/v1/models/{_seg(model_id)}/deployments/{_seg(deployment_id)}/logs", json=body, safe_to_repeat=True)
+        checkpoint deployment's logs; the :class:`LogWindow` in the body, as truss sends it)."""
+        data = self._post(f"/v1/models/{_seg(model_id)}/deployments/{_seg(deployment_id)}/logs", json=_log_query(window),
+                          safe_to_repeat=True)  # fmt: skip
         return LogsResponse.model_validate(data).logs
 
     def deactivate(self, model_id: str, deployment_id: str) -> dict[str, Any]:

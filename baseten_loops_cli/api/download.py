@@ -145,7 +145,16 @@ class Progress(Protocol):
     def file_done(self, name: str) -> None: ...
 
 
-class _NoProgress:
+class NoProgress:
+    """A :class:`Progress` that draws nothing (the default; also the CLI's when nobody watches:
+    ``Output.progress`` off a terminal). A context manager, as the CLI's bar is."""
+
+    def __enter__(self) -> "NoProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
     def start(self, *, total_bytes: int, completed_bytes: int, files: int) -> None:
         pass
 
@@ -422,7 +431,7 @@ def run(
     started = time.monotonic()
     if not 1 <= parallel <= MAX_PARALLEL:
         raise UsageError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {parallel}")
-    progress = progress or _NoProgress()
+    progress = progress or NoProgress()
     _read_in_large_pieces()
     progress.start(total_bytes=planned.total_bytes, completed_bytes=planned.done_bytes, files=len(planned.files))
     links = _Links(planned.files, refresh)
@@ -761,6 +770,7 @@ __all__ = [
     "DownloadError",
     "DownloadResult",
     "MARKER_NAME",
+    "NoProgress",
     "Progress",
     "RemoteFile",
     "TargetNotEmptyError",

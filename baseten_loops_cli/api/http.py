@@ -27,7 +27,7 @@ import math
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypedDict, TypeVar, Unpack
 
 import httpx
 
@@ -127,6 +127,69 @@ def _running_loop() -> "asyncio.AbstractEventLoop":
     import asyncio
 
     return asyncio.get_running_loop()
+
+
+class SendOptions(TypedDict, total=False):
+    """The keywords of :meth:`HttpClient.send` / :meth:`HttpClient.asend` (all optional).
+
+    ``policy``: the retry policy (default: the client's). ``repeatable``: whether the request
+    may be sent again after the server may have received it; defaults to the method being
+    idempotent (pass True for a body keyed by an Idempotency-Key). ``accept``: statuses returned
+    as they are, not raised. ``retry_if``: an accepted response that is retried all the same."""
+
+    params: Mapping[str, Any] | None
+    json: Any
+    headers: Mapping[str, str] | None
+    timeout: Any  # httpx.USE_CLIENT_DEFAULT: the client's
+    policy: RetryPolicy | None
+    repeatable: bool | None
+    accept: Iterable[int]
+    retry_if: Callable[[httpx.Response], bool] | None
+
+
+class _Attempts:
+    """The attempts of one :meth:`HttpClient.send` / ``asend`` (what the sync and async loops
+    share): each attempt's request, and the decision on its outcome."""
+
+    def __init__(self, http: "HttpClient", client: httpx.Client | httpx.AsyncClient, method: str, path: str,
+                 options: SendOptions, *, stream: bool) -> None:  # fmt: skip
+        self._http = http
+        self._client = client
+        self._method = method.upper()
+        self._path = path
+        self._options = options
+        self._stream = stream
+        self._policy = options.get("policy") or http.policy
+        repeatable = options.get("repeatable")
+        self._repeat = self._method in IDEMPOTENT_METHODS if repeatable is None else repeatable
+        self._state = RetryState(started=time.monotonic())
+        self._request: httpx.Request | None = None
+        self._started = 0.0
+
+    def next_request(self) -> httpx.Request:
+        options = self._options
+        self._request = self._http._build(self._client, self._method, self._path, params=options.get("params"),
+                                          json=options.get("json"), headers=options.get("headers"),
+                                          timeout=options.get("timeout", httpx.USE_CLIENT_DEFAULT))  # fmt: skip
+        self._http._log_request(self._request, self._state.attempt)
+        self._started = time.monotonic()
+        return self._request
+
+    def decide(self, outcome: httpx.Response | httpx.TransportError) -> httpx.Response | float:
+        """The response to return, or the pause before the next attempt; raises the typed
+        error of ``outcome`` when the policy gives up."""
+        assert self._request is not None  # next_request() came first
+        decision, self._state = self._http._decide(self._policy, outcome, self._state, self._request, self._started,
+                                                   self._repeat, self._options.get("accept", ()),
+                                                   self._options.get("retry_if"))  # fmt: skip
+        if decision.action == "return":
+            return outcome  # type: ignore[return-value]  # decide() returns only responses
+        if self._stream and isinstance(outcome, httpx.Response):
+            outcome.close()
+        if decision.action == "raise":
+            raise self._http._error(self._request, outcome, decision, self._state) from (
+                outcome if isinstance(outcome, BaseException) else None)
+        return decision.delay
 
 
 async def _sleep(seconds: float) -> None:
@@ -483,36 +546,15 @@ class HttpClient:
         self._log_outcome(request, resp, time.monotonic() - started)
         return resp
 
-    def send(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        timeout: Any = httpx.USE_CLIENT_DEFAULT,
-        policy: RetryPolicy | None = None,
-        repeatable: bool | None = None,
-        accept: Iterable[int] = (),
-        retry_if: Callable[[httpx.Response], bool] | None = None,
-        stream: bool = False,
-    ) -> httpx.Response:
+    def send(self, method: str, path: str, *, stream: bool = False, **options: Unpack[SendOptions]) -> httpx.Response:
         """Send one request, retried as :func:`decide` says; return the response it accepts
         (2xx/3xx and the ``accept`` statuses) or raise the typed error of the last outcome.
 
-        ``repeatable``: whether the request may be sent again after the server may have
-        received it; defaults to the method being idempotent (pass True for a body keyed by an
-        Idempotency-Key). ``stream``: the accepted response's body is not read yet (iterate
-        it, then close it); error bodies are read for the decision as usual."""
-        method = method.upper()
-        policy = policy or self.policy
-        repeat = method in IDEMPOTENT_METHODS if repeatable is None else repeatable
-        state = RetryState(started=time.monotonic())
+        ``options`` are :class:`SendOptions`. ``stream``: the accepted response's body is not
+        read yet (iterate it, then close it); error bodies are read for the decision as usual."""
+        attempts = _Attempts(self, self._client, method, path, options, stream=stream)
         while True:
-            request = self._build(self._client, method, path, params=params, json=json, headers=headers, timeout=timeout)
-            self._log_request(request, state.attempt)
-            started = time.monotonic()
+            request = attempts.next_request()
             try:
                 response = self._client.send(request, stream=stream)
                 if stream and response.status_code >= 400:
@@ -521,49 +563,25 @@ class HttpClient:
                 outcome: httpx.Response | httpx.TransportError = response
             except httpx.TransportError as exc:
                 outcome = exc
-            decision, state = self._decide(policy, outcome, state, request, started, repeat, accept, retry_if)
-            if decision.action == "return":
-                return outcome  # type: ignore[return-value]
-            if stream and isinstance(outcome, httpx.Response):
-                outcome.close()
-            if decision.action == "raise":
-                raise self._error(request, outcome, decision, state) from (outcome if isinstance(outcome, BaseException) else None)
-            self._sleep(decision.delay)
+            accepted_or_delay = attempts.decide(outcome)
+            if isinstance(accepted_or_delay, httpx.Response):
+                return accepted_or_delay
+            self._sleep(accepted_or_delay)
 
-    async def asend(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-        headers: Mapping[str, str] | None = None,
-        timeout: Any = httpx.USE_CLIENT_DEFAULT,
-        policy: RetryPolicy | None = None,
-        repeatable: bool | None = None,
-        accept: Iterable[int] = (),
-        retry_if: Callable[[httpx.Response], bool] | None = None,
-    ) -> httpx.Response:
+    async def asend(self, method: str, path: str, **options: Unpack[SendOptions]) -> httpx.Response:
         """:meth:`send` on the shared ``httpx.AsyncClient`` of this event loop."""
-        method = method.upper()
-        policy = policy or self.policy
-        repeat = method in IDEMPOTENT_METHODS if repeatable is None else repeatable
         client = self._async_client()
-        state = RetryState(started=time.monotonic())
+        attempts = _Attempts(self, client, method, path, options, stream=False)
         while True:
-            request = self._build(client, method, path, params=params, json=json, headers=headers, timeout=timeout)
-            self._log_request(request, state.attempt)
-            started = time.monotonic()
+            request = attempts.next_request()
             try:
                 outcome: httpx.Response | httpx.TransportError = await client.send(request)
             except httpx.TransportError as exc:
                 outcome = exc
-            decision, state = self._decide(policy, outcome, state, request, started, repeat, accept, retry_if)
-            if decision.action == "return":
-                return outcome  # type: ignore[return-value]
-            if decision.action == "raise":
-                raise self._error(request, outcome, decision, state) from (outcome if isinstance(outcome, BaseException) else None)
-            await _sleep(decision.delay)
+            accepted_or_delay = attempts.decide(outcome)
+            if isinstance(accepted_or_delay, httpx.Response):
+                return accepted_or_delay
+            await _sleep(accepted_or_delay)
 
     def _decide(self, policy: RetryPolicy, outcome: Any, state: RetryState, request: httpx.Request, started: float,
                 repeat: bool, accept: Iterable[int], retry_if: Any) -> tuple[Decision, RetryState]:
@@ -727,6 +745,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "Decision",
     "HttpClient",
+    "SendOptions",
     "RETRYABLE_TRANSPORT_ERRORS",
     "RetryPolicy",
     "RetryState",

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Callable
+
+import typer
 
 from baseten_loops_cli.errors import UsageError
+
+# `--yes` of a command that asks before it acts (deactivate): scripts need it, having no terminal.
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (needed without a terminal).")]
+
+
+def id_argument(help: str, complete: Callable[..., Any]) -> Any:
+    """The typer Argument of one or more ids (``RUN_ID``, ``SAMPLER_IDS...``): TAB-completed by
+    ``complete`` (a ``cli._complete`` function), no default shown."""
+    return typer.Argument(help=help, autocompletion=complete, show_default=False)
 
 
 def exactly_one(**options: Any) -> tuple[str, Any] | None:

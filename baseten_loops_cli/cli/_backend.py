@@ -19,42 +19,13 @@ from baseten_loops_cli.settings.connection import (
 
 if TYPE_CHECKING:
     from baseten_loops_cli.api.client import LoopsClient
-    from baseten_loops_cli.settings.connection import Capabilities
-    from baseten_loops_cli.settings.profiles import ResolvedProfile
 
 
-@dataclass
-class Backend:
-    connection: Connection
+@dataclass(frozen=True)
+class Backend(Connection):
+    """A connection and the control-plane client on it (what services take as ``Connected``)."""
+
     client: "LoopsClient"
-
-    @property
-    def profile(self) -> "ResolvedProfile":
-        return self.connection.profile
-
-    @property
-    def base_url(self) -> str:
-        return self.connection.base_url
-
-    @property
-    def api_key(self) -> str:
-        return self.connection.api_key
-
-    @property
-    def key_source(self) -> str:
-        return self.connection.key_source
-
-    @property
-    def profile_name(self) -> str:
-        return self.profile.name
-
-    @property
-    def kind(self) -> str:
-        return self.profile.kind
-
-    @property
-    def capabilities(self) -> "Capabilities":
-        return self.connection.capabilities
 
     def close(self) -> None:
         self.client.close()
@@ -113,10 +84,7 @@ def open_client(base_url: str, api_key: str, *, team: str | None = None,
 def open_backend(profile_flag: str | None = None, *, base_url_flag: str | None = None,
                  announce: Callable[[str], None] = _stderr,
                  debug_log: Callable[[str], None] | None = None) -> Backend:
-    connection = connect(profile_flag, base_url_flag=base_url_flag, announce=announce)
-    return Backend(connection, open_client(connection.base_url, connection.api_key,
-                                           team=connection.profile.profile.team,
-                                           debug_log=debug_log))
+    return _backend_on(connect(profile_flag, base_url_flag=base_url_flag, announce=announce), debug_log)
 
 
 def open_backend_if_reachable(profile_flag: str | None = None) -> Backend | None:
@@ -127,5 +95,10 @@ def open_backend_if_reachable(profile_flag: str | None = None) -> Backend | None
         connection = resolve_connection(profile_flag)
     except LoopsError:
         return None
-    return Backend(connection, open_client(connection.base_url, connection.api_key,
-                                           team=connection.profile.profile.team))
+    return _backend_on(connection)
+
+
+def _backend_on(connection: Connection, debug_log: Callable[[str], None] | None = None) -> Backend:
+    client = open_client(connection.base_url, connection.api_key, team=connection.profile.profile.team,
+                         debug_log=debug_log)  # fmt: skip
+    return Backend(**vars(connection), client=client)

@@ -18,6 +18,7 @@ from click.shell_completion import CompletionItem
 from typer.core import TyperGroup
 
 from baseten_loops_cli.cli import _complete
+from baseten_loops_cli.cli._args import YesOpt
 from baseten_loops_cli.cli._state import get_state
 
 SUBCOMMANDS = ("create", "list", "describe", "stop")
@@ -208,7 +209,7 @@ def describe(ctx: typer.Context, deployment: DeploymentArg) -> None:
 def stop(
     ctx: typer.Context,
     deployments: Annotated[list[str], typer.Argument(help="Deployment ids (or MODEL_ID/DEPLOYMENT_ID).", show_default=False)],
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (needed without a terminal).")] = False,
+    yes: YesOpt = False,
 ) -> None:
     """Stop checkpoint deployments: they stop serving. The checkpoints stay.
 

@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from baseten_loops_cli.cli import _complete
+from baseten_loops_cli.cli._args import YesOpt, id_argument
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(
@@ -22,10 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-RunArg = Annotated[
-    str,
-    typer.Argument(help="Run id (see `loops runs list`).", autocompletion=_complete.complete_run, show_default=False),
-]
+RunArg = Annotated[str, id_argument("Run id (see `loops runs list`).", _complete.complete_run)]
 
 SORT_KEYS = ("created", "name", "base-model", "status")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -442,11 +440,8 @@ def logs(
 @app.command("deactivate")
 def deactivate(
     ctx: typer.Context,
-    run_ids: Annotated[
-        list[str],
-        typer.Argument(help="Run ids.", autocompletion=_complete.complete_run, show_default=False),
-    ],
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (needed without a terminal).")] = False,
+    run_ids: Annotated[list[str], id_argument("Run ids.", _complete.complete_run)],
+    yes: YesOpt = False,
 ) -> None:
     """Deactivate runs: stop their trainers and paired samplers. Saved checkpoints stay.
 

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from baseten_loops_cli.cli import _complete
+from baseten_loops_cli.cli._args import YesOpt, id_argument
 from baseten_loops_cli.cli._state import get_state
 
 app = typer.Typer(
@@ -17,10 +18,7 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-SamplerArg = Annotated[
-    str,
-    typer.Argument(help="Sampler id (see `loops samplers list`).", autocompletion=_complete.complete_sampler, show_default=False),
-]
+SamplerArg = Annotated[str, id_argument("Sampler id (see `loops samplers list`).", _complete.complete_sampler)]
 
 
 def _serves(s) -> str:
@@ -164,10 +162,8 @@ def create(
 @app.command("deactivate")
 def deactivate(
     ctx: typer.Context,
-    sampler_ids: Annotated[
-        list[str], typer.Argument(help="Sampler ids.", autocompletion=_complete.complete_sampler, show_default=False)
-    ],
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (needed without a terminal).")] = False,
+    sampler_ids: Annotated[list[str], id_argument("Sampler ids.", _complete.complete_sampler)],
+    yes: YesOpt = False,
 ) -> None:
     """Deactivate samplers: they stop serving. Checkpoints and runs are not touched.
 

@@ -71,25 +71,6 @@ class TransferBar:
             self._progress.update(self._task, files=f"{self._files_done}/{self._files_total} files")
 
 
-class SilentProgress:
-    """The same interface, drawing nothing (no terminal, -q, or a program reading)."""
-
-    def __enter__(self) -> "SilentProgress":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def start(self, *, total_bytes: int, completed_bytes: int, files: int) -> None:
-        pass
-
-    def advance(self, nbytes: int) -> None:
-        pass
-
-    def file_done(self, name: str) -> None:
-        pass
-
-
 class CountBar:
     """Items done out of a total and the time left (e.g. rows scored by ``loops eval``); draws
     nothing when ``console`` is None."""

@@ -418,11 +418,13 @@ class Output:
         (:attr:`animate`: the table view, not -q), or a
         silent stand-in: either way it has ``start``/``advance``/``file_done`` and is a
         context manager. The rate is the transfer's average, as the summary reports it."""
-        from baseten_loops_cli.output.progress import SilentProgress, TransferBar
-
         if self.animate:
+            from baseten_loops_cli.output.progress import TransferBar
+
             return TransferBar(self.err_console, label)
-        return SilentProgress()
+        from baseten_loops_cli.api.download import NoProgress  # what a download draws by default
+
+        return NoProgress()
 
     def count_progress(self, label: str):
         """A bar of items done out of a total (with the time left) on stderr for a person at a

@@ -29,7 +29,8 @@ class Connected(Protocol):
     """A backend the command line has connected to (``cli._backend.Backend`` is one): its
     control-plane client and the facts about the connection that services need."""
 
-    client: "LoopsClient"
+    @property
+    def client(self) -> "LoopsClient": ...
 
     @property
     def kind(self) -> str: ...  # "local" or "baseten": a name for messages; branch on capabilities

@@ -38,6 +38,7 @@ from baseten_loops_cli.services.resolve import (
 
 if TYPE_CHECKING:
     from baseten_loops_cli.api.client import LoopsClient
+    from baseten_loops_cli.workers.sampler import SampleOptions
 
 
 class SampleSource(BaseModel):
@@ -231,6 +232,12 @@ def _stop_ids(tokenizer) -> list[int]:
     return stops
 
 
+def _sample_options(source: SampleSource, request: SampleRequest, stops: list[int]) -> "SampleOptions":
+    """What ``request`` asks the sampler for (sampled or streamed), pinned to ``source``'s checkpoint."""
+    return {"n": request.n, "max_tokens": request.max_tokens, "temperature": request.temperature,
+            "top_p": request.top_p, "seed": request.seed, "stop": stops or None, "checkpoint_path": source.pin}  # fmt: skip
+
+
 def _sampler_client(source: SampleSource, api_key: str):
     from baseten_loops_cli.workers.sampler import SamplerClient
 
@@ -248,16 +255,7 @@ def sample_text(source: SampleSource, request: SampleRequest, *, api_key: str) -
     tokens = _prompt_tokens(tokenizer, request)
     stops = _stop_ids(tokenizer)
     with _sampler_client(source, api_key) as sc:
-        result = sc.sample(
-            tokens,
-            n=request.n,
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=request.seed,
-            stop=stops or None,
-            checkpoint_path=source.pin,
-        )
+        result = sc.sample(tokens, **_sample_options(source, request, stops))
     samples = [
         Sample(
             index=i,
@@ -293,15 +291,7 @@ def stream_text(source: SampleSource, request: SampleRequest, *, api_key: str) -
     tokenizer = _tokenizer(source.base_model)
     stops = _stop_ids(tokenizer)
     with _sampler_client(source, api_key) as sc:
-        for chunk in sc.sample_stream(
-            _prompt_tokens(tokenizer, request),
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=request.seed,
-            stop=stops or None,
-            checkpoint_path=source.pin,
-        ):
+        for chunk in sc.sample_stream(_prompt_tokens(tokenizer, request), **_sample_options(source, request, stops)):
             if chunk.text:
                 yield chunk.text
 

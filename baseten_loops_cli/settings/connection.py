@@ -68,6 +68,16 @@ class Connection:
     key_source: str
 
     @property
+    def kind(self) -> str:
+        """The profile's kind ("local", "baseten"): a name for messages (branch on capabilities)."""
+        return self.profile.kind
+
+    @property
+    def profile_name(self) -> str:
+        """The profile's name (connections and what they made are told apart by it)."""
+        return self.profile.name
+
+    @property
     def capabilities(self) -> Capabilities:
         return capabilities_of(self.profile.kind)
 

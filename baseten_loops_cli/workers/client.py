@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypedDict
 from urllib.parse import quote
 
 import httpx
@@ -35,6 +35,18 @@ DEFAULT_GET_RETRIES = 8
 DEFAULT_POLL_HOLD_TIMEOUT = 35.0
 # The pause between polls of a server that answers "pending" at once instead of holding.
 OPERATION_POLL_INTERVAL = 0.5
+
+
+class WorkerOptions(TypedDict, total=False):
+    """The keywords every worker client passes on to :class:`WorkerClient` as they are (its
+    defaults stand for those left out)."""
+
+    get_retries: int
+    user_agent: str
+    sleep: Sleep
+    clock: Clock
+    rng: Callable[[], float]
+    transport: httpx.BaseTransport | None
 
 
 class WorkerClient:
@@ -190,4 +202,4 @@ def require_dict(body: Any, what: str) -> dict:
     return body
 
 
-__all__ = ["DEFAULT_GET_RETRIES", "DEFAULT_POLL_HOLD_TIMEOUT", "WorkerClient", "json_body", "require_dict"]
+__all__ = ["DEFAULT_GET_RETRIES", "DEFAULT_POLL_HOLD_TIMEOUT", "WorkerClient", "WorkerOptions", "json_body", "require_dict"]

@@ -13,10 +13,9 @@ is a floor (never sent as 0); the sampler answers 408 while it is behind, which 
 
 from __future__ import annotations
 
-import random
-import time
+import contextlib
 import uuid
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence, TypedDict, Unpack
 from urllib.parse import quote
 
 import httpx
@@ -27,13 +26,13 @@ from baseten_loops_cli.api.errors import (
     RequestTimeoutError,
     SampleTimeoutError,
 )
-from baseten_loops_cli.api.http import USER_AGENT, connection_error
+from baseten_loops_cli.api.http import connection_error
 from baseten_loops_cli.api.retry import RetryPolicy
-from baseten_loops_cli.api.polling import Clock, Poll, Sleep
+from baseten_loops_cli.api.polling import Poll
 from baseten_loops_cli.workers.client import (
-    DEFAULT_GET_RETRIES,
     DEFAULT_POLL_HOLD_TIMEOUT,
     WorkerClient,
+    WorkerOptions,
     json_body,
     require_dict,
 )
@@ -202,6 +201,30 @@ def build_sample_body(
     return body
 
 
+class SamplingOptions(TypedDict, total=False):
+    """What a ``/sample`` asks for: :func:`build_sample_body`'s keywords (its defaults stand
+    for those left out)."""
+
+    n: int
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | Sequence[str] | Sequence[int] | None
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+
+
+class SampleOptions(SamplingOptions, total=False):
+    """The keywords of :meth:`SamplerClient.sample` (as the SDK's): the sampling, and the routing
+    headers (:meth:`SamplerClient.request_headers`; None: the client's default)."""
+
+    min_policy_version: int | None
+    checkpoint_path: str | None
+    affinity_key: str | None
+
+
 class SampleChunk(NamedTuple):
     """One streamed ``/sample`` chunk: a decoded token of sample ``index`` (its text delta,
     possibly empty while held back), or that sample's end (``finish_reason`` set)."""
@@ -253,15 +276,9 @@ class SamplerClient(WorkerClient):
         ready_timeout: float = DEFAULT_READY_TIMEOUT,
         poll_hold_timeout: float = DEFAULT_POLL_HOLD_TIMEOUT,
         max_unavailable_retries: int = 6,
-        get_retries: int = DEFAULT_GET_RETRIES,
-        user_agent: str = USER_AGENT,
-        sleep: Sleep = time.sleep,
-        clock: Clock = time.monotonic,
-        rng: Callable[[], float] = random.random,
-        transport: httpx.BaseTransport | None = None,
+        **worker: Unpack[WorkerOptions],
     ):
-        super().__init__(base_url, api_key=api_key, run_id=run_id, timeout=timeout, get_retries=get_retries,
-                         user_agent=user_agent, sleep=sleep, clock=clock, rng=rng, transport=transport)  # fmt: skip
+        super().__init__(base_url, api_key=api_key, run_id=run_id, timeout=timeout, **worker)
         self.sampler_id = sampler_id
         self.checkpoint_path = checkpoint_path
         self.min_policy_version = min_policy_version
@@ -304,14 +321,14 @@ class SamplerClient(WorkerClient):
         self,
         prompt_tokens: Sequence[int] | ModelInput,
         *,
-        min_policy_version: int | None,
-        checkpoint_path: str | None,
-        affinity_key: str | None,
-        **body_kwargs: Any,
+        min_policy_version: int | None = None,
+        checkpoint_path: str | None = None,
+        affinity_key: str | None = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> tuple[dict, dict[str, str]]:
-        """The body and headers of one ``/sample`` call (sync and async alike); the
+        """The body and headers of one ``/sample`` call (sync, async and streamed alike); the
         Idempotency-Key is fresh per call and reused by that call's retries."""
-        body = build_sample_body(prompt_tokens, **body_kwargs)
+        body = build_sample_body(prompt_tokens, **sampling)
         headers = self.request_headers(
             min_policy_version=min_policy_version,
             checkpoint_path=checkpoint_path,
@@ -320,104 +337,37 @@ class SamplerClient(WorkerClient):
         )
         return body, headers
 
-    def sample(
-        self,
-        prompt_tokens: Sequence[int] | ModelInput,
-        *,
-        n: int = 1,
-        max_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | Sequence[int] | None = None,
-        min_policy_version: int | None = None,
-        checkpoint_path: str | None = None,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        affinity_key: str | None = None,
-    ) -> SampleResult:
-        body, headers = self._prepare(
-            prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, min_policy_version=min_policy_version,
-            checkpoint_path=checkpoint_path, prompt_logprobs=prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs, affinity_key=affinity_key,
-        )  # fmt: skip
+    def sample(self, prompt_tokens: Sequence[int] | ModelInput, **options: Unpack[SampleOptions]) -> SampleResult:
+        """One ``/sample`` call: ``options`` are :class:`SampleOptions` (the SDK's keywords)."""
+        body, headers = self._prepare(prompt_tokens, **options)
         poll = self._poll(timeout=self.ready_timeout)  # a queued sample's polls share its budget
-        try:
+        with self._timeout_is_sample_timeout():
             resp = self._http.send("POST", "sample", json=body, headers=headers, policy=self._sample_policy, repeatable=True)
-        except RequestTimeoutError as exc:
-            raise self._sample_timeout() from exc
-        if resp.status_code == 202:
-            return self._result(self._poll_queued(resp, headers, poll), None, body, prompt_logprobs and topk_prompt_logprobs > 0)
-        return self._result(json_body(resp), resp.headers, body, prompt_logprobs and topk_prompt_logprobs > 0)
+        return self._answer(resp, body, headers, poll)
 
-    async def asample(
-        self,
-        prompt_tokens: Sequence[int] | ModelInput,
-        *,
-        n: int = 1,
-        max_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | Sequence[int] | None = None,
-        min_policy_version: int | None = None,
-        checkpoint_path: str | None = None,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        affinity_key: str | None = None,
-    ) -> SampleResult:
+    async def asample(self, prompt_tokens: Sequence[int] | ModelInput, **options: Unpack[SampleOptions]) -> SampleResult:
         """Async :meth:`sample` on the shared ``httpx.AsyncClient``; fan out with ``asyncio.gather``."""
-        body, headers = self._prepare(
-            prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, min_policy_version=min_policy_version,
-            checkpoint_path=checkpoint_path, prompt_logprobs=prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs, affinity_key=affinity_key,
-        )  # fmt: skip
+        body, headers = self._prepare(prompt_tokens, **options)
         poll = self._poll(timeout=self.ready_timeout)
-        try:
+        with self._timeout_is_sample_timeout():
             resp = await self._http.asend("POST", "sample", json=body, headers=headers, policy=self._sample_policy,
                                           repeatable=True)  # fmt: skip
-        except RequestTimeoutError as exc:
-            raise self._sample_timeout() from exc
         if resp.status_code == 202:
             import asyncio  # here, not at module level: sync callers never need it (~15 ms)
 
             # Rare (serverless queue); poll on a worker thread with the sync client.
-            payload = await asyncio.to_thread(self._poll_queued, resp, headers, poll)
-            return self._result(payload, None, body, prompt_logprobs and topk_prompt_logprobs > 0)
-        return self._result(json_body(resp), resp.headers, body, prompt_logprobs and topk_prompt_logprobs > 0)
+            return await asyncio.to_thread(self._answer, resp, body, headers, poll)
+        return self._answer(resp, body, headers, poll)
 
-    def sample_stream(
-        self,
-        prompt_tokens: Sequence[int] | ModelInput,
-        *,
-        n: int = 1,
-        max_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | Sequence[int] | None = None,
-        min_policy_version: int | None = None,
-        checkpoint_path: str | None = None,
-    ) -> Iterator[SampleChunk]:
+    def sample_stream(self, prompt_tokens: Sequence[int] | ModelInput, **options: Unpack[SampleOptions]) -> Iterator[SampleChunk]:
         """:meth:`sample` with ``stream: true``: chunks as the sampler decodes them (a
         local-backend / vLLM extension; the hosted SDK does not stream). Retried as
         :meth:`sample` until the stream starts; never after (a retry restarts generation)."""
-        body, headers = self._prepare(
-            prompt_tokens, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, min_policy_version=min_policy_version,
-            checkpoint_path=checkpoint_path, affinity_key=None,
-        )  # fmt: skip
+        body, headers = self._prepare(prompt_tokens, **options)
         body["stream"] = True
-        try:
+        with self._timeout_is_sample_timeout():
             resp = self._http.send("POST", "sample", json=body, headers=headers, policy=self._sample_policy,
                                    repeatable=True, stream=True)  # fmt: skip
-        except RequestTimeoutError as exc:
-            raise self._sample_timeout() from exc
         try:
             for line in resp.iter_lines():
                 event = _stream_event(line)
@@ -474,9 +424,23 @@ class SamplerClient(WorkerClient):
             hint="lower max_tokens or n, or raise the timeout; the request is not retried because it restarts generation",
         )
 
-    def _result(self, payload: Any, headers: Mapping[str, str] | None, body: dict, with_topk: bool) -> SampleResult:
-        payload = require_dict(payload, "/sample")
-        return parse_completions(payload, headers, prompt_token_ids=body["prompt"], include_topk_prompt_logprobs=with_topk)
+    @contextlib.contextmanager
+    def _timeout_is_sample_timeout(self) -> Iterator[None]:
+        """A ``/sample`` POST's read timeout, said as the sampler's (it is not retried)."""
+        try:
+            yield
+        except RequestTimeoutError as exc:
+            raise self._sample_timeout() from exc
+
+    def _answer(self, resp: httpx.Response, body: dict, headers: Mapping[str, str], poll: Poll) -> SampleResult:
+        """The result of an accepted ``/sample``: its body, or a queued (202) one's polled result."""
+        if resp.status_code == 202:
+            payload, answer_headers = self._poll_queued(resp, headers, poll), None
+        else:
+            payload, answer_headers = json_body(resp), resp.headers
+        # body["prompt_logprobs"] is topk_prompt_logprobs, sent only when prompt logprobs are asked for
+        return parse_completions(require_dict(payload, "/sample"), answer_headers, prompt_token_ids=body["prompt"],
+                                 include_topk_prompt_logprobs=body.get("prompt_logprobs", 0) > 0)  # fmt: skip
 
     def _poll_queued(self, accepted: httpx.Response, headers: Mapping[str, str], poll: Poll) -> dict:
         """The result of a queued (202) sample: ``/operations/{id}`` long-polled as a trainer op."""
@@ -510,4 +474,4 @@ def sample_many(client: SamplerClient, prompts: Iterable[Sequence[int]], **kwarg
     return asyncio.run(_run())
 
 
-__all__ = ["SamplerClient", "build_sample_body", "parse_completions", "parse_token_id", "sample_many"]
+__all__ = ["SampleOptions", "SamplerClient", "SamplingOptions", "build_sample_body", "parse_completions", "parse_token_id", "sample_many"]

@@ -18,11 +18,9 @@ Guarantees:
 
 from __future__ import annotations
 
-import random
 import threading
-import time
 import uuid
-from typing import Any, Callable, Generic, Iterable, Mapping, TypeVar
+from typing import Any, Generic, Iterable, Mapping, NamedTuple, TypeVar, Unpack
 
 import httpx
 from pydantic import BaseModel
@@ -36,10 +34,9 @@ from baseten_loops_cli.api.errors import (
     ServerShutdownError,
     UnknownOperationError,
 )
-from baseten_loops_cli.api.http import USER_AGENT, is_permanent_rejection
+from baseten_loops_cli.api.http import is_permanent_rejection
 from baseten_loops_cli.api.retry import RetryPolicy
-from baseten_loops_cli.api.polling import Clock, Sleep
-from baseten_loops_cli.workers.client import DEFAULT_GET_RETRIES, DEFAULT_POLL_HOLD_TIMEOUT, WorkerClient, json_body
+from baseten_loops_cli.workers.client import DEFAULT_POLL_HOLD_TIMEOUT, WorkerClient, WorkerOptions, json_body
 from baseten_loops_cli.workers.types import (
     AdamParams,
     Datum,
@@ -67,11 +64,15 @@ DEFAULT_RESULT_TIMEOUT = 3600.0
 _COLD_START_STATUSES = frozenset({400, 404})
 
 
-def _jsonable_data(data: Iterable[Datum | Mapping[str, Any]]) -> list[dict]:
+# The examples of /forward and /forward_backward: wire types or their JSON as dicts.
+LossData = Iterable[Datum | Mapping[str, Any]]
+
+
+def _jsonable_data(data: LossData) -> list[dict]:
     return [d.model_dump(mode="json") if isinstance(d, BaseModel) else dict(d) for d in data]
 
 
-def _loss_body(data: Iterable[Datum | Mapping[str, Any]], loss_fn: str, loss_fn_config: dict | None,
+def _loss_body(data: LossData, loss_fn: str, loss_fn_config: dict | None,
                top_k_logprobs: int) -> dict:
     """The body shared by ``/forward`` and ``/forward_backward``."""
     return {
@@ -82,16 +83,13 @@ def _loss_body(data: Iterable[Datum | Mapping[str, Any]], loss_fn: str, loss_fn_
     }
 
 
-class _Submission:
+class _Submission(NamedTuple):
     """What is needed to (re)send one op: path, full body and its idempotency key."""
 
-    __slots__ = ("op", "body", "key", "seq_id")
-
-    def __init__(self, op: str, body: dict, key: str, seq_id: int):
-        self.op = op
-        self.body = body
-        self.key = key
-        self.seq_id = seq_id
+    op: str
+    body: dict
+    key: str
+    seq_id: int
 
 
 class OpFuture(Generic[T]):
@@ -105,6 +103,9 @@ class OpFuture(Generic[T]):
     def __init__(self, client: "TrainerClient", submission: _Submission, operation_id: str, result_type: type[T]):
         self._client = client
         self._submission = submission
+        self.op = submission.op  # the op's route, e.g. "forward_backward"
+        self.seq_id = submission.seq_id
+        self.idempotency_key = submission.key
         self._operation_id = operation_id
         self.result_type = result_type
         self._lock = threading.Lock()
@@ -114,19 +115,8 @@ class OpFuture(Generic[T]):
 
     @property
     def operation_id(self) -> str:
+        """The server's id of the op (a new one once the op was resubmitted after a 404)."""
         return self._operation_id
-
-    @property
-    def op(self) -> str:
-        return self._submission.op
-
-    @property
-    def seq_id(self) -> int:
-        return self._submission.seq_id
-
-    @property
-    def idempotency_key(self) -> str:
-        return self._submission.key
 
     def done(self) -> bool:
         """Whether a result or error is cached (no network call)."""
@@ -207,17 +197,11 @@ class TrainerClient(WorkerClient):
         poll_backoff: float | None = None,
         max_unavailable_retries: int = 6,
         unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT,
-        get_retries: int = DEFAULT_GET_RETRIES,
-        user_agent: str = USER_AGENT,
-        sleep: Sleep = time.sleep,
-        clock: Clock = time.monotonic,
-        rng: Callable[[], float] = random.random,
-        transport: httpx.BaseTransport | None = None,
+        **worker: Unpack[WorkerOptions],
     ):
         # The serverless gateway needs X-Run-Id on every request.
         super().__init__(base_url, api_key=api_key, run_id=run_id, timeout=timeout,
-                         headers={RUN_ID_HEADER: run_id} if run_id else None, get_retries=get_retries,
-                         user_agent=user_agent, sleep=sleep, clock=clock, rng=rng, transport=transport)  # fmt: skip
+                         headers={RUN_ID_HEADER: run_id} if run_id else None, **worker)  # fmt: skip
         self.base_model = base_model
         self.poll_hold_timeout = poll_hold_timeout
         self.submit_timeout = submit_timeout
@@ -256,26 +240,14 @@ class TrainerClient(WorkerClient):
 
     # -- ops -------------------------------------------------------------------------------
 
-    def forward_backward(
-        self,
-        data: Iterable[Datum | Mapping[str, Any]],
-        loss_fn: str = "cross_entropy",
-        loss_fn_config: dict | None = None,
-        top_k_logprobs: int = 0,
-    ) -> OpFuture[ForwardBackwardOutput]:
-        body = _loss_body(data, loss_fn, loss_fn_config, top_k_logprobs)
-        return self._submit("forward_backward", body, ForwardBackwardOutput)
+    def forward_backward(self, data: LossData, loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None,
+                         top_k_logprobs: int = 0) -> OpFuture[ForwardBackwardOutput]:  # fmt: skip
+        return self._submit("forward_backward", _loss_body(data, loss_fn, loss_fn_config, top_k_logprobs), ForwardBackwardOutput)
 
-    def forward(
-        self,
-        data: Iterable[Datum | Mapping[str, Any]],
-        loss_fn: str = "cross_entropy",
-        loss_fn_config: dict | None = None,
-        top_k_logprobs: int = 0,
-    ) -> OpFuture[ForwardBackwardOutput]:
+    def forward(self, data: LossData, loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None,
+                top_k_logprobs: int = 0) -> OpFuture[ForwardBackwardOutput]:  # fmt: skip
         """Like :meth:`forward_backward` without gradients (safe during accumulation)."""
-        body = _loss_body(data, loss_fn, loss_fn_config, top_k_logprobs)
-        return self._submit("forward", body, ForwardBackwardOutput)
+        return self._submit("forward", _loss_body(data, loss_fn, loss_fn_config, top_k_logprobs), ForwardBackwardOutput)
 
     def optim_step(self, adam_params: AdamParams | Mapping[str, Any] | None = None) -> OpFuture[OptimStepResponse]:
         params = adam_params if isinstance(adam_params, AdamParams) else AdamParams.model_validate(adam_params or {})

@@ -77,6 +77,7 @@ from baseten_loops_cli.local.server.openai_requests import (
     COMPLETION_PARAMS,
     MAX_TOP_LOGPROBS,
     bad,
+    flag_field,
     include_usage,
     named_field,
     read_body,
@@ -227,9 +228,7 @@ async def _answer(ctx: ServerContext, dep: DeploymentRow, body: dict,
 async def chat_completions(request: Request) -> Response:
     ctx = get_ctx(request)
     dep, body, adapter, model, tokenizer, spec = await _prepare(ctx, request, CHAT_PARAMS)
-    want_logprobs = body.get("logprobs") or False
-    if not isinstance(want_logprobs, bool):
-        raise bad(f"logprobs must be true or false, got {want_logprobs!r}.", "logprobs")
+    want_logprobs = flag_field(body, "logprobs") or False
     top_k = named_field("top_logprobs", int_field, body, "top_logprobs", 0, minimum=0,
                    maximum=MAX_TOP_LOGPROBS) or 0
     if top_k and not want_logprobs:
@@ -294,9 +293,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     ctx = get_ctx(request)
     dep, body, adapter, model, tokenizer, spec = await _prepare(ctx, request, COMPLETION_PARAMS)
-    echo = body.get("echo") or False
-    if not isinstance(echo, bool):
-        raise bad(f"echo must be true or false, got {echo!r}.", "echo")
+    echo = flag_field(body, "echo") or False
     want_logprobs = named_field("logprobs", int_field, body, "logprobs", None, minimum=0,
                            maximum=MAX_TOP_LOGPROBS)
     if echo and want_logprobs is not None and body.get("stream"):

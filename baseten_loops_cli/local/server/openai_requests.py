@@ -49,6 +49,14 @@ def bad(message: str, param: str | None, error_class: str = "InvalidRequest",
     return error
 
 
+def flag_field(body: dict, key: str) -> bool | None:
+    """``body[key]`` when it is true or false, None when absent or null; else a 400 naming it."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise bad(f"{key} must be true or false, got {value!r}.", key)
+    return value
+
+
 def named_field(param: str, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``read(*args, **kwargs)`` (a sampler_routes field reader), its 400 naming ``param``."""
     try:
@@ -390,10 +398,7 @@ def read_chat_options(body: dict, tokenizer: Any) -> ChatOptions:
     if taken is not None:
         raise bad(f"chat_template_kwargs.{taken} is set by the request itself; remove it.",
                   f"chat_template_kwargs.{taken}")
-    reasoning = body.get("include_reasoning")
-    if reasoning is not None and not isinstance(reasoning, bool):
-        raise bad(f"include_reasoning must be true or false, got {reasoning!r}.",
-                  "include_reasoning")
+    reasoning = flag_field(body, "include_reasoning")
     if reasoning is None:
         reasoning = "<think>" in (getattr(tokenizer, "chat_template", None) or "")
     rendered = None if choice == "none" else tools
