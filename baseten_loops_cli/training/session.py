@@ -71,6 +71,14 @@ class StopRequested:
             signal.signal(signal.SIGINT, self._previous)
 
 
+# How long a training run waits for one /sample answer (the client's default is 300 s). A
+# dedicated sampler answers synchronously, and a training batch's requests are generated
+# together: 4 groups of 4 replies of 256 SmolLM2 tokens took over 300 s on a busy 2-core
+# machine, which failed the run (issue 44's example). A read timeout is never retried, since a
+# retry restarts the generation; this bound is only there for a sampler that stopped answering.
+SAMPLE_TIMEOUT_S = 1800.0
+
+
 @dataclass
 class TrainingSession:
     """A connected run: control-plane client, trainer, sampler, and where to resume from."""
@@ -103,7 +111,8 @@ class TrainingSession:
             if sampler is None or not sampler.base_url:
                 sampler = self.client.samplers.create({"session_id": self.run.session_id, "run_id": self.run.id})
             self._sampler = sampler
-        return SamplerClient(self._sampler.base_url, api_key=self.api_key, run_id=self.run.id)
+        return SamplerClient(self._sampler.base_url, api_key=self.api_key, run_id=self.run.id,
+                             timeout=SAMPLE_TIMEOUT_S)
 
     def new_base_sampler_client(self) -> Any:
         """A client of a standalone sampler on the frozen base model (for the KL penalty)."""
@@ -119,7 +128,8 @@ class TrainingSession:
         if sampler is None:
             sampler = self.client.samplers.create({"session_id": self.run.session_id, "base_model": base_model})
             self._model_samplers[base_model] = sampler
-        return SamplerClient(sampler.base_url, api_key=self.api_key, sampler_id=sampler.id)
+        return SamplerClient(sampler.base_url, api_key=self.api_key, sampler_id=sampler.id,
+                             timeout=SAMPLE_TIMEOUT_S)
 
     def close(self, *, deactivate: bool) -> None:
         self.trainer.close()

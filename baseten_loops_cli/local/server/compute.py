@@ -62,6 +62,7 @@ class Engine:
         with self._lock:
             if self._modules is None:
                 from baseten_loops_cli.local.engine import (
+                    allocator,
                     datums,
                     errors,
                     losses,
@@ -72,6 +73,9 @@ class Engine:
                     trainer,
                 )
 
+                # Before any tensor: large blocks in mappings of their own, so a long row's
+                # freed activations go back to the system (engine/allocator.py's profile).
+                allocator.configure_allocator()
                 # Before any model loads: the policy decides where its weights go.
                 self._precision = precision.configure(self.requested_dtype,
                                                       self.requested_device)
