@@ -40,3 +40,21 @@ def test_a_row_without_an_answer_names_the_reward(reward):
     name, fn = reward
     with pytest.raises(RewardError, match="needs an 'answer' field"):
         score(name, fn, "42", {"prompt": "x"}, "row:1")
+
+
+def test_scores_on_a_worker_thread_as_rollouts_run_it(reward):
+    """Rewards run on the rollout workers' threads (training/isolation.py), where
+    math-verify's own signal.alarm timeout raised "doesn't support threaded environment" and
+    failed every rollout of the first SmolLM2 math run; reward_timeout_s bounds it instead."""
+    import asyncio
+
+    from baseten_loops_cli.training.isolation import Isolated
+
+    name, fn = reward
+
+    async def both() -> list[float]:
+        isolated = Isolated(timeout_s=30, workers=2)
+        return [await isolated.call("reward", score, name, fn, reply, {"answer": "82"}, "row:1")
+                for reply in ("so \\boxed{82}", "ANSWER: 81")]
+
+    assert asyncio.run(both()) == [1.0, 0.0]

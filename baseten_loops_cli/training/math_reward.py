@@ -35,15 +35,19 @@ def build() -> Any:
     # (TRL's accuracy_reward takes LaTeX only; rows with plain numbers need the second).
     reply_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
 
+    # No timeouts of math-verify's own: they use signal.alarm, which only the main thread may
+    # set, and rewards run on worker threads (the first SmolLM2 math run failed every rollout
+    # with "doesn't support threaded environment"). reward_timeout_s bounds the call instead.
     def math_answer(completion: str, row: dict) -> float:
         from baseten_loops_cli.training.rewards import RewardError
 
         if "answer" not in row:
             raise RewardError(f"reward {NAME!r} needs an 'answer' field in each prompt row")
-        gold = mv.parse(str(row["answer"]), extraction_mode="first_match")
+        gold = mv.parse(str(row["answer"]), extraction_mode="first_match", parsing_timeout=None)
         if not gold:
             raise RewardError(f"reward {NAME!r}: math-verify cannot parse the row's answer {str(row['answer'])[:80]!r}")
-        answer = mv.parse(completion, extraction_config=reply_config, extraction_mode="first_match")
-        return float(bool(answer) and mv.verify(gold, answer))
+        answer = mv.parse(completion, extraction_config=reply_config, extraction_mode="first_match",
+                          parsing_timeout=None)
+        return float(bool(answer) and mv.verify(gold, answer, timeout_seconds=None))
 
     return math_answer

@@ -34,7 +34,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -72,6 +72,44 @@ class _Row:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
+
+
+@dataclass
+class _Batch:
+    """The decode batch: one row per sequence still generating (``live``: their indices in
+    the request's rows, in batch order), its KV cache, last logits, mask and next positions.
+
+    A row that has stopped leaves the batch (:meth:`keep_unfinished`) instead of running
+    through the model until the longest reply ends: RL groups of replies of up to 256 tokens
+    stop at very different lengths."""
+
+    cache: Any
+    logits: torch.Tensor
+    attention_mask: torch.Tensor
+    next_positions: torch.Tensor
+    live: list[int]
+    device: str
+    next_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    def keep_unfinished(self, rows: list[_Row]) -> bool:
+        """Drop the stopped rows from every tensor of the batch (and the next tokens'); grow
+        the mask by the position about to be decoded. False when no row is left."""
+        keep = [k for k, i in enumerate(self.live) if rows[i].finish_reason is None]
+        if len(keep) < len(self.live):
+            self.live = [self.live[k] for k in keep]
+            if not keep:
+                return False
+            index = torch.tensor(keep, dtype=torch.long)
+            self.cache.batch_select_indices(index.to(self.device))
+            self.logits = self.logits[index]
+            self.attention_mask = self.attention_mask[index]
+            self.next_positions = self.next_positions[index]
+            if self.next_tokens.numel():
+                self.next_tokens = self.next_tokens[index]
+        if self.next_tokens.numel():  # a token was drawn: its position joins the mask
+            self.attention_mask = torch.cat(
+                [self.attention_mask, torch.ones((len(self.live), 1), dtype=torch.long)], dim=-1)
+        return bool(self.live)
 
 
 class SamplerEngine:
@@ -199,101 +237,22 @@ class SamplerEngine:
     @torch.no_grad()
     def _generate(self, adapter_name: str | None, requests: list[SampleRequest]
                   ) -> list[SampleResult]:
-        from transformers import DynamicCache
-
         rows = [_Row(r, j, _generator(req.seed, j))
                 for r, req in enumerate(requests) for j in range(req.n)]
-        # The prefill has one row per request; its results are repeated to the rows after it
-        # (an RL group of n samples prefills its prompt once, not n times).
-        prompts = [req.prompt for req in requests]
-        samples = torch.tensor([req.n for req in requests])
-        width = max(len(p) for p in prompts)
-        input_ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, prompt in enumerate(prompts):  # left padding: every prompt ends at `width`
-            input_ids[i, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[i, width - len(prompt):] = 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         stops = [set(self.tokenizer.stop_token_ids) | set(req.stop_token_ids)
                  for req in requests]
-        max_steps = max(req.max_tokens for req in requests)
-
         policy = precision.current()
-
-        def forward(**inputs: Any) -> torch.Tensor:
-            # On the policy's device and dtype; the logits come back as float32 on the CPU
-            # (sampling, logprobs and the generators live there).
-            with policy.autocast():
-                out = model(**{k: v.to(policy.device) if isinstance(v, torch.Tensor) else v
-                               for k, v in inputs.items()}, use_cache=True)
-            return out.logits.float().cpu()
-
         with self.base.activate(adapter_name) as model:
-            cache = DynamicCache()
-            # The prefill's logits at every position only where prompt logprobs are asked for;
-            # else at the last one (32 rows x 40 prompt tokens of SmolLM2 logits: 250 MB in
-            # float32, and the LM head a fifth of the prefill's FLOPs).
-            keep = 0 if any(req.prompt_logprobs is not None for req in requests) else 1
-            prompt_logprobs: list[list[PromptTokenLogprob | None] | None] = [None] * len(requests)
-            for start in range(0, width, PREFILL_CHUNK_TOKENS):  # chunked prefill
-                end = min(width, start + PREFILL_CHUNK_TOKENS)
-                chunk_logits = forward(input_ids=input_ids[:, start:end],
-                                       attention_mask=attention_mask[:, :end],
-                                       position_ids=position_ids[:, start:end], cache=cache,
-                                       logits_to_keep=keep)
-                if not keep:
-                    self._prompt_logprobs(chunk_logits, rows, requests, width, start,
-                                          prompt_logprobs)
-            logits = chunk_logits[:, -1].repeat_interleave(samples, dim=0)
-            del chunk_logits
-            cache.batch_select_indices(
-                torch.arange(len(requests)).repeat_interleave(samples).to(policy.device))
-            attention_mask = attention_mask.repeat_interleave(samples, dim=0)
-            next_positions = position_ids[:, -1].repeat_interleave(samples) + 1
-            for step in range(max_steps):
-                for row in rows:
-                    if row.finish_reason is None and step >= requests[row.request].max_tokens:
-                        row.finish_reason = "length"
-                active = [i for i, row in enumerate(rows) if row.finish_reason is None]
-                if not active:
-                    break
-                logprobs = torch.log_softmax(logits, dim=-1)
-                # Draw every active row's token, then read their logprobs in one gather (a
-                # Python-level op per row costs more than the tiny model's matmuls).
-                picked = [0] * len(rows)
-                for i in active:
-                    picked[i] = _draw(logits[i], requests[rows[i].request], rows[i].generator)
-                chosen = torch.tensor(picked, dtype=torch.long)
-                chosen_logprobs = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
-                for i in active:
-                    row = rows[i]
-                    req = requests[row.request]
-                    token = picked[i]
-                    row.tokens.append(token)
-                    row.logprobs.append(chosen_logprobs[i])
-                    top: list[tuple[int, float]] = []
-                    if req.top_logprobs:
-                        values, ids = logprobs[i].topk(req.top_logprobs)
-                        top = list(zip(ids.tolist(), values.tolist()))
-                        row.top_logprobs.append(top)
-                    self._check_stop(row, req, stops[row.request])
-                    if row.finish_reason is None and len(row.tokens) >= req.max_tokens:
-                        row.finish_reason = "length"
-                    if row.finish_reason is not None and row.text is None:
-                        row.text = self.tokenizer.decode(_text_tokens(row, stops[row.request]),
-                                                         skip_special_tokens=True)
-                    if req.on_token is not None:
-                        req.on_token(TokenEvent(
-                            row.sample, token, row.logprobs[-1], top, row.finish_reason,
-                            row.finish_reason == "stop" and token in stops[row.request],
-                            row.text))
-                if all(row.finish_reason is not None for row in rows):
-                    break
-                attention_mask = torch.cat(
-                    [attention_mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=-1)
-                logits = forward(input_ids=chosen.unsqueeze(-1), attention_mask=attention_mask,
-                                 position_ids=next_positions.unsqueeze(-1), cache=cache)[:, -1]
-                next_positions = next_positions + 1
+            def forward(**inputs: Any) -> torch.Tensor:
+                # On the policy's device and dtype; the logits come back as float32 on the
+                # CPU (sampling, logprobs and the generators live there).
+                with policy.autocast():
+                    out = model(**{k: v.to(policy.device) if isinstance(v, torch.Tensor) else v
+                                   for k, v in inputs.items()}, use_cache=True)
+                return out.logits.float().cpu()
+
+            batch, prompt_logprobs = self._prefill(forward, rows, requests, policy.device)
+            self._decode(forward, batch, rows, requests, stops)
 
         results = [SampleResult([], prompt_logprobs[r]) for r in range(len(requests))]
         for row in rows:
@@ -306,6 +265,95 @@ class SamplerEngine:
                 row.tokens, row.logprobs, row.finish_reason, text,
                 row.top_logprobs if req.top_logprobs else None))
         return results
+
+    def _prefill(self, forward: Callable[..., torch.Tensor], rows: list[_Row],
+                 requests: list[SampleRequest], device: str
+                 ) -> tuple[_Batch, list[list[PromptTokenLogprob | None] | None]]:
+        """Every prompt through the model (one row per request, left-padded, by chunks of
+        :data:`PREFILL_CHUNK_TOKENS`), then the batch repeated to one row per sample (an RL
+        group of n samples prefills its prompt once, not n times); and the prompt logprobs."""
+        from transformers import DynamicCache
+
+        prompts = [req.prompt for req in requests]
+        samples = torch.tensor([req.n for req in requests])
+        width = max(len(p) for p in prompts)
+        input_ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, prompt in enumerate(prompts):  # left padding: every prompt ends at `width`
+            input_ids[i, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[i, width - len(prompt):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        # The prefill's logits at every position only where prompt logprobs are asked for;
+        # else at the last one (32 rows x 40 prompt tokens of SmolLM2 logits: 250 MB in
+        # float32, and the LM head a fifth of the prefill's FLOPs).
+        keep = 0 if any(req.prompt_logprobs is not None for req in requests) else 1
+        prompt_logprobs: list[list[PromptTokenLogprob | None] | None] = [None] * len(requests)
+        for start in range(0, width, PREFILL_CHUNK_TOKENS):
+            end = min(width, start + PREFILL_CHUNK_TOKENS)
+            chunk_logits = forward(input_ids=input_ids[:, start:end],
+                                   attention_mask=attention_mask[:, :end],
+                                   position_ids=position_ids[:, start:end], cache=cache,
+                                   logits_to_keep=keep)
+            if not keep:
+                self._prompt_logprobs(chunk_logits, rows, requests, width, start,
+                                      prompt_logprobs)
+        cache.batch_select_indices(
+            torch.arange(len(requests)).repeat_interleave(samples).to(device))
+        batch = _Batch(cache, chunk_logits[:, -1].repeat_interleave(samples, dim=0),
+                       attention_mask.repeat_interleave(samples, dim=0),
+                       position_ids[:, -1].repeat_interleave(samples) + 1,
+                       list(range(len(rows))), device)
+        return batch, prompt_logprobs
+
+    def _decode(self, forward: Callable[..., torch.Tensor], batch: _Batch, rows: list[_Row],
+                requests: list[SampleRequest], stops: list[set[int]]) -> None:
+        """One token per step for every row still generating, until each has stopped."""
+        for row in rows:
+            if requests[row.request].max_tokens == 0:
+                row.finish_reason = "length"
+        batch.keep_unfinished(rows)
+        while batch.live:
+            logprobs = torch.log_softmax(batch.logits, dim=-1)
+            # Draw every row's token, then read their logprobs in one gather (a Python-level
+            # op per row costs more than the tiny model's matmuls).
+            picked = [_draw(batch.logits[k], requests[rows[i].request], rows[i].generator)
+                      for k, i in enumerate(batch.live)]
+            chosen = torch.tensor(picked, dtype=torch.long)
+            chosen_logprobs = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
+            for k, i in enumerate(batch.live):
+                req = requests[rows[i].request]
+                top: list[tuple[int, float]] = []
+                if req.top_logprobs:
+                    values, ids = logprobs[k].topk(req.top_logprobs)
+                    top = list(zip(ids.tolist(), values.tolist()))
+                self._emit(rows[i], req, stops[rows[i].request], picked[k], chosen_logprobs[k],
+                           top)
+            batch.next_tokens = chosen
+            if batch.keep_unfinished(rows):
+                batch.logits = forward(
+                    input_ids=batch.next_tokens.unsqueeze(-1),
+                    attention_mask=batch.attention_mask,
+                    position_ids=batch.next_positions.unsqueeze(-1), cache=batch.cache)[:, -1]
+                batch.next_positions = batch.next_positions + 1
+
+    def _emit(self, row: _Row, req: SampleRequest, stop_ids: set[int], token: int,
+              logprob: float, top: list[tuple[int, float]]) -> None:
+        """Add one generated token to ``row``: its logprob, top-k, stop check and stream event."""
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        if req.top_logprobs:
+            row.top_logprobs.append(top)
+        self._check_stop(row, req, stop_ids)
+        if row.finish_reason is None and len(row.tokens) >= req.max_tokens:
+            row.finish_reason = "length"
+        if row.finish_reason is not None and row.text is None:
+            row.text = self.tokenizer.decode(_text_tokens(row, stop_ids),
+                                             skip_special_tokens=True)
+        if req.on_token is not None:
+            req.on_token(TokenEvent(
+                row.sample, token, logprob, top, row.finish_reason,
+                row.finish_reason == "stop" and token in stop_ids, row.text))
 
     def _check_stop(self, row: _Row, request: SampleRequest, stop_ids: set[int]) -> None:
         if row.tokens[-1] in stop_ids:
