@@ -102,7 +102,7 @@ def eval_command(
 
       loops eval abc1234:final --data qa.csv --columns prompt=question,completion=answer
     """
-    from baseten_loops_cli.errors import LoopsError, UsageError
+    from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.settings.paths import cache_dir
     from baseten_loops_cli.training import evaluation as ev
 
@@ -139,6 +139,15 @@ def eval_command(
         if samplers.started:
             _complete.invalidate("samplers")
     _render(out, report)
+    _fail_on(out, report, gates)
+
+
+def _fail_on(out: Any, report: Any, gates: list[Any]) -> None:
+    """Exit 1 (LoopsError) when a reward failed on a row, or a gate failed; the rows' errors
+    are warned first (five at most)."""
+    from baseten_loops_cli.errors import LoopsError
+    from baseten_loops_cli.training import evaluation as ev
+
     for error in report.errors[:5]:
         out.warn(f"{error.source}: {error.message}")
     if report.errors:

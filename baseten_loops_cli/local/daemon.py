@@ -279,23 +279,13 @@ def start(
                         or os.environ.get("LOOPS_ACTIVATION_CHECKPOINTING") or None)
     paths.ensure_private_dir(state_dir)
     ensure_token(state_dir)
-    if port is None:
-        last = read_backend(state_dir).get("port")
-        if isinstance(last, int) and 0 < last < 65536 and port_free(last):
-            port = last
-        else:
-            port = DEFAULT_PORT if port_free(DEFAULT_PORT) else 0
-    elif not port_free(port):
-        raise ServerError(f"Port {port} on {HOST} is already in use.",
-                          hint="Pick another with --port, or omit it to choose a free one.")
+    port = _choose_port(port, state_dir)
     cmd = [sys.executable, "-m", "baseten_loops_cli.local.server", "--foreground",
-           "--port", str(port), "--data-dir", str(data_dir), "--state-dir", str(state_dir)]
-    if enable_fault_hooks:
-        cmd.append("--enable-fault-hooks")
-    if owner_pid is not None:
-        cmd += ["--owner-pid", str(owner_pid)]
-    for key, value in (options or {}).items():
-        cmd += ["--option", f"{key}={json.dumps(value)}"]
+           "--port", str(port), "--data-dir", str(data_dir), "--state-dir", str(state_dir),
+           *(["--enable-fault-hooks"] if enable_fault_hooks else []),
+           *(["--owner-pid", str(owner_pid)] if owner_pid is not None else []),
+           *(arg for key, value in options.items()
+             for arg in ("--option", f"{key}={json.dumps(value)}"))]
     log_path = _state(LOG_FILE, state_dir)
     child_env = {**os.environ, **(env or {})}
     # The child must import this very package, even when it is not installed (a source
@@ -326,6 +316,20 @@ def start(
     return status(state_dir) or ServerInfo(
         url=info["url"], port=info["port"], pid=proc.pid, version=info["version"],
         started_at=info["started_at"], state_dir=str(state_dir), data_dir=str(data_dir))
+
+
+def _choose_port(port: int | None, state_dir: Path) -> int:
+    """``port`` when free (a ServerError if not); for None the previous start's port when
+    free, else :data:`DEFAULT_PORT` when free, else 0 (any free port)."""
+    if port is None:
+        last = read_backend(state_dir).get("port")
+        if isinstance(last, int) and 0 < last < 65536 and port_free(last):
+            return last
+        return DEFAULT_PORT if port_free(DEFAULT_PORT) else 0
+    if not port_free(port):
+        raise ServerError(f"Port {port} on {HOST} is already in use.",
+                          hint="Pick another with --port, or omit it to choose a free one.")
+    return port
 
 
 def check_checkpointing(mode: str | None) -> None:

@@ -8,11 +8,18 @@ imported only when this reward is used.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from baseten_loops_cli.errors import ConfigError
 
 NAME = "math_answer"
+
+
+def _without_timeout_notice(record: logging.LogRecord) -> bool:
+    """math-verify warns once that its timeout is off: it is, on purpose (reward_timeout_s
+    bounds the call), so the warning would only puzzle a user reading the run's output."""
+    return not record.getMessage().startswith("Timeout is disabled")
 
 
 def _math_verify() -> Any:
@@ -30,6 +37,9 @@ def build() -> Any:
     """The reward function (checks now that math-verify is installed)."""
     mv = _math_verify()
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    for module in ("math_verify.parser", "math_verify.grader"):  # see math_answer below
+        logging.getLogger(module).addFilter(_without_timeout_notice)
 
     # The reply's answer: a boxed / $...$ LaTeX answer first, else the last plain expression
     # (TRL's accuracy_reward takes LaTeX only; rows with plain numbers need the second).
