@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from baseten_loops_cli.training.rewards import RewardError, build_reward, score
+from baseten_loops_cli.training.rewards.builtins import RewardError, build_reward, score
 
 pytest.importorskip("math_verify")  # in the dev extra: CI runs these
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError, ExitCode, UsageError
-from baseten_loops_cli.training.formats.spec import SOURCE_TAGS
+from baseten_loops_cli.training.data.formats.spec import SOURCE_TAGS
 
 
 # The keys of every kind that name files (relative to the config file); each kind adds its own
@@ -126,7 +126,7 @@ class PricingConfig(Section):
 
 
 class JudgeConfig(Section):
-    """``reward: {fn: judge, judge: {...}}``: a grader model scores replies (training/judge.py).
+    """``reward: {fn: judge, judge: {...}}``: a grader model scores replies (training/rewards/judge.py).
     The grader is ``url:`` an OpenAI-compatible endpoint (``model:`` then names its model), or,
     without ``url``, ``model:`` a Loops sampler checkpoint (``RUN:NAME``, ``bt://...``) or a base
     model, served by a sampler of the run's backend."""
@@ -170,7 +170,7 @@ class JudgeConfig(Section):
     @field_validator("rubric")
     @classmethod
     def _rubric_fields(cls, value: str, info: Any) -> str:
-        from baseten_loops_cli.training.judge import check_rubric
+        from baseten_loops_cli.training.rewards.judge import check_rubric
 
         check_rubric(value, info.data.get("mode", "single"))
         return value
@@ -524,7 +524,7 @@ def config_error(message: str, fix: str | None = None) -> Exception:
 def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path,
                         overrides: dict[tuple, str] | None = None) -> list[Problem]:
     """A data path that does not exist, reported at the line of its key (not later, at load)."""
-    from baseten_loops_cli.training.formats.spec import path_problem, source_paths
+    from baseten_loops_cli.training.data.formats.spec import path_problem, source_paths
 
     problems = []
     for loc in data_path_keys(raw["kind"]):
@@ -578,7 +578,7 @@ def _paths_from_here(raw: dict, applied: dict[tuple, str]) -> None:
     made absolute here, before the rest (written relative to the config's folder) is resolved
     against the config."""
     from baseten_loops_cli.settings.model_files import looks_like_path
-    from baseten_loops_cli.training.formats.spec import absolute_sources
+    from baseten_loops_cli.training.data.formats.spec import absolute_sources
 
     def here(value: str) -> Path:
         return Path(value).expanduser().absolute()

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from baseten_loops_cli.errors import LoopsError
 from baseten_loops_cli.training.config import CommonConfig, LoadedConfig
-from baseten_loops_cli.training.rundir import RunDir
+from baseten_loops_cli.training.experiments.rundir import RunDir
 
 
 def learning_rate(opt: Any, step: int, total_steps: int) -> float:
@@ -234,7 +234,7 @@ def open_session(
 
 def save_if_stopped(session: TrainingSession, stop: StopRequested, step: int, pipeline: Any = None) -> bool:
     """Ctrl-C, checked between steps and after the last one: once a stop is requested, collect
-    the steps in flight (``pipeline``, a training.pipeline.StepPipeline) and save the resume
+    the steps in flight (``pipeline``, a training.loop.pipeline.StepPipeline) and save the resume
     point at ``step``. True: the loop returns "interrupted" (exit 130; ``loops train resume``
     continues exactly once, after the last step only with the final eval and checkpoint)."""
     if not stop.requested:

@@ -2,7 +2,7 @@
 
 A kind is one module here (``sft.py``, ``rl.py``, ``dpo.py``, ``kto.py``, ``distill.py``) that ends with ``KIND = Kind(...)``:
 its config model (the pydantic class of the whole config, built on ``config.CommonConfig``), its
-data loading, its plan estimate, its hooks into the one training loop (``training/loop.py``:
+data loading, its plan estimate, its hooks into the one training loop (``training/loop/core.py``:
 the step's datums and loss, its record fields, its eval), its main metric and step fields, its ``train init``
 template, the config keys that name data files, and how its ``eval:`` task is built. Nothing
 outside this package asks which kind a config is: config loading, plans, the training service,
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from baseten_loops_cli.training.config import LoadedConfig
-    from baseten_loops_cli.training.loop import StepHooks
+    from baseten_loops_cli.training.loop.core import StepHooks
 
 # kind -> the module that defines it (its KIND), in the order messages list them.
 _BUILTIN = {
@@ -89,7 +89,7 @@ class Kind:
     template: Callable[[], str]  # `loops train init --kind NAME`
     load_data: Callable[["LoadedConfig", Any], LoadedData]  # (loaded, tokenizer): every row checked
     estimate: Callable[[Any, LoadedData], Estimate]  # (config, data)
-    hooks: type["StepHooks"]  # its part of the one training loop (training/loop.py), made with (session, data)
+    hooks: type["StepHooks"]  # its part of the one training loop (training/loop/core.py), made with (session, data)
     eval_data_key: tuple[str, str] | None = None  # the config key of the default eval data (`eval:` and `loops eval --config`)
     train_data_key: tuple[str, str] = ("data", "train")  # the config key of the training rows (what from_train holds out of)
     eval_task: Callable[..., Any] | None = None  # (loaded, data, *, limit, seed, samples, k) -> evaluation.EvalTask
@@ -187,7 +187,7 @@ def eval_task(loaded: "LoadedConfig", data: "Path | None" = None, *, limit: int 
 def data_specs(loaded: "LoadedConfig") -> tuple[Any, Any]:
     """The training and eval data of a config as the data layer reads them
     (``formats.DataSpec``: sources, mixture, hold-out), from the kind's data keys."""
-    from baseten_loops_cli.training.formats import data_specs as specs
+    from baseten_loops_cli.training.data.formats import data_specs as specs
 
     kind = of(loaded.config)
     return specs(loaded, kind.train_data_key, kind.eval_data_key)
@@ -196,7 +196,7 @@ def data_specs(loaded: "LoadedConfig") -> tuple[Any, Any]:
 def eval_source(loaded: "LoadedConfig", value: Any) -> Any:
     """What an eval scores for ``value`` (``eval.data`` or the kind's eval data): a file's path,
     or the data layer's spec of a hub dataset, a mixture or a hold-out of the training rows."""
-    from baseten_loops_cli.training.formats import eval_source as source
+    from baseten_loops_cli.training.data.formats import eval_source as source
 
     kind = of(loaded.config)
     return source(loaded, value, kind.train_data_key, kind.eval_data_key)

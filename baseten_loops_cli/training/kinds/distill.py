@@ -2,7 +2,7 @@
 
 Per step: publish the student's weights to its sampler, sample ``group_size`` completions for
 each of ``groups_per_batch`` prompts (with the sampler's logprobs), have the teacher score every
-completion (its prompt logprobs over prompt + completion, training/teacher.py), and train with
+completion (its prompt logprobs over prompt + completion, training/rewards/teacher.py), and train with
 the ``importance_sampling`` loss on the per-token advantage
 
     A_t = kl_coef * (logp_teacher(t) - logp_student(t))  [+ reward_weight * (reward - group mean)]
@@ -27,13 +27,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from baseten_loops_cli.training.config import CommonConfig, RewardConfig, SamplingConfig, Section
-from baseten_loops_cli.training.data import Prompt, rl_datum
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.data.datums import Prompt, rl_datum
+from baseten_loops_cli.training.data.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.loop import Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
+from baseten_loops_cli.training.loop.core import Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
-from baseten_loops_cli.training.teacher import (
+from baseten_loops_cli.training.rewards.teacher import (
     Endpoint, ServedModel, TeacherScores, ascore_with_sampler, check_same_tokenizer, is_checkpoint_ref,
 )  # fmt: skip
 
@@ -94,7 +94,7 @@ class DistillConfig(CommonConfig):
 # ------------------------------------------------------------------ data, checks, estimate
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.data import load_prompts
+    from baseten_loops_cli.training.data.datums import load_prompts
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)  # any format and source, read by the data layer
@@ -103,7 +103,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
     evals = load_prompts(eval_spec, tokenizer, **kwargs) if eval_spec else None
     reward = None
     if config.reward is not None:
-        from baseten_loops_cli.training.rewards import build_reward
+        from baseten_loops_cli.training.rewards.builtins import build_reward
 
         reward = build_reward(config.reward, loaded.base_dir)
     teacher = config.teacher
@@ -158,7 +158,7 @@ def estimate(config, data: LoadedData) -> Estimate:
              f"the teacher ({where}) scores every sampled sequence: ~{sequences + evals:,} tokens"]
     judge = None
     if config.reward is not None:
-        from baseten_loops_cli.training.judge import plan_tokens
+        from baseten_loops_cli.training.rewards.judge import plan_tokens
 
         passes = [prompts_for_step(data.train, step, config) for step in range(steps)]
         if data.eval:  # before training, every eval_every steps and at the end: one reply per prompt
@@ -236,7 +236,7 @@ def datums_of(groups: list[list[Rollout]], config) -> tuple[list[dict], list[flo
 def sample_and_score(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward: tuple[str, Any] | None,
                      prompts: list[Prompt], *, n: int, sampling: Any, seed: int, version: int | None) -> list[list[Rollout]]:
     """Sample ``n`` completions per prompt (all in flight), then have the teacher score each."""
-    from baseten_loops_cli.training.rewards import completion_text, score
+    from baseten_loops_cli.training.rewards.builtins import completion_text, score
 
     async def gather() -> list[list[Rollout]]:
         sampler = session.new_sampler_client()
@@ -303,7 +303,7 @@ class DistillSteps(StepHooks):
         return self.config.groups_per_batch
 
     def begin(self, loop: Loop) -> None:
-        from baseten_loops_cli.training.judge import JudgeMeter
+        from baseten_loops_cli.training.rewards.judge import JudgeMeter
 
         reward = self.data.reward
         self.teacher = Teacher(self.session)

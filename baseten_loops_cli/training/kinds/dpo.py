@@ -1,13 +1,13 @@
 """Preference tuning (``kind: dpo``): pairs of a chosen and a rejected reply, trained with one of
-the paired preference losses (``loss: dpo | ipo | simpo | orpo``, training/preference_losses.py).
+the paired preference losses (``loss: dpo | ipo | simpo | orpo``, training/losses/preference_losses.py).
 
 Before step 1, every sequence (each pair's chosen and rejected conversation, train and eval) is
-scored once by the reference policy (training/preference.py, shared with KTO: kept in
+scored once by the reference policy (training/loop/preference.py, shared with KTO: kept in
 ``reference_logprobs.jsonl`` and reused on resume).
 
 The reference-free losses (``simpo``, ``orpo``: not in ``NEEDS_REFERENCE``) skip that pass.
 
-Per step (:class:`DPOSteps`, in the one loop of training/loop.py): the batch's pairs as
+Per step (:class:`DPOSteps`, in the one loop of training/loop/core.py): the batch's pairs as
 interleaved (chosen, rejected) datums. ``loss: dpo`` sends them to ``forward_backward`` with the protocol's ``dpo`` loss
 (``beta``, ``label_smoothing``); the other losses take the SDK's custom-loss path
 (``preference_losses.submit_custom_loss``: ``/forward`` for the logprobs, the loss and its
@@ -25,13 +25,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from baseten_loops_cli.training import preference_losses as pl
+from baseten_loops_cli.training.losses import preference_losses as pl
 from baseten_loops_cli.training.config import CommonConfig, Section, config_error
-from baseten_loops_cli.training.data import PreferencePair, batches_for_step
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.data.datums import PreferencePair, batches_for_step
+from baseten_loops_cli.training.data.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.loop import CustomLoss, ProtocolLoss, StepWork, Waiter, total_steps
-from baseten_loops_cli.training.preference import (
+from baseten_loops_cli.training.loop.core import CustomLoss, ProtocolLoss, StepWork, Waiter, total_steps
+from baseten_loops_cli.training.loop.preference import (
     PreferenceSteps, check_reference, param_error, reference_value, rows_to_train, sequence_datum, sequence_key,
 )  # fmt: skip
 from baseten_loops_cli.training.session import TrainingSession
@@ -55,7 +55,7 @@ class DPOConfig(CommonConfig):
     kind: Literal["dpo"]
     data: DPOData
     # `loss` comes before its parameters: their validators read it (a bad loss: they are skipped).
-    loss: str = Field("dpo", description="dpo | ipo | simpo | orpo (training/preference_losses.py).")
+    loss: str = Field("dpo", description="dpo | ipo | simpo | orpo (training/losses/preference_losses.py).")
     beta: float | None = Field(None, description="dpo, ipo: how far the policy may move from the reference (default 0.1); simpo: the reward scale (default 2.0).")
     label_smoothing: float | None = Field(None, description="dpo: assumed fraction of flipped labels, in [0, 0.5) (default 0).")
     gamma: float | None = Field(None, description="simpo: the target reward margin (default 1.0).")
@@ -113,8 +113,8 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
     """Rows of any preference format and source (the data layer reads them), as chosen/rejected
     pairs (``data.load_preference_pairs``: every row checked, an unpaired KTO row named as such)."""
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.data import load_preference_pairs
-    from baseten_loops_cli.training.formats import data_notes
+    from baseten_loops_cli.training.data.datums import load_preference_pairs
+    from baseten_loops_cli.training.data.formats import data_notes
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)
@@ -125,7 +125,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 
 def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
     """Each row as the loop trains it (`loops data check|preview`): its chosen and rejected sequences."""
-    from baseten_loops_cli.training.data import load_preference_pairs
+    from baseten_loops_cli.training.data.datums import load_preference_pairs
 
     return [[p.chosen, p.rejected] for p in load_preference_pairs(spec, tokenizer, max_seq_len=max_seq_len)]
 

@@ -12,7 +12,7 @@ sequences (``preference.reference_scores``: kept in ``reference_logprobs.jsonl``
 Per step, the SDK's custom-loss path (``preference_losses.submit_custom_loss``): one ``/forward``
 of the batch's examples and their KL sequences, the KTO loss and its gradient in closed form on
 the client, then a weighted ``cross_entropy`` ``/forward_backward`` of the examples only (no
-gradient through ``z0``), and ``optim_step``, in the one loop of training/loop.py (:class:`KTOSteps`). Metrics: ``loss``, ``desirable_reward`` / ``undesirable_reward``
+gradient through ``z0``), and ``optim_step``, in the one loop of training/loop/core.py (:class:`KTOSteps`). Metrics: ``loss``, ``desirable_reward`` / ``undesirable_reward``
 (``beta`` times the log-ratio, means over each label), ``reward_margin`` (their difference) and
 ``kl_estimate``, with ``eval_`` twins on ``data.eval``.
 """
@@ -24,13 +24,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from baseten_loops_cli.training import preference_losses as pl
+from baseten_loops_cli.training.losses import preference_losses as pl
 from baseten_loops_cli.training.config import CommonConfig, Section, config_error
-from baseten_loops_cli.training.data import Example, batches_for_step
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.data.datums import Example, batches_for_step
+from baseten_loops_cli.training.data.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.loop import CustomLoss, StepWork, Waiter, total_steps
-from baseten_loops_cli.training.preference import (
+from baseten_loops_cli.training.loop.core import CustomLoss, StepWork, Waiter, total_steps
+from baseten_loops_cli.training.loop.preference import (
     PreferenceSteps, check_reference, param_error, reference_value, rows_to_train, sequence_datum,
 )  # fmt: skip
 from baseten_loops_cli.training.session import TrainingSession
@@ -110,7 +110,7 @@ def read_examples(spec: Any, tokenizer: Any, *, max_seq_len: int) -> list[KTOIte
     data layer reads, checked (file:line: a paired row, a missing or non-boolean label, only one
     label in the split, too long) and rendered, each with its KL sequence. The one function of
     this kind that reads data."""
-    from baseten_loops_cli.training.kto_data import kl_examples, load_kto_examples
+    from baseten_loops_cli.training.data.kto_rows import kl_examples, load_kto_examples
 
     examples = load_kto_examples(spec, tokenizer, max_seq_len=max_seq_len)
     kls = kl_examples(examples, tokenizer, max_seq_len=max_seq_len)
@@ -119,7 +119,7 @@ def read_examples(spec: Any, tokenizer: Any, *, max_seq_len: int) -> list[KTOIte
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.formats import data_notes
+    from baseten_loops_cli.training.data.formats import data_notes
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)
@@ -131,7 +131,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
     """Each row as the loop trains it (`loops data check|preview`): its completion with its
     prompt (the KL sequences pair rows with each other, so a row alone has none)."""
-    from baseten_loops_cli.training.kto_data import load_kto_examples
+    from baseten_loops_cli.training.data.kto_rows import load_kto_examples
 
     return [[e.example] for e in load_kto_examples(spec, tokenizer, max_seq_len=max_seq_len, check_labels=False)]
 

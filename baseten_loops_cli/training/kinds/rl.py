@@ -6,7 +6,7 @@ advantage = reward - group mean, drop groups whose rewards are all equal (no sig
 datums carrying the sampler's logprobs, then ``forward_backward`` with the configured loss and
 ``optim_step``.
 
-The loop (training/loop.py) drives it through :class:`RLSteps`: ``gather`` (the rollouts),
+The loop (training/loop/core.py) drives it through :class:`RLSteps`: ``gather`` (the rollouts),
 ``advantages`` (the datums) and ``loss`` are the three hooks an RL algorithm overrides.
 
 ``max_steps_off_policy: 0`` is synchronous (sample with the weights of this very step).
@@ -27,13 +27,13 @@ from typing import Any, Callable, Literal
 from pydantic import Field, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training import rl_algorithms as algos
+from baseten_loops_cli.training.losses import rl_algorithms as algos
 from baseten_loops_cli.training.config import CommonConfig, LossConfig, RewardConfig, SamplingConfig, Section
-from baseten_loops_cli.training.data import Prompt, rl_datum
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.data.datums import Prompt, rl_datum
+from baseten_loops_cli.training.data.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.rewards import completion_text
-from baseten_loops_cli.training.loop import CustomLoss, Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
+from baseten_loops_cli.training.rewards.builtins import completion_text
+from baseten_loops_cli.training.loop.core import CustomLoss, Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
 
@@ -67,7 +67,7 @@ class RLConfig(CommonConfig):
     kl_penalty_coef: float = Field(0.0, ge=0, description="KL penalty against the base model (0 = off).")
     max_steps_off_policy: int = Field(0, ge=0, description="0 = synchronous; N >= 1 = async with that staleness bound.")
     pass_threshold: float = Field(1.0, description="A rollout passes when its reward is at least this.")
-    # The RL algorithm's pieces (training/rl_algorithms.py, docs/rl-algorithms.md); `algorithm:`
+    # The RL algorithm's pieces (training/losses/rl_algorithms.py, docs/rl-algorithms.md); `algorithm:`
     # is a preset that fills them in under the keys the config sets itself (_expand_algorithm).
     algorithm: Literal[algos.ALGORITHMS] | None = Field(None, description="A preset: " + ", ".join(algos.ALGORITHMS) + ".")
     advantage: algos.AdvantageConfig = Field(default_factory=algos.AdvantageConfig)
@@ -116,9 +116,9 @@ class RLConfig(CommonConfig):
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.data import load_prompts
-    from baseten_loops_cli.training.formats import data_notes
-    from baseten_loops_cli.training.rewards import build_rewards
+    from baseten_loops_cli.training.data.datums import load_prompts
+    from baseten_loops_cli.training.data.formats import data_notes
+    from baseten_loops_cli.training.rewards.builtins import build_rewards
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)  # any format and source, read by the data layer
@@ -128,7 +128,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
     evals = load(eval_spec, tokenizer, **kwargs) if eval_spec else None
     reward = build_rewards(config.reward, loaded.base_dir) if config.reward is not None else None
     if config.env:
-        from baseten_loops_cli.training.envs import load_env
+        from baseten_loops_cli.training.rewards.envs import load_env
 
         load_env(config.env, loaded.base_dir)  # a missing file or class fails now, before provisioning
     specs = config.reward if isinstance(config.reward, list) else [config.reward] if config.reward else []
@@ -146,7 +146,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 
 def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
     """Each row as the sampler gets it (`loops data check|preview`): one Prompt (its tokens)."""
-    from baseten_loops_cli.training.data import load_prompts
+    from baseten_loops_cli.training.data.datums import load_prompts
 
     return [[p] for p in load_prompts(spec, tokenizer, max_seq_len=max_seq_len, max_tokens=0)]
 
@@ -154,9 +154,9 @@ def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None 
 def load_env_rows(data, tokenizer: Any, **_: Any) -> list[Prompt]:
     """Environment rows: any JSON object each, from any source the data layer reads (the
     environment reads the row); the prompt comes from the environment's ``reset``."""
-    from baseten_loops_cli.training.data import JSONL_HINT
-    from baseten_loops_cli.training.formats import read_rows
-    from baseten_loops_cli.training.formats.rows import ENV_ROWS
+    from baseten_loops_cli.training.data.datums import JSONL_HINT
+    from baseten_loops_cli.training.data.formats import read_rows
+    from baseten_loops_cli.training.data.formats.rows import ENV_ROWS
 
     rows = [Prompt([], row, where, str(row.get("prompt", ""))) for where, row in read_rows(data, ENV_ROWS)]
     if not rows:
@@ -179,7 +179,7 @@ def estimate(config, data: LoadedData) -> Estimate:
         notes.append(algos.describe(config))  # what `algorithm:` expanded to (`train validate` prints it)
     judge = None
     if config.reward is not None:
-        from baseten_loops_cli.training.judge import plan_tokens
+        from baseten_loops_cli.training.rewards.judge import plan_tokens
 
         passes = [prompts_for_step(data.train, step, config) for step in range(steps)]
         if data.eval:  # each eval (every eval_every steps, and the last) grades one reply per prompt
@@ -192,7 +192,7 @@ def estimate(config, data: LoadedData) -> Estimate:
 
 def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> Any:
     """Prompt rows: ``samples`` completions each (default: group_size), scored by the reward."""
-    from baseten_loops_cli.training.evaluation import RLTask
+    from baseten_loops_cli.training.evaluation.scoring import RLTask
 
     config = loaded.config
     if config.env or isinstance(config.reward, list):
@@ -232,7 +232,7 @@ class Rollout:
         if self.components:
             out["rewards"] = self.components
         if self.episode is not None:
-            from baseten_loops_cli.training.envs import transcript
+            from baseten_loops_cli.training.rewards.envs import transcript
 
             out.update(source=self.prompt.source, transcript=transcript(self.episode),
                        turn_rewards=[t.reward for t in self.episode.turns], turns=len(self.episode.turns),
@@ -270,7 +270,7 @@ class Rollouts:
     """Samples groups through the sampler (async, all requests in flight) and scores them."""
 
     def __init__(self, session: TrainingSession, tokenizer: Any, rewards: list[tuple[str, Any, float]] | None):
-        from baseten_loops_cli.training.envs import load_env
+        from baseten_loops_cli.training.rewards.envs import load_env
 
         config = session.config
         self.session = session
@@ -291,8 +291,8 @@ class Rollouts:
         """:meth:`_score` for every reply of a group. A reward with ``score_group(texts, row)``
         (a judge in ``mode: group``) is called once for the whole group, under the same isolation
         (its own thread, reward_timeout_s); its failure fails every rollout of the group."""
-        from baseten_loops_cli.training.isolation import RolloutFailed
-        from baseten_loops_cli.training.rewards import reward_value
+        from baseten_loops_cli.training.rewards.isolation import RolloutFailed
+        from baseten_loops_cli.training.rewards.builtins import reward_value
 
         def checked(what: str, value: Any) -> tuple[float | None, str | None, str | None]:
             number = reward_value(value)
@@ -338,7 +338,7 @@ class Rollouts:
     async def _episodes(self, sampler, isolated, prompt: Prompt, *, n: int, seed: int, version: int,
                         sampling) -> tuple[list[Rollout], int]:
         """``n`` episodes of the environment on one row, every turn's request in flight together."""
-        from baseten_loops_cli.training.envs import run_episode
+        from baseten_loops_cli.training.rewards.envs import run_episode
 
         config = self.session.config
         stop = list(self.tokenizer.stop_token_ids)
@@ -420,7 +420,7 @@ class Rollouts:
         base_sampler = self.session.new_base_sampler_client() if self.kl else None
 
         async def gather() -> list[tuple[list[Rollout], int]]:
-            from baseten_loops_cli.training.isolation import Isolated
+            from baseten_loops_cli.training.rewards.isolation import Isolated
 
             isolated = Isolated(timeout_s=self.timeout_s, workers=self.workers)
             try:
@@ -454,7 +454,7 @@ def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0,
     ``(advantage - kl_coef * (logp_policy - logp_base)) * scale``: the per-token k1 estimate of
     KL(policy || base), as in the Tinker cookbook's ``kl_penalty_coef``.
     """
-    from baseten_loops_cli.training.envs import episode_datum
+    from baseten_loops_cli.training.rewards.envs import episode_datum
 
     rule = rule or algos.AdvantageRule()
     datums, kl_terms, trained = [], [], []
@@ -575,7 +575,7 @@ class HealthWarnings:
 def check_failures(batch: Batch, config) -> None:
     """Stop the run (RewardError: state saved, resumable) when more than max_failed_fraction of
     the batch's rollouts failed; below that, failed rollouts are only left out of training."""
-    from baseten_loops_cli.training.rewards import RewardError
+    from baseten_loops_cli.training.rewards.builtins import RewardError
 
     rollouts = [r for g in batch.groups for r in g]
     failed = [r for r in rollouts if r.failed]
@@ -645,7 +645,7 @@ class RLSteps(StepHooks):
         return self.config.groups_per_batch
 
     def begin(self, loop: Loop) -> None:
-        from baseten_loops_cli.training.judge import JudgeMeter
+        from baseten_loops_cli.training.rewards.judge import JudgeMeter
 
         self.sink = loop.sink
         self.rollouts = Rollouts(self.session, self.data.tokenizer, self.data.reward)
@@ -751,7 +751,7 @@ def reward_test(loaded, data: LoadedData, new_sampler, rows: int, serving: Any =
     ``serving`` (client, api_key, new_model_sampler_client) serves a checkpoint or base model judge."""
     from types import SimpleNamespace
 
-    from baseten_loops_cli.training.judge import JudgeMeter
+    from baseten_loops_cli.training.rewards.judge import JudgeMeter
 
     config = loaded.config
     shim = SimpleNamespace(config=config, loaded=loaded, new_sampler_client=new_sampler,

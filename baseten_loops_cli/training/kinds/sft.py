@@ -1,7 +1,7 @@
 """Supervised fine-tuning (``kind: sft``): chat or prompt/completion rows, cross-entropy on the
 trained tokens.
 
-Per step (:class:`SFTSteps`, in the one loop of training/loop.py): the batch's examples as
+Per step (:class:`SFTSteps`, in the one loop of training/loop/core.py): the batch's examples as
 cross-entropy datums; on schedule the eval's ``forward`` passes give ``eval_loss``.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any, Callable, Literal
 
 from baseten_loops_cli.training.config import CommonConfig, Section
-from baseten_loops_cli.training.data import Example, batches_for_step, sft_datum, weighted_nll
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.data.datums import Example, batches_for_step, sft_datum, weighted_nll
+from baseten_loops_cli.training.data.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.loop import ProtocolLoss, StepHooks, StepWork, Waiter, total_steps
+from baseten_loops_cli.training.loop.core import ProtocolLoss, StepHooks, StepWork, Waiter, total_steps
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
 
@@ -33,8 +33,8 @@ class SFTConfig(CommonConfig):
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     """Rows of any format and source (the data layer reads them), as chat/prompt-completion examples."""
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.data import load_sft_examples
-    from baseten_loops_cli.training.formats import data_notes
+    from baseten_loops_cli.training.data.datums import load_sft_examples
+    from baseten_loops_cli.training.data.formats import data_notes
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)
@@ -46,7 +46,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 
 def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str = "last_assistant") -> list[list[Any]]:
     """Each row as the loop trains it (`loops data check|preview`): one Example (tokens, weights)."""
-    from baseten_loops_cli.training.data import load_sft_examples
+    from baseten_loops_cli.training.data.datums import load_sft_examples
 
     return [[e] for e in load_sft_examples(spec, tokenizer, train_on=train_on, max_seq_len=max_seq_len)]
 
@@ -64,7 +64,7 @@ def estimate(config, data: LoadedData) -> Estimate:
 
 def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> Any:
     """SFT rows scored by likelihood (the config brings the rendering and max_seq_len)."""
-    from baseten_loops_cli.training.evaluation import SFTTask
+    from baseten_loops_cli.training.evaluation.scoring import SFTTask
 
     config = loaded.config
     return SFTTask(data, config.data.train_on, config.max_seq_len, limit)

@@ -21,5 +21,5 @@ they come in, read once into the rows the training loops take.
 Nothing downstream knows which format a row came from.
 """
 
-from baseten_loops_cli.training.formats.dataset import read_rows  # noqa: F401
-from baseten_loops_cli.training.formats.dataset import DataSpec, data_notes, data_specs, eval_source  # noqa: F401
+from baseten_loops_cli.training.data.formats.dataset import read_rows  # noqa: F401
+from baseten_loops_cli.training.data.formats.dataset import DataSpec, data_notes, data_specs, eval_source  # noqa: F401

@@ -13,7 +13,7 @@ Two kinds of data, told apart by the config (an RL config brings the reward):
   mean reward, pass rate (reward >= ``pass_threshold``), unbiased pass@k and mean completion
   length. A reward that raises is reported with its row; the other rows are still scored.
 - **Multiple-choice rows** (``choices`` + ``label``): accuracy and length-normalised accuracy
-  from the prompt logprobs of each choice (``training/multiple_choice.py``).
+  from the prompt logprobs of each choice (``training/evaluation/multiple_choice.py``).
 
 A :class:`Candidate` opens its sampler only when its result is not cached: results are kept
 per (candidate, data hash, settings) under the cache dir, so re-running a table is instant.
@@ -70,8 +70,8 @@ RL_METRICS = (
 
 
 def metrics_of(kind: str) -> tuple[Metric, ...]:
-    if kind == "mc":  # multiple-choice rows (training/multiple_choice.py)
-        from baseten_loops_cli.training.multiple_choice import MC_METRICS
+    if kind == "mc":  # multiple-choice rows (training/evaluation/multiple_choice.py)
+        from baseten_loops_cli.training.evaluation.multiple_choice import MC_METRICS
 
         return MC_METRICS
     return SFT_METRICS if kind == "sft" else RL_METRICS
@@ -286,8 +286,8 @@ def check_gates(report: EvalReport, gates: Sequence[Gate]) -> list[str]:
 
 
 def file_sha256(path: Path) -> str:
-    if not isinstance(path, Path) or path.is_dir():  # a folder, mixture or hold-out (training/formats)
-        from baseten_loops_cli.training.formats.dataset import fingerprint
+    if not isinstance(path, Path) or path.is_dir():  # a folder, mixture or hold-out (training/data/formats)
+        from baseten_loops_cli.training.data.formats.dataset import fingerprint
 
         return fingerprint(path)
     digest = hashlib.sha256()
@@ -298,7 +298,7 @@ def file_sha256(path: Path) -> str:
     except FileNotFoundError:
         raise ConfigError(f"{path}: data file not found", hint="Check the path.") from None
     except IsADirectoryError:
-        from baseten_loops_cli.training.data import JSONL_HINT
+        from baseten_loops_cli.training.data.datums import JSONL_HINT
 
         raise ConfigError(f"{path}: a folder, not a JSONL file", hint="Name a file, not a folder: " + JSONL_HINT) from None
     except OSError as exc:
@@ -307,10 +307,10 @@ def file_sha256(path: Path) -> str:
 
 
 def _load_rows(task: EvalTask, tokenizer: Any) -> list[Any]:
-    from baseten_loops_cli.training import data as data_mod
+    from baseten_loops_cli.training.data import datums as data_mod
 
     if task.kind == "mc":
-        from baseten_loops_cli.training.multiple_choice import load_mc_rows
+        from baseten_loops_cli.training.evaluation.multiple_choice import load_mc_rows
 
         return load_mc_rows(task.data, tokenizer, limit=task.limit)
     rows: list[data_mod.Prompt] | list[data_mod.Example]
@@ -408,7 +408,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 async def _score_rl(
     client: SamplerLike, prompts: list, task: RLTask, tokenizer: Any, reward: tuple[str, Any], advance: Callable[[], None]
 ) -> tuple[dict[str, float], list[RowError]]:
-    from baseten_loops_cli.training.rewards import RewardError, completion_text, score
+    from baseten_loops_cli.training.rewards.builtins import RewardError, completion_text, score
 
     name, fn = reward
     sampling = task.sampling
@@ -491,7 +491,7 @@ def _read_cache(path: Path | None) -> dict | None:
 def _write_cache(path: Path | None, rows: int, metrics: dict) -> None:
     if path is None:
         return
-    from baseten_loops_cli.training.rundir import atomic_write
+    from baseten_loops_cli.training.experiments.rundir import atomic_write
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -521,7 +521,7 @@ def evaluate(
     reward_sha = _reward_identity(task) if isinstance(task, RLTask) else ""
     reward = None
     if isinstance(task, RLTask):
-        from baseten_loops_cli.training.rewards import build_reward
+        from baseten_loops_cli.training.rewards.builtins import build_reward
 
         reward = build_reward(task.reward, task.reward_dir)
 
@@ -557,7 +557,7 @@ def evaluate(
                     errors.extend(found)
                     return metrics
                 if task.kind == "mc":
-                    from baseten_loops_cli.training.multiple_choice import score_mc
+                    from baseten_loops_cli.training.evaluation.multiple_choice import score_mc
 
                     return await score_mc(client, rows, progress.advance)
                 return await _score_sft(client, rows, progress.advance)

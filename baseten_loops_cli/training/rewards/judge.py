@@ -4,7 +4,7 @@ The grader is any OpenAI-compatible chat endpoint (``url``: vLLM, OpenAI, a ``lo
 URL serving a Loops checkpoint), or (``model`` without ``url``) a Loops sampler checkpoint or a
 base model served by a sampler of the run's backend: the rubric's messages are rendered with that
 model's chat template and sampled through the SDK's sampling route (:class:`~baseten_loops_cli.
-training.teacher.ServedModel`, the distillation teacher's machinery), so it runs on every backend.
+training.rewards.teacher.ServedModel`, the distillation teacher's machinery), so it runs on every backend.
 Either way the answer goes through the same parser. The rubric is a jinja2 template over ``prompt``, ``reply``
 (``replies`` in group mode) and ``row`` (the prompt row's fields: ``{{ row.answer }}``); an
 unknown name is a config error, a row without a field the rubric uses is that rollout's failure.
@@ -14,7 +14,7 @@ the last number), normalised to 0..1, or one of ``labels`` (``{good: 1, bad: 0}`
 score. ``mode: group`` sends a whole group in one request and takes a score per reply (RULER's
 JSON ``{"scores": [{"id": 1, "score": 0.8}, ...]}``, ``1: 7`` lines, or a ranking ``2 > 1 > 3``).
 An answer without a score is asked again once (with a reminder of the format), then is a
-:class:`~baseten_loops_cli.training.rewards.RewardError`: a failed rollout with the reason.
+:class:`~baseten_loops_cli.training.rewards.builtins.RewardError`: a failed rollout with the reason.
 Identical requests are answered from a cache; the grader's tokens are counted in ``usage`` (a
 URL's from the OpenAI ``usage`` field of its answers, a served model's as rendered and sampled),
 which the loops record per step (``judge_*`` metrics) and the run's summary totals.
@@ -42,7 +42,7 @@ _SCORE_PATTERNS = (
 
 
 def _reward_error(message: str) -> Exception:
-    from baseten_loops_cli.training.rewards import RewardError
+    from baseten_loops_cli.training.rewards.builtins import RewardError
 
     return RewardError(message)
 
@@ -152,7 +152,7 @@ class Judge:
         if not self.served or self._served is not None:
             return
         from baseten_loops_cli.tokenization import get_tokenizer
-        from baseten_loops_cli.training.teacher import ServedModel
+        from baseten_loops_cli.training.rewards.teacher import ServedModel
 
         served = ServedModel(session, self.spec.model)
         self._tokenizer = get_tokenizer(served.base_model)
@@ -203,7 +203,7 @@ class Judge:
             raise self._failure(exc) from None
 
     def _check_served(self, client: Any) -> None:
-        from baseten_loops_cli.training.teacher import is_checkpoint_ref
+        from baseten_loops_cli.training.rewards.teacher import is_checkpoint_ref
 
         model = self.spec.model
         if is_checkpoint_ref(model):

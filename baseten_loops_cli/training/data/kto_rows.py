@@ -7,7 +7,7 @@ true | false}`` (TRL's unpaired preference format); ``"messages"`` may stand in 
 The data layer (``formats.read_rows(spec, "unpaired")``) reads every source and format into
 these rows (a CSV label "true"/"0" already a bool); the row checks here are pure functions of a
 row and its ``file:line`` (``where``), and :func:`load_kto_examples` renders them. Every error
-names the file and line, as ``training/data.py``'s do.
+names the file and line, as ``training/data/datums.py``'s do.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training.data import Example, _check_messages, _reply_messages
-from baseten_loops_cli.training.formats.truncation import cut_replies, reply_start
-from baseten_loops_cli.training.preference_losses import kto_mismatched_index
+from baseten_loops_cli.training.data.datums import Example, _check_messages, _reply_messages
+from baseten_loops_cli.training.data.formats.truncation import cut_replies, reply_start
+from baseten_loops_cli.training.losses.preference_losses import kto_mismatched_index
 
 KTO_ROW_HINT = 'Write each row as {"prompt": ..., "completion": ..., "label": true} (false for an undesirable completion).'
 SPLIT_PAIR_HINT = ('KTO takes one completion per row: split each pair into {"prompt": ..., "completion": <chosen>, '
@@ -116,7 +116,7 @@ def _render(tokenizer: Any, conversation: list[dict], where: str) -> tuple[list[
 def render_kto_row(where: str, row: dict, tokenizer: Any, *, max_seq_len: int, loader: Any = None) -> KTOExample | None:
     """One internal row checked and rendered (the reply trained, as DPO's sides); a row over
     max_seq_len goes by the ``loader``'s ``data.truncation`` (None: dropped)."""
-    from baseten_loops_cli.training.data import too_long
+    from baseten_loops_cli.training.data.datums import too_long
 
     checked = kto_row(row, where)
     tokens, weights = _render(tokenizer, checked.prompt + checked.completion, where)
@@ -140,7 +140,7 @@ def render_kto_row(where: str, row: dict, tokenizer: Any, *, max_seq_len: int, l
 def load_kto_examples(spec: Any, tokenizer: Any, *, max_seq_len: int, check_labels: bool = True) -> list[KTOExample]:
     """Every row of a data spec (or a plain path) in any format, checked and rendered; both
     labels must occur (``check_labels``: off for `loops data check`, which renders row by row)."""
-    from baseten_loops_cli.training.data import RowLoader
+    from baseten_loops_cli.training.data.datums import RowLoader
 
     examples = []
     loader = RowLoader(spec, "unpaired")
@@ -157,7 +157,7 @@ def load_kto_examples(spec: Any, tokenizer: Any, *, max_seq_len: int, check_labe
 
 def kl_examples(examples: list[KTOExample], tokenizer: Any, *, max_seq_len: int) -> list[Example]:
     """The mismatched sequences of KTO's KL estimate, one per example (its prompt with
-    :func:`~baseten_loops_cli.training.preference_losses.kto_mismatched_index`'s completion),
+    :func:`~baseten_loops_cli.training.losses.preference_losses.kto_mismatched_index`'s completion),
     cut at ``max_seq_len`` (an estimate needs no complete reply; the prompt fits, as it fits
     with its own completion, unless ``data.truncation`` cut it: then it is cut as its row was)."""
     out = []

@@ -6,10 +6,10 @@
     checkpoints.jsonl  one record per saved trainer state: the resume points (appended, fsynced)
     samples.jsonl      RL rollouts with their rewards
     reference_logprobs.jsonl  DPO: the reference policy's logprobs of each sequence, scored once
-    eval.json, eval.txt  the config's `eval:` table of the final checkpoint (training/final_eval.py)
+    eval.json, eval.txt  the config's `eval:` table of the final checkpoint (training/evaluation/final_eval.py)
     .lock              held (flock) by the one process training in it (`train run|resume`)
 
-A sweep folder (training/sweep.py) holds ``sweep.json`` (its index) and one run directory per
+A sweep folder (training/experiments/sweep.py) holds ``sweep.json`` (its index) and one run directory per
 point. :func:`read_run` and :func:`run_dirs` are the one reader of run directories: `loops train
 plot` and `loops train compare` both go through them.
 

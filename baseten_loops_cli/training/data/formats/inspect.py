@@ -1,7 +1,7 @@
 """What `loops data check` and `loops data preview` report about a data source (no printing).
 
 Both read the source through the same layer as training (``read_rows``) and render its rows
-through the same loaders (``training/data.py``), one row at a time, so every problem of the
+through the same loaders (``training/data/datums.py``), one row at a time, so every problem of the
 file is collected (with its file and line) instead of stopping at the first, and the token
 counts and trained spans are exactly what `loops train run` would send.
 """
@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from baseten_loops_cli.errors import ConfigError, UsageError
-from baseten_loops_cli.training.formats import rows as rows_mod
-from baseten_loops_cli.training.formats.dataset import DataSpec, _map_columns, plain_spec, read_rows
-from baseten_loops_cli.training.formats.truncation import CUTS
+from baseten_loops_cli.training.data.formats import rows as rows_mod
+from baseten_loops_cli.training.data.formats.dataset import DataSpec, _map_columns, plain_spec, read_rows
+from baseten_loops_cli.training.data.formats.truncation import CUTS
 
 UNLIMITED = 1 << 30
 

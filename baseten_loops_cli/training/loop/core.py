@@ -3,10 +3,10 @@
 The loop owns what every kind shares: step and epoch accounting (``max_steps`` wins over
 ``epochs`` and cycles the data, as HF Trainer and TRL do), Ctrl-C and the resume point, the
 learning-rate schedule, ``forward_backward`` (the protocol's loss or the SDK's custom-loss
-path) and ``optim_step``, the submit-ahead pipeline (training/pipeline.py), publishing the
+path) and ``optim_step``, the submit-ahead pipeline (training/loop/pipeline.py), publishing the
 weights to the sampler after each step (kinds that sample: RL, distill), eval-every,
 checkpoint-every, the final eval and the config's ``eval:`` block, the final checkpoint, and
-every record (the :class:`~training.metrics.MetricsSink`: metrics.jsonl, the view, trackers).
+every record (the :class:`~training.experiments.metrics.MetricsSink`: metrics.jsonl, the view, trackers).
 
 A kind supplies only what differs, as a subclass of :class:`StepHooks` (its registry entry's
 ``hooks``): the rows of a step, the step's datums and loss (:class:`StepWork`), its record
@@ -25,15 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Union
 
-from baseten_loops_cli.training.pipeline import StepClock, StepPipeline, step_record
+from baseten_loops_cli.training.loop.pipeline import StepClock, StepPipeline, step_record
 from baseten_loops_cli.training.session import (
     StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped, submit_checkpoint,
 )  # fmt: skip
 
 if TYPE_CHECKING:
     from baseten_loops_cli.training.kinds import LoadedData
-    from baseten_loops_cli.training.metrics import MetricsSink
-    from baseten_loops_cli.training.preference_losses import LossResult, SequenceScore
+    from baseten_loops_cli.training.experiments.metrics import MetricsSink
+    from baseten_loops_cli.training.losses.preference_losses import LossResult, SequenceScore
 
 Metrics = dict[str, Any]
 Waiter = Callable[[], Metrics]  # waits for results already submitted and gives record fields
@@ -55,7 +55,7 @@ def total_steps(n_rows: int, rows_per_step: int, epochs: int, max_steps: int | N
 def step_rows(n_rows: int, rows_per_step: int, step: int, config: Any, *, shuffle: bool = True) -> list[int]:
     """Indices of the train rows of 0-based ``step`` (past the data: the next epoch's order):
     a pure function of seed and epoch, so a resumed run and the plan see the same batches."""
-    from baseten_loops_cli.training.data import batches_for_step
+    from baseten_loops_cli.training.data.datums import batches_for_step
 
     return batches_for_step(n_rows, rows_per_step, step, seed=config.seed, shuffle=shuffle)
 
@@ -193,7 +193,7 @@ class Loop:
         record = save_checkpoint(session, self.steps, final=True)
         self.sink.message(f"Saved final checkpoint: {record.get('sampler_path') or record['path']}")
         if self.config.eval is not None:
-            from baseten_loops_cli.training.final_eval import evaluate_final
+            from baseten_loops_cli.training.evaluation.final_eval import evaluate_final
 
             evaluate_final(session, record, self.sink)
         return "completed"
@@ -254,7 +254,7 @@ class Loop:
         if isinstance(work.loss, ProtocolLoss):
             future = self.trainer.forward_backward(work.datums, work.loss.name, work.loss.config)
             return future.result
-        from baseten_loops_cli.training import preference_losses as pl
+        from baseten_loops_cli.training.losses import preference_losses as pl
 
         future, custom = pl.submit_custom_loss(self.trainer, work.datums, work.loss.compute, extra=work.loss.extra,
                                                ref_key=work.loss.ref_key)

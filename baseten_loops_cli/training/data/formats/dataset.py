@@ -1,6 +1,6 @@
 """Reading a config's data: sources -> detected format -> internal rows -> mixture -> split.
 
-:func:`read_rows` is the one entry point (``training/data.py``'s loaders call it): it takes a
+:func:`read_rows` is the one entry point (``training/data/datums.py``'s loaders call it): it takes a
 plain path (``loops eval --data FILE``) or a :class:`DataSpec` built from a config by
 :func:`data_specs`, and yields ``(where, row)`` with ``row`` the internal row of a purpose
 (see ``rows``). What it detected goes to ``DataSpec.reports``, for the plan's notes.
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training.formats import readers, rows as rows_mod
+from baseten_loops_cli.training.data.formats import readers, rows as rows_mod
 
 HUB_PREFIX = "hf://datasets/"
 
@@ -192,7 +192,7 @@ def section_options(section: Any) -> dict:
 # ------------------------------------------------------------------ from a loaded config
 def _sources_of(loaded: Any, key: tuple, value: Any, options: Any) -> list[Source]:
     """The config value at ``key`` (a path, a source mapping or a list of either) resolved."""
-    from baseten_loops_cli.training.formats.spec import SourceSpec
+    from baseten_loops_cli.training.data.formats.spec import SourceSpec
 
     items = value if isinstance(value, list) else [value]
     sources = []

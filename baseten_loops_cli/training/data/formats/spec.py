@@ -165,7 +165,7 @@ def source_paths(value: Any) -> list[tuple[tuple, str]]:
 
 def path_problem(resolved: Path) -> tuple[str, str] | None:
     """(message, hint) when a local data path cannot be read as data, else None."""
-    from baseten_loops_cli.training.formats.readers import SUFFIXES, data_files
+    from baseten_loops_cli.training.data.formats.readers import SUFFIXES, data_files
 
     if not resolved.exists():
         return f"{resolved}: data file not found", "Check the path (relative to the config file)."

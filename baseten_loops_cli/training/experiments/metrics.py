@@ -11,7 +11,7 @@ The loops call a :class:`MetricsSink` and never know which of these are on:
 - ``message(text)``: a human line on stderr (or the live view).
 
 TensorBoard, MLflow and trackio (``logging.trackers``) get the same records through
-training/trackers.py (``trackers=``).
+training/experiments/trackers.py (``trackers=``).
 
 W&B is optional: when the config asks for it and the package is missing, the run says so once
 and carries on with metrics.jsonl. The W&B run id is kept in state.json, so ``loops train
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol, Sequence
 
-from baseten_loops_cli.training.rundir import RunDir
+from baseten_loops_cli.training.experiments.rundir import RunDir
 
 
 class TrainingView(Protocol):
@@ -107,7 +107,7 @@ def open_wandb(config: Any, rundir: RunDir, *, run_id: str, raw_config: dict | N
         except Exception:  # noqa: BLE001 - an old or stub wandb
             wandb_id = f"loops-{run_id}"
         rundir.update_state(wandb_id=wandb_id)
-    from baseten_loops_cli.training.trackers import sweep_of
+    from baseten_loops_cli.training.experiments.trackers import sweep_of
 
     sweep = sweep_of(rundir)  # a sweep's runs are one W&B group, named after its folder
     try:
@@ -133,7 +133,7 @@ class MetricsSink:
         self.rundir = rundir
         self.view = view or _NoView()
         self.wandb = wandb
-        self.trackers = trackers  # training.trackers.Trackers: TensorBoard, MLflow, trackio
+        self.trackers = trackers  # training.experiments.trackers.Trackers: TensorBoard, MLflow, trackio
         self.step_fields = tuple(step_fields)  # the kind's (training.kinds.Kind.step_fields)
         self.records: list[dict] = []
 

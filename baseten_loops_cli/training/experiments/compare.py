@@ -15,7 +15,7 @@ from typing import Any
 
 from baseten_loops_cli.errors import UsageError
 from baseten_loops_cli.training.config import dotted_keys
-from baseten_loops_cli.training.rundir import RunRecord
+from baseten_loops_cli.training.experiments.rundir import RunRecord
 
 # Keys that differ between any two runs and say nothing about the training.
 _IGNORED_KEYS = ("name", "logging.run_dir", "logging.wandb_name", "logging.tracker_dir")

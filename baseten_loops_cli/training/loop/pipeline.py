@@ -1,4 +1,4 @@
-"""Keeping the trainer busy: the loop (training/loop.py) submits step N+1 before it waits for step N.
+"""Keeping the trainer busy: the loop (training/loop/core.py) submits step N+1 before it waits for step N.
 
 The trainer runs a run's ops in ``seq_id`` order, so a loop can submit ``forward_backward``,
 ``optim_step``, an eval's ``forward`` passes and a checkpoint save back to back and wait for

@@ -20,10 +20,10 @@ import time
 from typing import Any
 
 from baseten_loops_cli.errors import ConfigError, LoopsError
-from baseten_loops_cli.training import preference_losses as pl
+from baseten_loops_cli.training.losses import preference_losses as pl
 from baseten_loops_cli.training.config import config_error
-from baseten_loops_cli.training.data import batches_for_step, dpo_datum, reference_logprobs_field
-from baseten_loops_cli.training.loop import Loop, StepHooks, total_steps
+from baseten_loops_cli.training.data.datums import batches_for_step, dpo_datum, reference_logprobs_field
+from baseten_loops_cli.training.loop.core import Loop, StepHooks, total_steps
 from baseten_loops_cli.training.session import StopRequested, TrainingSession
 
 REFERENCE_CHECKPOINT = "dpo-reference"

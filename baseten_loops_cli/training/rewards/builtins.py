@@ -127,17 +127,17 @@ def _repetition(spec: Any) -> RewardFn:
 
 # The builtins: name -> builder(RewardConfig) -> RewardFn. A new builtin is one entry here.
 def _math_answer(spec: Any) -> RewardFn:
-    """math-verify, the optional [math] extra (training/math_reward.py)."""
-    from baseten_loops_cli.training import math_reward
+    """math-verify, the optional [math] extra (training/rewards/math_reward.py)."""
+    from baseten_loops_cli.training.rewards import math_reward
 
     return math_reward.build()
 
 
 def _judge(spec: Any) -> RewardFn:
-    """A grader model (training/judge.py); ``mode: group`` scores a whole group in one request."""
+    """A grader model (training/rewards/judge.py); ``mode: group`` scores a whole group in one request."""
     if spec.judge is None:
         raise ConfigError("reward.fn 'judge' needs reward.judge (url or model, and rubric)", hint="See README, Judge rewards.")
-    from baseten_loops_cli.training.judge import Judge
+    from baseten_loops_cli.training.rewards.judge import Judge
 
     judge = Judge(spec.judge)
     return judge.score if spec.judge.mode == "single" else judge.group_reward()

@@ -36,7 +36,7 @@ def build() -> Any:
     reply_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
 
     def math_answer(completion: str, row: dict) -> float:
-        from baseten_loops_cli.training.rewards import RewardError
+        from baseten_loops_cli.training.rewards.builtins import RewardError
 
         if "answer" not in row:
             raise RewardError(f"reward {NAME!r} needs an 'answer' field in each prompt row")

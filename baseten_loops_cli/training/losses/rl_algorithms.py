@@ -41,7 +41,7 @@ from typing import Any, Literal, Mapping, Sequence
 from pydantic import Field
 
 from baseten_loops_cli.training.config import Section
-from baseten_loops_cli.training.preference_losses import LossResult, SequenceScore
+from baseten_loops_cli.training.losses.preference_losses import LossResult, SequenceScore
 
 # std normalization's epsilon, TRL's GRPOTrainer's (``(r - mean) / (std + 1e-4)``).
 STD_EPS = 1e-4
@@ -338,7 +338,7 @@ def clip_fractions(datums: Sequence[Mapping[str, Any]], outputs: Sequence[Any], 
 
 
 def gspo_datum(datum: Mapping[str, Any]) -> dict:
-    """An RL datum (``training.data.rl_datum``) for the custom-loss path: its mask as the
+    """An RL datum (``training.data.datums.rl_datum``) for the custom-loss path: its mask as the
     ``weights`` (the reply's positions), the rest kept for the client-side loss."""
     inputs = datum["loss_fn_inputs"]
     return {**datum, "loss_fn_inputs": {**inputs, "weights": dict(inputs["mask"])}}

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training.rundir import SWEEP_INDEX, RunDir, atomic_write
+from baseten_loops_cli.training.experiments.rundir import SWEEP_INDEX, RunDir, atomic_write
 
 # name -> (module that must import, the extra that installs it)
 TRACKERS = {

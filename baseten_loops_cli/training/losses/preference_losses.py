@@ -275,7 +275,7 @@ def score_sequence(token_logprobs: Sequence[float | None], weights: Sequence[flo
                    ref_logprobs: Sequence[float] | None = None) -> SequenceScore:
     """A datum's :class:`SequenceScore` from per-position logprobs (``None`` = masked, skipped
     where the weight is 0), its ``weights`` and, where the loss has one, the reference's
-    per-position logprobs (the ``ref_logprobs`` layout of ``training.data.dpo_datum``)."""
+    per-position logprobs (the ``ref_logprobs`` layout of ``training.data.datums.dpo_datum``)."""
     if len(token_logprobs) != len(weights) or (ref_logprobs is not None and len(ref_logprobs) != len(weights)):
         raise ValueError(f"{len(token_logprobs)} logprobs for {len(weights)} weights"
                          + (f" and {len(ref_logprobs)} reference logprobs" if ref_logprobs is not None else ""))

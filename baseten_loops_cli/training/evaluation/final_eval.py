@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.evaluation import Candidate, EvalReport, SamplerLike, evaluate
+from baseten_loops_cli.training.evaluation.scoring import Candidate, EvalReport, SamplerLike, evaluate
 
 
 def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
@@ -21,7 +21,7 @@ def evaluate_final(session: Any, record: dict, sink: Any) -> EvalReport | None:
     The run is still active here, so its paired sampler serves the checkpoint (pinned) and the
     session's base sampler serves the base model: nothing else is provisioned."""
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.rundir import atomic_write
+    from baseten_loops_cli.training.experiments.rundir import atomic_write
 
     loaded, config = session.loaded, session.config
     spec = config.eval

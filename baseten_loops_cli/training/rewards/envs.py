@@ -9,7 +9,7 @@ The protocol (README "Environments")::
         def step(self, reply: str) -> Step: ...    # Step(reward, done, messages, info) or a dict
 
 ``reset`` and ``step`` may be ``async def``. Every call into the environment goes through
-:class:`~baseten_loops_cli.training.isolation.Isolated` (per-call timeout, worker threads), so
+:class:`~baseten_loops_cli.training.rewards.isolation.Isolated` (per-call timeout, worker threads), so
 an environment that raises, hangs or returns nonsense fails its episode, not the run.
 
 An episode is one token sequence: the opening prompt, then for each turn the sampled reply
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from baseten_loops_cli.training.isolation import Isolated, RolloutFailed
-from baseten_loops_cli.training.rewards import load_from_file, reward_value
+from baseten_loops_cli.training.rewards.isolation import Isolated, RolloutFailed
+from baseten_loops_cli.training.rewards.builtins import load_from_file, reward_value
 
 STEP_KEYS = ("reward", "done", "messages", "info")
 

@@ -3,7 +3,7 @@ each trained in its own run directory under one sweep folder.
 
     SWEEP_DIR/sweep.json     the index: the config, the grid, and one entry per point (its
                              name, its run directory, its ``--set`` values). Written once.
-    SWEEP_DIR/NN-KEY=V-.../  a run directory (training/rundir.py) per point, plus train.log:
+    SWEEP_DIR/NN-KEY=V-.../  a run directory (training/experiments/rundir.py) per point, plus train.log:
                              what that point's `loops train` process printed
 
 How a point ended is its own state.json (the single truth, as for any run): `loops train resume
@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from baseten_loops_cli.api.polling import Poll
 from baseten_loops_cli.errors import ConfigError, InterruptedByUser, LoopsError, UsageError
-from baseten_loops_cli.training.rundir import SWEEP_INDEX, RunDir, atomic_write
+from baseten_loops_cli.training.experiments.rundir import SWEEP_INDEX, RunDir, atomic_write
 
 DEFAULT_MAX_RUNS = 64
 # Other tools' names for config keys (what people type first).
@@ -340,7 +340,7 @@ def open_sweep(path: Path) -> Sweep:
 def loaded_points(sweep: Sweep) -> list[Any]:
     """Each point's config, loaded and checked (files too): what the summed plan is made of."""
     from baseten_loops_cli.training.config import load_config
-    from baseten_loops_cli.training.trackers import check_installed
+    from baseten_loops_cli.training.experiments.trackers import check_installed
 
     loaded = [load_config(sweep.config, [*sweep.sets, *p.overrides], check_files=True) for p in sweep.points]
     for one in loaded[:1]:

@@ -12,7 +12,7 @@ Formats (keys after ``data.columns`` renames them):
   (no prompt: the shared prefix is the prompt); ``unpaired_preference`` ``{"prompt",
   "completion", "label"}``
 
-Purposes (what a loader in ``training/data.py`` takes):
+Purposes (what a loader in ``training/data/datums.py`` takes):
 
 - ``sft``: ``{"messages": [...]}`` or ``{"prompt": str, "completion": str}``
 - ``prompts`` (RL): ``{"messages": [...]}`` or ``{"prompt": str}``, plus the row's other fields;

@@ -8,7 +8,7 @@ conversation rendered with the generation prompt, the choice as the assistant's 
 choice is scored in context: the tokens of ``prompt + choice`` after those of ``prompt``
 (so a choice starting with a space tokenizes as it would in running text).
 
-Each (row, choice) is one request on the path SFT rows take (``training/evaluation.py``): a
+Each (row, choice) is one request on the path SFT rows take (``training/evaluation/scoring.py``): a
 sampler serving the weights returns the prompt logprobs of ``context + choice`` (``max_tokens``
 1, nothing generated that matters), so it runs on Baseten as it does locally.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from baseten_loops_cli.errors import ConfigError, LoopsError
-from baseten_loops_cli.training.evaluation import CONCURRENCY, Metric, SamplerLike
+from baseten_loops_cli.training.evaluation.scoring import CONCURRENCY, Metric, SamplerLike
 
 MC_METRICS = (
     Metric("accuracy", "ACCURACY", "higher", "fraction of rows whose right choice has the highest summed logprob"),
@@ -59,7 +59,7 @@ class MCRow:
 
 def is_multiple_choice(path: Path) -> bool:
     """Whether ``path``'s first row is a multiple-choice row (has ``choices`` and ``label``)."""
-    from baseten_loops_cli.training.formats.readers import read_path
+    from baseten_loops_cli.training.data.formats.readers import read_path
 
     try:
         for _, row in read_path(path):  # any file type the data layer reads (JSONL, JSON, Parquet, ...)
@@ -85,7 +85,7 @@ def _context(row: dict, tokenizer: Any, where: str) -> tuple[list[int], str | No
 
 
 def load_mc_rows(path: Path, tokenizer: Any, *, limit: int | None = None) -> list[MCRow]:
-    from baseten_loops_cli.training.formats.readers import JSONL_HINT, read_path
+    from baseten_loops_cli.training.data.formats.readers import JSONL_HINT, read_path
 
     rows: list[MCRow] = []
     for where, row in read_path(path):  # where: file:line, or file: row N
@@ -117,7 +117,7 @@ def load_mc_rows(path: Path, tokenizer: Any, *, limit: int | None = None) -> lis
 async def score_mc(client: SamplerLike, rows: list[MCRow], advance: Callable[[], None]) -> dict[str, float]:
     """``accuracy`` and ``accuracy_norm`` over ``rows`` (one request per choice)."""
     from baseten_loops_cli.api.errors import ProtocolError
-    from baseten_loops_cli.training.evaluation import _with_source
+    from baseten_loops_cli.training.evaluation.scoring import _with_source
 
     semaphore = asyncio.Semaphore(CONCURRENCY)
 

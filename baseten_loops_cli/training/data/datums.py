@@ -1,4 +1,4 @@
-"""Training data: rows (read by ``training/formats`` from any format) -> token sequences -> Datums.
+"""Training data: rows (read by ``training/data/formats`` from any format) -> token sequences -> Datums.
 
 SFT rows are either OpenAI chat (``{"messages": [{"role", "content"}, ...]}``) or
 ``{"prompt": ..., "completion": ...}``. RL rows are ``{"prompt": ...}`` or ``{"messages": [...]}``
@@ -18,9 +18,9 @@ from typing import Any
 from baseten_loops_cli.errors import ConfigError
 # Rows are read by the format layer (files, folders, hub datasets; every row format), once, into
 # the internal rows these loaders take: (where, row), where = "file:line" or "file: row N".
-from baseten_loops_cli.training.formats import read_rows
-from baseten_loops_cli.training.formats import truncation as trunc
-from baseten_loops_cli.training.formats.readers import JSONL_HINT, read_jsonl  # noqa: F401 - re-exported
+from baseten_loops_cli.training.data.formats import read_rows
+from baseten_loops_cli.training.data.formats import truncation as trunc
+from baseten_loops_cli.training.data.formats.readers import JSONL_HINT, read_jsonl  # noqa: F401 - re-exported
 
 # How many refused rows one error lists (the rest are counted).
 LISTED_ROWS = 5
@@ -78,7 +78,7 @@ class RowLoader:
     (reported with the spec's notes)."""
 
     def __init__(self, data: Any, purpose: str):
-        from baseten_loops_cli.training.formats.dataset import DataSpec, plain_spec
+        from baseten_loops_cli.training.data.formats.dataset import DataSpec, plain_spec
 
         self.spec = data if isinstance(data, DataSpec) else plain_spec(data)
         self.purpose = purpose
@@ -322,7 +322,7 @@ def load_preference_pairs(path: Path, tokenizer: Any, *, max_seq_len: int) -> li
     """Rows ``{"prompt" | "messages", "chosen", "rejected"}`` or ``{"chosen": [messages],
     "rejected": [messages]}``; both sides must share everything before the final reply."""
     from baseten_loops_cli.tokenization import render_chat
-    from baseten_loops_cli.training.kto_data import check_paired_row
+    from baseten_loops_cli.training.data.kto_rows import check_paired_row
 
     pairs = []
     loader = RowLoader(path, "preference")
