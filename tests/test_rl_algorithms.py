@@ -121,7 +121,8 @@ def _our_loss(rewards, lengths, old, new, *, algorithm: str, **overrides):
     from baseten_loops_cli.local.engine import losses
     from baseten_loops_cli.training.losses import rl_algorithms as algos
     from baseten_loops_cli.training.data.datums import Prompt
-    from baseten_loops_cli.training.kinds.rl import RLConfig, Rollout, _datums
+    from baseten_loops_cli.training.kinds.rl import RLConfig, _datums
+    from baseten_loops_cli.training.kinds.rl_rollouts import Rollout
     from baseten_loops_cli.training.losses.preference_losses import score_sequence
 
     config = RLConfig.model_validate({

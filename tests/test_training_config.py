@@ -319,7 +319,8 @@ def test_rundir_resume_trims_metrics_after_last_checkpoint(tmp_path):
 
 def test_kl_penalty_shapes_per_token_advantages():
     from baseten_loops_cli.training.data.datums import Prompt
-    from baseten_loops_cli.training.kinds.rl import Rollout, _datums
+    from baseten_loops_cli.training.kinds.rl import _datums
+    from baseten_loops_cli.training.kinds.rl_rollouts import Rollout
 
     prompt = Prompt([1, 2], {}, "p:1")
     group = [

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError, ExitCode, UsageError
-from baseten_loops_cli.training.data.formats.spec import SOURCE_TAGS
+from baseten_loops_cli.training.data.formats.spec import SOURCE_TAGS, EvalSources, FormatOptions, Sources
 
 
 # The keys of every kind that name files (relative to the config file); each kind adds its own
@@ -64,6 +64,23 @@ def _kinds_text() -> str:
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainData(Section, FormatOptions):
+    """``data:`` of the kinds that train on rows (sft, dpo, kto): the training rows, the held-out
+    ones, whether to shuffle."""
+
+    train: Sources
+    eval: EvalSources | None = None
+    shuffle: bool = True
+
+
+class PromptsData(Section, FormatOptions):
+    """``data:`` of the kinds that sample from prompts (rl, distill)."""
+
+    prompts: Sources
+    eval_prompts: EvalSources | None = None
+    shuffle: bool = True
 
 
 class OptimizerConfig(Section):

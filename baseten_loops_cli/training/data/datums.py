@@ -13,7 +13,7 @@ import random
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from baseten_loops_cli.errors import ConfigError
 # Rows are read by the format layer (files, folders, hub datasets; every row format), once, into
@@ -21,6 +21,8 @@ from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.data.formats import read_rows
 from baseten_loops_cli.training.data.formats import truncation as trunc
 from baseten_loops_cli.training.data.formats.readers import JSONL_HINT, read_jsonl  # noqa: F401 - re-exported
+
+T = TypeVar("T")
 
 # How many refused rows one error lists (the rest are counted).
 LISTED_ROWS = 5
@@ -99,6 +101,17 @@ class RowLoader:
         except ConfigError as exc:
             self.errors.append(exc)
 
+    def load(self, one: Callable[[str, dict], T | None], noun: str) -> list[T]:
+        """Every row through ``one`` (``(where, row) -> item``, None when the row is skipped:
+        ``data.truncation: drop``), each refusal collected; then :meth:`finish`."""
+        items: list[T] = []
+        for where, row in self.rows():
+            with self.row():
+                item = one(where, row)
+                if item is not None:
+                    items.append(item)
+        return self.finish(items, noun)
+
     def over(self, where: str, error: ConfigError) -> bool:
         """A row is over max_seq_len: True when it is to be cut (``right``/``left``), False when
         ``drop`` skips it; ``error`` raises ``error``."""
@@ -148,67 +161,67 @@ def refused_rows(errors: list[ConfigError]) -> ConfigError:
 def load_sft_examples(path: Path, tokenizer: Any, *, train_on: str, max_seq_len: int) -> list[Example]:
     from baseten_loops_cli.tokenization import render_chat, render_prompt_completion
 
-    examples = []
     loader = RowLoader(path, "sft")
-    for where, row in loader.rows():
-        with loader.row():
-            if "messages" in row:
-                messages = _check_messages(row["messages"], where)
-                if not any(m.get("role") == "assistant" for m in messages):
-                    raise ConfigError(f"{where}: no assistant message to train on",
-                                      hint='End the row with the reply to learn: {"role": "assistant", "content": "..."}.')
-                try:
-                    tokens, weights = render_chat(tokenizer, messages, train_on=train_on)
-                except ValueError as exc:
-                    raise ConfigError(f"{where}: {exc}") from None
-            elif "prompt" in row and "completion" in row:
-                if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
-                    raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings")
-                tokens, weights = render_prompt_completion(tokenizer, row["prompt"], row["completion"])
-            else:
-                raise ConfigError(
-                    f"{where}: expected a 'messages' list or 'prompt' and 'completion' keys, found {sorted(row)}",
-                    hint='Write each row as {"messages": [{"role": "user", "content": ...}, '
-                         '{"role": "assistant", "content": ...}]} or {"prompt": ..., "completion": ...}.',
-                )
-            if len(tokens) > max_seq_len:
-                if not loader.over(where, too_long(f"{where}: example is {len(tokens)} tokens, over max_seq_len {max_seq_len}", len(tokens))):
-                    continue
-                tokens, weights = trunc.cut(list(tokens), list(weights), max_seq_len, loader.policy)
-                if not any(w > 0 for w in list(weights)[1:]):
-                    raise loader.nothing_left(where, max_seq_len)
-            example = Example(list(tokens), [float(w) for w in weights], where)
-            if example.trained_tokens == 0:
-                raise ConfigError(f"{where}: nothing to train on (every token has weight 0)")
-            examples.append(example)
-    return loader.finish(examples, "examples")
+
+    def to_example(where: str, row: dict) -> Example | None:
+        if "messages" in row:
+            messages = _check_messages(row["messages"], where)
+            if not any(m.get("role") == "assistant" for m in messages):
+                raise ConfigError(f"{where}: no assistant message to train on",
+                                  hint='End the row with the reply to learn: {"role": "assistant", "content": "..."}.')
+            try:
+                tokens, weights = render_chat(tokenizer, messages, train_on=train_on)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+        elif "prompt" in row and "completion" in row:
+            if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
+                raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings")
+            tokens, weights = render_prompt_completion(tokenizer, row["prompt"], row["completion"])
+        else:
+            raise ConfigError(
+                f"{where}: expected a 'messages' list or 'prompt' and 'completion' keys, found {sorted(row)}",
+                hint='Write each row as {"messages": [{"role": "user", "content": ...}, '
+                     '{"role": "assistant", "content": ...}]} or {"prompt": ..., "completion": ...}.',
+            )
+        if len(tokens) > max_seq_len:
+            if not loader.over(where, too_long(f"{where}: example is {len(tokens)} tokens, over max_seq_len {max_seq_len}", len(tokens))):
+                return None
+            tokens, weights = trunc.cut(list(tokens), list(weights), max_seq_len, loader.policy)
+            if not any(w > 0 for w in list(weights)[1:]):
+                raise loader.nothing_left(where, max_seq_len)
+        example = Example(list(tokens), [float(w) for w in weights], where)
+        if example.trained_tokens == 0:
+            raise ConfigError(f"{where}: nothing to train on (every token has weight 0)")
+        return example
+
+    return loader.load(to_example, "examples")
 
 
 def load_prompts(path: Path, tokenizer: Any, *, max_seq_len: int, max_tokens: int) -> list[Prompt]:
     from baseten_loops_cli.tokenization import render_chat
 
-    prompts = []
     loader = RowLoader(path, "prompts")
-    for where, row in loader.rows():
-        with loader.row():
-            if "messages" in row:
-                messages = _check_messages(row["messages"], where)
-            elif isinstance(row.get("prompt"), str):
-                messages = [{"role": "user", "content": row["prompt"]}]
-            else:
-                raise ConfigError(f"{where}: expected a string 'prompt' or a 'messages' list, found {sorted(row)}")
-            tokens, _ = render_chat(tokenizer, messages, train_on="all", add_generation_prompt=True)
-            if len(tokens) + max_tokens > max_seq_len:
-                error = too_long(f"{where}: prompt is {len(tokens)} tokens; with sampling.max_tokens {max_tokens} that "
-                                 f"exceeds max_seq_len {max_seq_len}", len(tokens) + max_tokens)
-                if max_tokens >= max_seq_len:  # no prompt fits: the config's numbers, not the row
-                    raise ConfigError(f"{where}: sampling.max_tokens {max_tokens} leaves no room for a prompt in max_seq_len {max_seq_len}",
-                                      hint="Raise max_seq_len or lower sampling.max_tokens.")
-                if not loader.over(where, error):
-                    continue
-                tokens = trunc.cut_prompt(list(tokens), max_seq_len - max_tokens)  # its end: the generation prompt
-            prompts.append(Prompt(list(tokens), row, where, messages[-1]["content"]))
-    return loader.finish(prompts, "prompts")
+
+    def to_prompt(where: str, row: dict) -> Prompt | None:
+        if "messages" in row:
+            messages = _check_messages(row["messages"], where)
+        elif isinstance(row.get("prompt"), str):
+            messages = [{"role": "user", "content": row["prompt"]}]
+        else:
+            raise ConfigError(f"{where}: expected a string 'prompt' or a 'messages' list, found {sorted(row)}")
+        tokens, _ = render_chat(tokenizer, messages, train_on="all", add_generation_prompt=True)
+        if len(tokens) + max_tokens > max_seq_len:
+            error = too_long(f"{where}: prompt is {len(tokens)} tokens; with sampling.max_tokens {max_tokens} that "
+                             f"exceeds max_seq_len {max_seq_len}", len(tokens) + max_tokens)
+            if max_tokens >= max_seq_len:  # no prompt fits: the config's numbers, not the row
+                raise ConfigError(f"{where}: sampling.max_tokens {max_tokens} leaves no room for a prompt in max_seq_len {max_seq_len}",
+                                  hint="Raise max_seq_len or lower sampling.max_tokens.")
+            if not loader.over(where, error):
+                return None
+            tokens = trunc.cut_prompt(list(tokens), max_seq_len - max_tokens)  # its end: the generation prompt
+        return Prompt(list(tokens), row, where, messages[-1]["content"])
+
+    return loader.load(to_prompt, "prompts")
 
 
 def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -324,48 +337,48 @@ def load_preference_pairs(path: Path, tokenizer: Any, *, max_seq_len: int) -> li
     from baseten_loops_cli.tokenization import render_chat
     from baseten_loops_cli.training.data.kto_rows import check_paired_row
 
-    pairs = []
     loader = RowLoader(path, "preference")
-    for where, row in loader.rows():
-        with loader.row():
-            check_paired_row(row, where)  # an unpaired (KTO) row: named as such, not "missing 'chosen'"
-            if isinstance(row.get("prompt"), str):
-                prompt = [{"role": "user", "content": row["prompt"]}]
-            elif "prompt" in row:
-                prompt = _check_messages(row["prompt"], f"{where}: 'prompt'")
-            elif "messages" in row:
-                prompt = _check_messages(row["messages"], where)
-            else:
-                prompt = []
-            chosen = _preference_side(row, "chosen", prompt, where)
-            rejected = _preference_side(row, "rejected", prompt, where)
-            if chosen[:-1] != rejected[:-1]:
-                raise ConfigError(
-                    f"{where}: 'chosen' and 'rejected' differ before their final reply",
-                    hint="A pair compares two replies to one conversation: put the shared turns in 'prompt' or 'messages'.",
-                )
-            sides = []
-            for key, conversation in (("chosen", chosen), ("rejected", rejected)):
-                try:
-                    tokens, weights = render_chat(tokenizer, conversation, train_on="last_assistant")
-                except ValueError as exc:
-                    raise ConfigError(f"{where}: '{key}': {exc}") from None
-                sides.append((list(tokens), [float(w) for w in weights]))
-            longest = max(sides, key=lambda side: len(side[0]))
-            if len(longest[0]) > max_seq_len:
-                key = "chosen" if longest is sides[0] else "rejected"
-                if not loader.over(where, too_long(f"{where}: '{key}' is {len(longest[0])} tokens with its prompt, over max_seq_len {max_seq_len}",
-                                             len(longest[0]))):
-                    continue
-                sides = trunc.cut_replies(sides, max_seq_len)  # the prompt from the left, then the replies from the right
-                if not all(any(w > 0 for w in weights[1:]) for _, weights in sides):
-                    raise loader.nothing_left(where, max_seq_len)
-            chosen_ex, rejected_ex = (Example(tokens, weights, where) for tokens, weights in sides)
-            if chosen_ex.tokens == rejected_ex.tokens:
-                raise ConfigError(f"{where}: 'chosen' and 'rejected' are identical" + (" once cut to max_seq_len" if where in loader.cut else ""),
-                                  hint="A pair must prefer one reply over a different one.")
-            pairs.append(PreferencePair(chosen_ex, rejected_ex, where))
-    return loader.finish(pairs, "preference pairs")
+
+    def to_pair(where: str, row: dict) -> PreferencePair | None:
+        check_paired_row(row, where)  # an unpaired (KTO) row: named as such, not "missing 'chosen'"
+        if isinstance(row.get("prompt"), str):
+            prompt = [{"role": "user", "content": row["prompt"]}]
+        elif "prompt" in row:
+            prompt = _check_messages(row["prompt"], f"{where}: 'prompt'")
+        elif "messages" in row:
+            prompt = _check_messages(row["messages"], where)
+        else:
+            prompt = []
+        chosen = _preference_side(row, "chosen", prompt, where)
+        rejected = _preference_side(row, "rejected", prompt, where)
+        if chosen[:-1] != rejected[:-1]:
+            raise ConfigError(
+                f"{where}: 'chosen' and 'rejected' differ before their final reply",
+                hint="A pair compares two replies to one conversation: put the shared turns in 'prompt' or 'messages'.",
+            )
+        sides = []
+        for key, conversation in (("chosen", chosen), ("rejected", rejected)):
+            try:
+                tokens, weights = render_chat(tokenizer, conversation, train_on="last_assistant")
+            except ValueError as exc:
+                raise ConfigError(f"{where}: '{key}': {exc}") from None
+            sides.append((list(tokens), [float(w) for w in weights]))
+        longest = max(sides, key=lambda side: len(side[0]))
+        if len(longest[0]) > max_seq_len:
+            key = "chosen" if longest is sides[0] else "rejected"
+            if not loader.over(where, too_long(f"{where}: '{key}' is {len(longest[0])} tokens with its prompt, over max_seq_len {max_seq_len}",
+                                         len(longest[0]))):
+                return None
+            sides = trunc.cut_replies(sides, max_seq_len)  # the prompt from the left, then the replies from the right
+            if not all(any(w > 0 for w in weights[1:]) for _, weights in sides):
+                raise loader.nothing_left(where, max_seq_len)
+        chosen_ex, rejected_ex = (Example(tokens, weights, where) for tokens, weights in sides)
+        if chosen_ex.tokens == rejected_ex.tokens:
+            raise ConfigError(f"{where}: 'chosen' and 'rejected' are identical" + (" once cut to max_seq_len" if where in loader.cut else ""),
+                              hint="A pair must prefer one reply over a different one.")
+        return PreferencePair(chosen_ex, rejected_ex, where)
+
+    return loader.load(to_pair, "preference pairs")
 
 
 def reference_logprobs_field(token_logprobs: list[float | None]) -> list[float]:

@@ -142,14 +142,9 @@ def load_kto_examples(spec: Any, tokenizer: Any, *, max_seq_len: int, check_labe
     labels must occur (``check_labels``: off for `loops data check`, which renders row by row)."""
     from baseten_loops_cli.training.data.datums import RowLoader
 
-    examples = []
     loader = RowLoader(spec, "unpaired")
-    for where, row in loader.rows():
-        with loader.row():
-            example = render_kto_row(where, row, tokenizer, max_seq_len=max_seq_len, loader=loader)
-            if example is not None:
-                examples.append(example)
-    loader.finish(examples, "rows")
+    examples = loader.load(lambda where, row: render_kto_row(where, row, tokenizer, max_seq_len=max_seq_len, loader=loader),
+                           "rows")
     if check_labels:
         check_kto_labels((e.label for e in examples), spec)
     return examples

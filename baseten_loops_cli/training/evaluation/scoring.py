@@ -290,19 +290,12 @@ def file_sha256(path: Path) -> str:
         from baseten_loops_cli.training.data.formats.dataset import fingerprint
 
         return fingerprint(path)
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: data file not found", hint="Check the path.") from None
-    except IsADirectoryError:
-        from baseten_loops_cli.training.data.datums import JSONL_HINT
+    from baseten_loops_cli.training.data.formats.readers import open_data_file
 
-        raise ConfigError(f"{path}: a folder, not a JSONL file", hint="Name a file, not a folder: " + JSONL_HINT) from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    digest = hashlib.sha256()
+    with open_data_file(path, "JSONL") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
     return digest.hexdigest()
 
 

@@ -95,35 +95,28 @@ class RunDirBusy(Exception):
         self.pid = pid
 
 
+class _RunFile:
+    """A file of every run directory, by name: ``run.metrics_file`` is ``run.path / "metrics.jsonl"``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, run: "RunDir", owner: type | None = None) -> Path:
+        return run.path / self.name
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._lock_fd: int | None = None
 
     # ---------------------------------------------------------------- files
-    @property
-    def config_file(self) -> Path:
-        return self.path / "config.yaml"
-
-    @property
-    def state_file(self) -> Path:
-        return self.path / "state.json"
-
-    @property
-    def metrics_file(self) -> Path:
-        return self.path / "metrics.jsonl"
-
-    @property
-    def checkpoints_file(self) -> Path:
-        return self.path / "checkpoints.jsonl"
-
-    @property
-    def samples_file(self) -> Path:
-        return self.path / "samples.jsonl"
-
-    @property
-    def reference_file(self) -> Path:
-        return self.path / "reference_logprobs.jsonl"
+    config_file = _RunFile("config.yaml")
+    state_file = _RunFile("state.json")
+    metrics_file = _RunFile("metrics.jsonl")
+    checkpoints_file = _RunFile("checkpoints.jsonl")
+    samples_file = _RunFile("samples.jsonl")
+    reference_file = _RunFile("reference_logprobs.jsonl")
 
     def exists(self) -> bool:
         return self.state_file.exists()

@@ -85,13 +85,14 @@ class Kind:
     main_metric: str  # what the summary reports first/last of and plots by default
     metric_names: tuple[str, ...]  # the per-step numbers its records carry
     step_fields: tuple[StepField, ...]  # the progress line's kind-specific part
-    data_path_keys: tuple[tuple[str, str], ...]  # config keys naming data files (relative to the config)
     template: Callable[[], str]  # `loops train init --kind NAME`
     load_data: Callable[["LoadedConfig", Any], LoadedData]  # (loaded, tokenizer): every row checked
     estimate: Callable[[Any, LoadedData], Estimate]  # (config, data)
     hooks: type["StepHooks"]  # its part of the one training loop (training/loop/core.py), made with (session, data)
     eval_data_key: tuple[str, str] | None = None  # the config key of the default eval data (`eval:` and `loops eval --config`)
     train_data_key: tuple[str, str] = ("data", "train")  # the config key of the training rows (what from_train holds out of)
+    # config keys naming data files (relative to the config); default: train_data_key and eval_data_key
+    data_path_keys: tuple[tuple[str, str], ...] = ()
     eval_task: Callable[..., Any] | None = None  # (loaded, data, *, limit, seed, samples, k) -> evaluation.EvalTask
     code_keys: tuple[tuple[str, ...], ...] = ()  # keys whose value may be path/to/file.py:function (RL: reward)
     reward_key: str | None = None  # the key of its reward(s) (RL, distill: reward): judges are checked before provisioning
@@ -104,6 +105,11 @@ class Kind:
     render_rows: Callable[..., list[list[Any]]] | None = None  # (spec, tokenizer, *, max_seq_len, train_on) -> each row's sequences (.tokens, .weights)
     reward_test: Callable[..., list[dict]] | None = None  # (loaded, data, new_sampler, rows, serving=): `loops reward test`
     title: str = ""  # how plans name it (default: NAME in capitals)
+
+    def __post_init__(self) -> None:
+        if not self.data_path_keys:
+            keys = tuple(key for key in (self.train_data_key, self.eval_data_key) if key is not None)
+            object.__setattr__(self, "data_path_keys", keys)
 
     @property
     def display_name(self) -> str:

@@ -26,24 +26,17 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from baseten_loops_cli.training.config import CommonConfig, RewardConfig, SamplingConfig, Section
+from baseten_loops_cli.training.config import CommonConfig, PromptsData, RewardConfig, SamplingConfig, Section
 from baseten_loops_cli.training.data.datums import Prompt, rl_datum
-from baseten_loops_cli.training.data.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.loop.core import Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
 from baseten_loops_cli.training.session import TrainingSession
-from baseten_loops_cli.training.templates import COMMON
+from baseten_loops_cli.training.templates import COMMON, GROUPS
 from baseten_loops_cli.training.rewards.teacher import (
     Endpoint, ServedModel, TeacherScores, ascore_with_sampler, check_same_tokenizer, is_checkpoint_ref,
 )  # fmt: skip
 
 LOSS = "importance_sampling"
-
-
-class DistillData(Section, FormatOptions):
-    prompts: Sources
-    eval_prompts: EvalSources | None = None
-    shuffle: bool = True
 
 
 class TeacherConfig(Section):
@@ -70,7 +63,7 @@ class TeacherConfig(Section):
 class DistillConfig(CommonConfig):
     SECTIONS = CommonConfig.SECTIONS + ("sampling",)
     kind: Literal["distill"]
-    data: DistillData
+    data: PromptsData
     teacher: TeacherConfig
     group_size: int = Field(4, ge=1)
     groups_per_batch: int = Field(8, ge=1)
@@ -361,11 +354,7 @@ TEMPLATE = """\
 # loops on-policy distillation config: the student samples, the teacher scores every token.
 # Check it with `loops train validate FILE`.
 kind: distill
-""" + COMMON + """
-batch_size: 8                   # unused by distill; groups_per_batch sets the batch
-group_size: 4                   # completions sampled per prompt
-groups_per_batch: 8             # prompts per step
-
+""" + COMMON + GROUPS + """
 data:
   prompts: data/prompts.jsonl   # JSONL: {{"prompt": "..."}} (or "messages"; "answer" for a reward)
   # eval_prompts: data/eval_prompts.jsonl   # teacher agreement on held-out prompts
@@ -397,7 +386,6 @@ KIND = Kind(
         StepField("reward", "reward", ".3f", optional=True),
         StepField("eval_teacher_agreement", "agree", ".0%", optional=True),
     ),
-    data_path_keys=(("data", "prompts"), ("data", "eval_prompts")),
     train_data_key=("data", "prompts"),
     eval_data_key=("data", "eval_prompts"),
     row_purpose="prompts",

@@ -26,9 +26,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from baseten_loops_cli.training.losses import preference_losses as pl
-from baseten_loops_cli.training.config import CommonConfig, Section, config_error
+from baseten_loops_cli.training.config import CommonConfig, TrainData, config_error
 from baseten_loops_cli.training.data.datums import PreferencePair, batches_for_step
-from baseten_loops_cli.training.data.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.loop.core import CustomLoss, ProtocolLoss, StepWork, Waiter, total_steps
 from baseten_loops_cli.training.loop.preference import (
@@ -45,15 +44,9 @@ TIE_NATS = pl.TIE_NATS
 __all__ = ["KIND", "DPOConfig", "DPOSteps", "evaluate", "preference_metrics", "rows_to_train", "sequence_key"]
 
 
-class DPOData(Section, FormatOptions):
-    train: Sources
-    eval: EvalSources | None = None
-    shuffle: bool = True
-
-
 class DPOConfig(CommonConfig):
     kind: Literal["dpo"]
-    data: DPOData
+    data: TrainData
     # `loss` comes before its parameters: their validators read it (a bad loss: they are skipped).
     loss: str = Field("dpo", description="dpo | ipo | simpo | orpo (training/losses/preference_losses.py).")
     beta: float | None = Field(None, description="dpo, ipo: how far the policy may move from the reference (default 0.1); simpo: the reward scale (default 2.0).")
@@ -312,7 +305,6 @@ KIND = Kind(
         StepField("eval_loss", "eval_loss", optional=True),
         StepField("eval_preference_accuracy", "eval_pref_acc", ".0%", optional=True),
     ),
-    data_path_keys=(("data", "train"), ("data", "eval")),
     template=lambda: TEMPLATE.format(name="my-dpo", lr="5.0e-5", schedule="linear"),
     load_data=load_data,
     estimate=estimate,

@@ -25,9 +25,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from baseten_loops_cli.training.losses import preference_losses as pl
-from baseten_loops_cli.training.config import CommonConfig, Section, config_error
+from baseten_loops_cli.training.config import CommonConfig, TrainData, config_error
 from baseten_loops_cli.training.data.datums import Example, batches_for_step
-from baseten_loops_cli.training.data.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.loop.core import CustomLoss, StepWork, Waiter, total_steps
 from baseten_loops_cli.training.loop.preference import (
@@ -39,15 +38,9 @@ from baseten_loops_cli.training.templates import COMMON
 __all__ = ["KIND", "KTOConfig", "KTOItem", "KTOSteps", "read_examples"]
 
 
-class KTOData(Section, FormatOptions):
-    train: Sources
-    eval: EvalSources | None = None
-    shuffle: bool = True
-
-
 class KTOConfig(CommonConfig):
     kind: Literal["kto"]
-    data: KTOData
+    data: TrainData
     loss: str = Field("kto", description="Always kto (the paired losses are kind: dpo's).")
     beta: float | None = Field(None, description="How far the policy may move from the reference (default 0.1).")
     desirable_weight: float | None = Field(None, description="lambda_D: the weight of desirable (label true) rows (default 1.0).")
@@ -251,7 +244,6 @@ KIND = Kind(
         StepField("eval_loss", "eval_loss", optional=True),
         StepField("eval_reward_margin", "eval_margin", ".3f", optional=True),
     ),
-    data_path_keys=(("data", "train"), ("data", "eval")),
     template=lambda: TEMPLATE.format(name="my-kto", lr="5.0e-5", schedule="linear"),
     load_data=load_data,
     estimate=estimate,

@@ -9,20 +9,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-from baseten_loops_cli.training.config import CommonConfig, Section
+from baseten_loops_cli.training.config import CommonConfig, TrainData
 from baseten_loops_cli.training.data.datums import Example, batches_for_step, sft_datum, weighted_nll
-from baseten_loops_cli.training.data.formats.spec import EvalSources, FormatOptions, Sources
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.loop.core import ProtocolLoss, StepHooks, StepWork, Waiter, total_steps
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
 
 
-class SFTData(Section, FormatOptions):
-    train: Sources
-    eval: EvalSources | None = None
+class SFTData(TrainData):
     train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
-    shuffle: bool = True
 
 
 class SFTConfig(CommonConfig):
@@ -134,7 +130,6 @@ KIND = Kind(
     main_metric="loss",
     metric_names=("loss", "trained_tokens", "eval_loss"),
     step_fields=(StepField("loss", "loss"), StepField("eval_loss", "eval_loss", optional=True)),
-    data_path_keys=(("data", "train"), ("data", "eval")),
     template=lambda: TEMPLATE.format(name="my-sft", lr="2.0e-4", schedule="linear"),
     load_data=load_data,
     estimate=estimate,

@@ -23,7 +23,9 @@ EXTRA_HINT = "Install the data extra: pip install 'baseten-loops-cli[data]'."
 Rows = Iterator[tuple[str, dict]]
 
 
-def _open(path: Path, what: str):
+def open_data_file(path: Path, what: str):
+    """``path`` opened for reading (binary); a missing file, a folder or an unreadable file is a
+    one-line ConfigError naming it (``what``: the format expected, for the folder's hint)."""
     try:
         return path.open("rb")
     except FileNotFoundError:
@@ -36,7 +38,7 @@ def _open(path: Path, what: str):
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     """Yield (line number, row) for each non-blank line; a bad line is an error naming it."""
-    with _open(path, "JSONL") as handle:
+    with open_data_file(path, "JSONL") as handle:
         for lineno, raw in enumerate(handle, start=1):
             try:
                 line = raw.decode("utf-8")
@@ -58,7 +60,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def _read_text(path: Path, what: str) -> str:
-    with _open(path, what) as handle:
+    with open_data_file(path, what) as handle:
         data = handle.read()
     try:
         return data.decode("utf-8-sig")

@@ -325,6 +325,31 @@ def _unpaired_row(r: _Row) -> dict:
     return r.tools(out)
 
 
+def _preference_row(r: _Row, row: dict, purpose: str) -> dict:
+    """A ``preference`` row (chosen + rejected, with or without a prompt) as the internal row of
+    ``purpose``: a pair, or kind rl's prompt (the chosen reply as its reference)."""
+    if purpose == "sft":
+        raise _wrong_purpose(r, purpose)
+    chosen, rejected = r.reply("chosen"), r.reply("rejected")
+    if "prompt" in row:
+        out = {"prompt": r.reply("prompt"), "chosen": chosen, "rejected": rejected}
+    elif "messages" in row:
+        out = {"messages": r.messages("messages"), "chosen": chosen, "rejected": rejected}
+    else:  # implicit prompt: what both sides share
+        if type(chosen) is not type(rejected):
+            raise r.error("'chosen' and 'rejected' must both be strings or both be message lists")
+        n = _shared_prefix(chosen, rejected)
+        out = {"chosen": chosen[n:], "rejected": rejected[n:]}
+        if n:
+            out["prompt"] = chosen[:n]
+    if purpose == "prompts":
+        prompt = out.get("prompt", out.get("messages"))
+        if not prompt:
+            raise r.error("a preference pair without a prompt (and nothing shared by chosen and rejected) has no prompt for kind rl")
+        return _prompt_row(r, prompt, out["chosen"])
+    return r.tools(out)
+
+
 def convert(where: str, row: dict, fmt: str, purpose: str, mapped: dict[str, str] | None = None) -> dict:
     """One row of format ``fmt`` as the internal row of ``purpose``."""
     r = _Row(where, row, fmt, mapped)
@@ -361,26 +386,7 @@ def convert(where: str, row: dict, fmt: str, purpose: str, mapped: dict[str, str
             raise _wrong_purpose(r, purpose)
         return r.tools({"messages": prompt + [{"role": "assistant", "content": r.text("output")}]})
     if fmt == "preference":
-        if purpose == "sft":
-            raise _wrong_purpose(r, purpose)
-        chosen, rejected = r.reply("chosen"), r.reply("rejected")
-        if "prompt" in row:
-            out = {"prompt": r.reply("prompt"), "chosen": chosen, "rejected": rejected}
-        elif "messages" in row:
-            out = {"messages": r.messages("messages"), "chosen": chosen, "rejected": rejected}
-        else:  # implicit prompt: what both sides share
-            if type(chosen) is not type(rejected):
-                raise r.error("'chosen' and 'rejected' must both be strings or both be message lists")
-            n = _shared_prefix(chosen, rejected)
-            out = {"chosen": chosen[n:], "rejected": rejected[n:]}
-            if n:
-                out["prompt"] = chosen[:n]
-        if purpose == "prompts":
-            prompt = out.get("prompt", out.get("messages"))
-            if not prompt:
-                raise r.error("a preference pair without a prompt (and nothing shared by chosen and rejected) has no prompt for kind rl")
-            return _prompt_row(r, prompt, out["chosen"])
-        return r.tools(out)
+        return _preference_row(r, row, purpose)
     if fmt == "prompt_completion":
         prompt, completion = r.reply("prompt"), r.reply("completion")
         if purpose == "prompts":
