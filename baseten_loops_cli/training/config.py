@@ -10,7 +10,9 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Generic, Literal, Mapping
+
+from typing_extensions import TypeVar  # a TypeVar default (PEP 696): typing has it from 3.13
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -307,10 +309,16 @@ class CommonConfig(Section):
         return data
 
 
-class LoadedConfig:
+# The config model of one kind (kinds/NAME.py's NAMEConfig): what LoadedConfig, TrainingSession
+# and StepHooks carry, so a kind's hooks read their own keys with their types (covariant: they only
+# read it, so a TrainingSession[RLConfig] is a TrainingSession).
+ConfigT = TypeVar("ConfigT", bound=CommonConfig, default=CommonConfig, covariant=True)
+
+
+class LoadedConfig(Generic[ConfigT]):
     """A validated config plus where it came from (paths in it are relative to its folder)."""
 
-    def __init__(self, config: CommonConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
+    def __init__(self, config: ConfigT, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
                  overrides: dict[tuple, str] | None = None):
         self.config = config
         self.path = path

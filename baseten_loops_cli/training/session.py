@@ -12,10 +12,10 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Generic
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.config import CommonConfig, LoadedConfig
+from baseten_loops_cli.training.config import CommonConfig, ConfigT, LoadedConfig
 from baseten_loops_cli.training.experiments.rundir import RunDir
 
 
@@ -69,10 +69,10 @@ class StopRequested:
 
 
 @dataclass
-class TrainingSession:
+class TrainingSession(Generic[ConfigT]):
     """A connected run: control-plane client, trainer, sampler, and where to resume from."""
 
-    loaded: LoadedConfig
+    loaded: LoadedConfig[ConfigT]
     rundir: RunDir
     client: Any  # api.client.LoopsClient
     api_key: str
@@ -84,7 +84,7 @@ class TrainingSession:
     _model_samplers: dict = field(default_factory=dict, repr=False)  # base model -> standalone sampler
 
     @property
-    def config(self) -> CommonConfig:
+    def config(self) -> ConfigT:
         return self.loaded.config
 
     @property

@@ -88,7 +88,7 @@ class Kind:
     template: Callable[[], str]  # `loops train init --kind NAME`
     load_data: Callable[["LoadedConfig", Any], LoadedData]  # (loaded, tokenizer): every row checked
     estimate: Callable[[Any, LoadedData], Estimate]  # (config, data)
-    hooks: type["StepHooks"]  # its part of the one training loop (training/loop/core.py), made with (session, data)
+    hooks: type["StepHooks[Any]"]  # each kind its own config model; its part of the one training loop (training/loop/core.py), made with (session, data)
     eval_data_key: tuple[str, str] | None = None  # the config key of the default eval data (`eval:` and `loops eval --config`)
     train_data_key: tuple[str, str] = ("data", "train")  # the config key of the training rows (what from_train holds out of)
     # config keys naming data files (relative to the config); default: train_data_key and eval_data_key

@@ -167,21 +167,27 @@ class Teacher:
     """Scores sequences for one run: opened once (a checkpoint's sampler may be started for it),
     closed at the end (a sampler it started is deactivated)."""
 
-    def __init__(self, session: TrainingSession):
+    def __init__(self, session: TrainingSession[DistillConfig]):
         self.session = session
         spec = session.config.teacher
-        self.endpoint = Endpoint(spec.url, spec.model, spec.api_key_env) if spec.url else None
-        self._served = ServedModel(session, spec.model) if self.endpoint is None else None
+        self.endpoint: Endpoint | None = None
+        self._served: ServedModel | None = None
+        if spec.url:
+            self.endpoint = Endpoint(spec.url, spec.model, spec.api_key_env)
+        else:
+            assert spec.model, "TeacherConfig._one_teacher: without a url, a model"
+            self._served = ServedModel(session, spec.model)
         self._model_name: str | None = None
 
     def clients(self) -> tuple[Any, Any]:
         """(client, pin) for one event loop."""
-        if self.endpoint is not None:
-            client = self.endpoint._client()
-            if self._model_name is None:
-                self._model_name = self.endpoint.model_name(client)
-            return client, None
-        return self._served.client()
+        if self._served is not None:
+            return self._served.client()
+        assert self.endpoint is not None  # __init__ opens one or the other
+        client = self.endpoint._client()
+        if self._model_name is None:
+            self._model_name = self.endpoint.model_name(client)
+        return client, None
 
     async def ascore(self, client: Any, pin: str | None, tokens: list[int], prompt_len: int) -> TeacherScores:
         if self.endpoint is not None:
@@ -214,9 +220,11 @@ def advantages(rollout: Rollout, kl_coef: float, reward_term: float = 0.0) -> li
 def datums_of(groups: list[list[Rollout]], config) -> tuple[list[dict], list[float]]:
     """The importance_sampling datums of a batch, and every token's reverse KL estimate
     (logp_student - logp_teacher)."""
-    datums, kl_terms = [], []
+    datums: list[dict] = []
+    kl_terms: list[float] = []
     for group in groups:
-        mean = statistics.fmean(r.reward for r in group) if group and group[0].reward is not None else 0.0
+        rewards = [r.reward for r in group if r.reward is not None]  # all or none: one reward scores the group
+        mean = statistics.fmean(rewards) if rewards else 0.0
         for r in group:
             if not r.tokens or r.teacher is None or len(r.logprobs) != len(r.tokens):
                 continue
@@ -226,7 +234,7 @@ def datums_of(groups: list[list[Rollout]], config) -> tuple[list[dict], list[flo
     return datums, kl_terms
 
 
-def sample_and_score(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward: tuple[str, Any] | None,
+def sample_and_score(session: TrainingSession[DistillConfig], teacher: Teacher, tokenizer: Any, reward: tuple[str, Any] | None,
                      prompts: list[Prompt], *, n: int, sampling: Any, seed: int, version: int | None) -> list[list[Rollout]]:
     """Sample ``n`` completions per prompt (all in flight), then have the teacher score each."""
     from baseten_loops_cli.training.rewards.builtins import completion_text, score
@@ -266,15 +274,15 @@ def sample_and_score(session: TrainingSession, teacher: Teacher, tokenizer: Any,
     return asyncio.run(gather())
 
 
-def evaluate(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward, prompts: list[Prompt], config,
+def evaluate(session: TrainingSession[DistillConfig], teacher: Teacher, tokenizer: Any, reward, prompts: list[Prompt], config,
              version: int | None) -> dict:
     """The student's greedy answers to the eval prompts, scored by the teacher."""
     greedy = config.sampling.model_copy(update={"temperature": 0.0})
     groups = sample_and_score(session, teacher, tokenizer, reward, prompts, n=1, sampling=greedy,
                               seed=config.seed + 7, version=version)  # fmt: skip
-    rollouts = [r for g in groups for r in g if r.teacher is not None]
-    kl = [s - t for r in rollouts for s, t in zip(r.logprobs, r.teacher.logprobs)]
-    agree = [a for r in rollouts if r.teacher.agrees is not None for a in r.teacher.agrees]
+    scored = [(r, r.teacher) for g in groups for r in g if r.teacher is not None]
+    kl = [s - t for r, teacher in scored for s, t in zip(r.logprobs, teacher.logprobs)]
+    agree = [a for _, teacher in scored if teacher.agrees is not None for a in teacher.agrees]
     out = {"eval_reverse_kl": statistics.fmean(kl) if kl else float("nan"),
            "eval_teacher_agreement": statistics.fmean(agree) if agree else float("nan")}
     rewards = [r.reward for g in groups for r in g if r.reward is not None]
@@ -284,7 +292,7 @@ def evaluate(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward,
     return out
 
 
-class DistillSteps(StepHooks):
+class DistillSteps(StepHooks[DistillConfig]):
     """Per step: the student samples ``group_size`` completions of each prompt with its current
     weights, the teacher scores every token, and the datums carry the per-token advantage."""
 

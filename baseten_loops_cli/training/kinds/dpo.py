@@ -28,10 +28,10 @@ from pydantic import Field, ValidationInfo, field_validator
 from baseten_loops_cli.training.losses import preference_losses as pl
 from baseten_loops_cli.training.config import CommonConfig, TrainData, config_error
 from baseten_loops_cli.training.data.datums import PreferencePair, batches_for_step
-from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
+from baseten_loops_cli.training.kinds import Estimate, LoadedData, StepField
 from baseten_loops_cli.training.loop.core import CustomLoss, ProtocolLoss, StepWork, Waiter, total_steps
 from baseten_loops_cli.training.loop.preference import (
-    PreferenceSteps, check_reference, param_error, reference_value, rows_to_train, sequence_datum, sequence_key,
+    PreferenceSteps, preference_kind, param_error, param_key, reference_value, rows_to_train, sequence_datum, sequence_key,
 )  # fmt: skip
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
@@ -75,7 +75,7 @@ class DPOConfig(CommonConfig):
         loss = info.data.get("loss")
         if value is None or loss is None:
             return value
-        error = param_error(loss, "lambda" if info.field_name == "lambda_" else info.field_name, value)
+        error = param_error(loss, param_key(info), value)
         if error is not None:
             raise error
         return value
@@ -199,13 +199,13 @@ def preference_metrics(datums: list[dict], outputs: list[dict], beta: float, lab
     }
 
 
-def evaluate(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> dict:
+def evaluate(session: TrainingSession[DPOConfig], pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> dict:
     """The eval split's metrics under the current policy (``forward``: no gradient), prefixed
     ``eval_``."""
     return submit_eval(session, pairs, scores)()
 
 
-def submit_eval(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> Waiter:
+def submit_eval(session: TrainingSession[DPOConfig], pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> Waiter:
     """Submit :func:`evaluate`'s ``forward`` passes now; the returned function waits for them
     (a pipelined loop submits them right behind a step's ``optim_step``). ``loss: dpo`` scores
     with the protocol's ``dpo`` loss, the others with the custom-loss path's ``/forward``
@@ -238,9 +238,12 @@ def submit_eval(session: TrainingSession, pairs: list[PreferencePair], scores: d
 
 
 # ------------------------------------------------------------------ the kind's part of the loop
-class DPOSteps(PreferenceSteps):
+class DPOSteps(PreferenceSteps[DPOConfig]):
     """Per step: the batch's pairs as interleaved (chosen, rejected) datums, trained with the
     protocol's ``dpo`` loss or on the custom-loss path (every other paired loss)."""
+
+    def reference(self) -> str | None:
+        return self.config.reference if self.config.needs_reference else None
 
     def sequences(self, row: PreferencePair) -> list:
         return [row.chosen, row.rejected]
@@ -289,11 +292,10 @@ loss: dpo                       # dpo | ipo (noisy labels) | simpo | orpo (both 
 reference: base                 # dpo, ipo: base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
 """
 
-KIND = Kind(
+KIND = preference_kind(
     name="dpo",
     config_model=DPOConfig,
     noun="pairs",
-    main_metric="loss",
     metric_names=("loss", "reward_margin", "preference_accuracy", "chosen_reward", "rejected_reward", "pairs",
                   "nll_loss", "log_odds_ratio",  # orpo
                   "eval_loss", "eval_reward_margin", "eval_preference_accuracy", "eval_chosen_reward",
@@ -309,10 +311,6 @@ KIND = Kind(
     load_data=load_data,
     estimate=estimate,
     hooks=DPOSteps,
-    eval_data_key=("data", "eval"),
-    eval_task=None,  # pairs are not rows `loops eval` scores (no `eval:` block)
-    capabilities_use_case="rl",  # the capabilities API knows sft and rl; DPO needs a sampler as RL does
-    check=check_reference,
     row_purpose="preference",
     row_formats=("preference",),
     row_sides=("chosen", "rejected"),

@@ -27,10 +27,10 @@ from pydantic import Field, ValidationInfo, field_validator
 from baseten_loops_cli.training.losses import preference_losses as pl
 from baseten_loops_cli.training.config import CommonConfig, TrainData, config_error
 from baseten_loops_cli.training.data.datums import Example, batches_for_step
-from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
+from baseten_loops_cli.training.kinds import Estimate, LoadedData, StepField
 from baseten_loops_cli.training.loop.core import CustomLoss, StepWork, Waiter, total_steps
 from baseten_loops_cli.training.loop.preference import (
-    PreferenceSteps, check_reference, param_error, reference_value, rows_to_train, sequence_datum,
+    PreferenceSteps, preference_kind, param_error, param_key, reference_value, rows_to_train, sequence_datum,
 )  # fmt: skip
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
@@ -67,8 +67,7 @@ class KTOConfig(CommonConfig):
     @field_validator("beta", "desirable_weight", "undesirable_weight", "label_smoothing", "gamma", "lambda_")
     @classmethod
     def _loss_parameter(cls, value: float | None, info: ValidationInfo) -> float | None:
-        key = "lambda" if info.field_name == "lambda_" else info.field_name
-        error = param_error("kto", key, value) if value is not None else None
+        error = param_error("kto", param_key(info), value) if value is not None else None
         if error is not None:
             raise error
         return value
@@ -160,7 +159,7 @@ def _datums(items: list[KTOItem], scores: dict[str, list[float]] | None) -> tupl
             [item.label for item in items])
 
 
-def submit_eval(session: TrainingSession, items: list[KTOItem], scores: dict[str, list[float]] | None) -> Waiter:
+def submit_eval(session: TrainingSession[KTOConfig], items: list[KTOItem], scores: dict[str, list[float]] | None) -> Waiter:
     """Submit the eval split's ``/forward`` passes (examples and KL sequences) now; the returned
     function waits for them and gives the KTO metrics of the whole split, prefixed ``eval_``."""
     config = session.config
@@ -184,9 +183,12 @@ def submit_eval(session: TrainingSession, items: list[KTOItem], scores: dict[str
     return metrics
 
 
-class KTOSteps(PreferenceSteps):
+class KTOSteps(PreferenceSteps[KTOConfig]):
     """Per step, the custom-loss path: the batch's examples trained, their KL sequences scored
     in the same ``/forward`` (no gradient through ``z0``)."""
+
+    def reference(self) -> str | None:
+        return self.config.reference if self.config.needs_reference else None
 
     def sequences(self, row: KTOItem) -> list:
         return [row.example, row.kl]
@@ -229,11 +231,10 @@ undesirable_weight: 1.0         #   in [1, 4/3] (the KTO paper; the plan notes i
 reference: base                 # base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
 """
 
-KIND = Kind(
+KIND = preference_kind(
     name="kto",
     config_model=KTOConfig,
     noun="examples",
-    main_metric="loss",
     metric_names=("loss", "reward_margin", "desirable_reward", "undesirable_reward", "kl_estimate", "examples",
                   "desirable", "eval_loss", "eval_reward_margin", "eval_desirable_reward", "eval_undesirable_reward",
                   "eval_kl_estimate"),
@@ -248,10 +249,6 @@ KIND = Kind(
     load_data=load_data,
     estimate=estimate,
     hooks=KTOSteps,
-    eval_data_key=("data", "eval"),
-    eval_task=None,  # labelled completions are not rows `loops eval` scores (no `eval:` block)
-    capabilities_use_case="rl",  # needs a sampler (the reference) as DPO does
-    check=check_reference,
     row_purpose="unpaired",
     row_formats=("unpaired_preference",),
     render_rows=render_rows,

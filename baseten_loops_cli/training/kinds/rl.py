@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import statistics
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.losses import rl_algorithms as algos
-from baseten_loops_cli.training.config import CommonConfig, LossConfig, PromptsData, RewardConfig, SamplingConfig
+from baseten_loops_cli.training.config import CommonConfig, LoadedConfig, LossConfig, PromptsData, RewardConfig, SamplingConfig
 from baseten_loops_cli.training.data.datums import Prompt, rl_datum
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
 from baseten_loops_cli.training.kinds.rl_rollouts import Batch, Rollout, Rollouts
@@ -58,7 +59,7 @@ class RLConfig(CommonConfig):
     pass_threshold: float = Field(1.0, description="A rollout passes when its reward is at least this.")
     # The RL algorithm's pieces (training/losses/rl_algorithms.py, docs/rl-algorithms.md); `algorithm:`
     # is a preset that fills them in under the keys the config sets itself (_expand_algorithm).
-    algorithm: Literal[algos.ALGORITHMS] | None = Field(None, description="A preset: " + ", ".join(algos.ALGORITHMS) + ".")
+    algorithm: algos.AlgorithmName | None = Field(None, description="A preset: " + ", ".join(algos.ALGORITHMS) + ".")
     advantage: algos.AdvantageConfig = Field(default_factory=algos.AdvantageConfig)
     overlong: algos.OverlongConfig | None = Field(None, description="DAPO's soft overlong reward shaping (off unless set).")
     dynamic_sampling: algos.DynamicSamplingConfig | None = Field(
@@ -392,7 +393,7 @@ class AheadSampler:
         return box["batch"]
 
 
-class RLSteps(StepHooks):
+class RLSteps(StepHooks["RLConfig"]):
     """RL's part of the loop. Per step: gather the batch's rollouts (:meth:`gather`, through the
     off-policy window), turn them into datums with their advantages (:meth:`advantages`), and
     train them with the config's loss (:meth:`loss`). An RL algorithm (GSPO, DAPO, RLOO, ...)
@@ -449,7 +450,7 @@ class RLSteps(StepHooks):
         bounds as thresholds), or GSPO as a custom loss over the sampler's logprobs."""
         loss = self.config.loss
         if loss.name == "gspo":
-            data, compute = algos.gspo_custom_loss(datums, *algos.clip_bounds(loss))
+            data, compute = algos.gspo_custom_loss(datums, *algos.ratio_bounds(loss))
             return data, CustomLoss(compute, ref_key="logprobs")
         return datums, ProtocolLoss(*algos.protocol_loss(loss))
 
@@ -505,18 +506,33 @@ class RLSteps(StepHooks):
             judges.close()
 
 
-def reward_test(loaded, data: LoadedData, new_sampler, rows: int, serving: Any = None) -> list[dict]:
+@dataclass
+class _BaseModelRun:
+    """A run as :class:`Rollouts` sees it, for `loops reward test`: the config and the base
+    model's sampler, which samples the replies (there is no policy yet) and is the base too."""
+
+    loaded: LoadedConfig[RLConfig]
+    new_sampler: Callable[[], Any]
+
+    @property
+    def config(self) -> RLConfig:
+        return self.loaded.config
+
+    def new_sampler_client(self) -> Any:
+        return self.new_sampler()
+
+    def new_base_sampler_client(self) -> Any:
+        return self.new_sampler()
+
+
+def reward_test(loaded: LoadedConfig[RLConfig], data: LoadedData, new_sampler, rows: int, serving: Any = None) -> list[dict]:
     """`loops reward test`: one reply (or episode) per row for the first ``rows`` rows, sampled
     from the base model, scored as training scores them (isolated); their samples.jsonl records.
     ``serving`` (client, api_key, new_model_sampler_client) serves a checkpoint or base model judge."""
-    from types import SimpleNamespace
-
     from baseten_loops_cli.training.rewards.judge import JudgeMeter
 
     config = loaded.config
-    shim = SimpleNamespace(config=config, loaded=loaded, new_sampler_client=new_sampler,
-                           new_base_sampler_client=new_sampler)  # fmt: skip
-    rollouts = Rollouts(shim, data.tokenizer, data.reward)
+    rollouts = Rollouts(_BaseModelRun(loaded, new_sampler), data.tokenizer, data.reward)
     rollouts.kl = False
     judges = JudgeMeter([fn for _, fn, _ in data.reward or []], serving) if serving is not None else None
     try:

@@ -9,13 +9,32 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from baseten_loops_cli.training.config import RewardConfig
 from baseten_loops_cli.training.data.datums import Prompt
 from baseten_loops_cli.training.rewards.builtins import completion_text
-from baseten_loops_cli.training.session import TrainingSession
 
-__all__ = ["Batch", "Rollout", "Rollouts"]
+if TYPE_CHECKING:
+    from baseten_loops_cli.training.config import LoadedConfig
+    from baseten_loops_cli.training.kinds.rl import RLConfig
+
+__all__ = ["Batch", "Rollout", "RolloutSession", "Rollouts"]
+
+
+class RolloutSession(Protocol):
+    """What :class:`Rollouts` uses of a run: its config and the samplers of the policy and the
+    base model (a TrainingSession; `loops reward test` passes the base model's sampler for both)."""
+
+    @property
+    def config(self) -> "RLConfig": ...
+
+    @property
+    def loaded(self) -> "LoadedConfig[RLConfig]": ...
+
+    def new_sampler_client(self) -> Any: ...
+
+    def new_base_sampler_client(self) -> Any: ...
 
 
 @dataclass
@@ -72,7 +91,7 @@ class Batch:
 class Rollouts:
     """Samples groups through the sampler (async, all requests in flight) and scores them."""
 
-    def __init__(self, session: TrainingSession, tokenizer: Any, rewards: list[tuple[str, Any, float]] | None):
+    def __init__(self, session: RolloutSession, tokenizer: Any, rewards: list[tuple[str, Any, float]] | None):
         from baseten_loops_cli.training.rewards.envs import load_env
 
         config = session.config
@@ -81,7 +100,7 @@ class Rollouts:
         self.rewards = rewards or []
         self.reward_fn = self.rewards or None  # truthy when the config has a reward
         self.listed = isinstance(config.reward, list)
-        self.reward_name = config.reward.fn if config.reward is not None and not self.listed else None
+        self.reward_name = config.reward.fn if isinstance(config.reward, RewardConfig) else None
         self.kl = config.kl_penalty_coef > 0
         self.env_cls = load_env(config.env, session.loaded.base_dir) if config.env else None
         self.timeout_s, self.workers = config.reward_timeout_s, config.reward_workers
@@ -126,15 +145,16 @@ class Rollouts:
             return [checked(what, v) for v in values]
 
         per_reward = await asyncio.gather(*(each(label, fn) for label, fn, _ in self.rewards))
-        out = []
+        out: list[tuple[float, str | None, str | None, dict | None]] = []
         for i in range(len(texts)):
             results = [values[i] for values in per_reward]
             failed = next(((error, trace) for _, error, trace in results if error is not None), None)
             if failed is not None:
                 out.append((0.0, failed[0], failed[1], None))
                 continue
-            total = sum(weight * value for (_, _, weight), (value, _, _) in zip(self.rewards, results))
-            components = {label: value for (label, _, _), (value, _, _) in zip(self.rewards, results)} if self.listed else None
+            scores = [value for value, _, _ in results if value is not None]  # no error: every one a number
+            total = sum(weight * value for (_, _, weight), value in zip(self.rewards, scores))
+            components = {label: value for (label, _, _), value in zip(self.rewards, scores)} if self.listed else None
             out.append((total, None, None, components))
         return out
 

@@ -85,7 +85,7 @@ def submit_eval(session: TrainingSession, eval_examples: list[Example], batch_si
     return mean_nll
 
 
-class SFTSteps(StepHooks):
+class SFTSteps(StepHooks[SFTConfig]):
     """Per step: the batch's examples as cross-entropy datums; ``eval_loss`` on ``data.eval``."""
 
     def step(self, step: int, rows: list[int], version: int) -> StepWork:

@@ -23,8 +23,9 @@ Ctrl-C then stops after the step in flight without another starting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Generic, Union
 
+from baseten_loops_cli.training.config import ConfigT
 from baseten_loops_cli.training.loop.pipeline import StepClock, StepPipeline, step_record
 from baseten_loops_cli.training.session import (
     StopRequested, TrainingSession, adam_params, learning_rate, save_checkpoint, save_if_stopped, submit_checkpoint,
@@ -94,7 +95,7 @@ class StepWork:
     tokens: int | None = None
 
 
-class StepHooks:
+class StepHooks(Generic[ConfigT]):
     """A kind's part of the loop. Subclass it and override what the kind does; the defaults
     are a supervised kind's (``batch_size`` rows a step, ``epochs``, no eval)."""
 
@@ -102,10 +103,10 @@ class StepHooks:
     on_policy = False  # samples with its own weights: publish them after every step (no submit-ahead)
     baseline_eval = False  # an eval record at step 0, before training (the "before" of before/after)
 
-    def __init__(self, session: TrainingSession, data: "LoadedData") -> None:
+    def __init__(self, session: TrainingSession[ConfigT], data: "LoadedData") -> None:
         self.session = session
         self.data = data
-        self.config: Any = session.config
+        self.config: ConfigT = session.config  # the kind's own config model
 
     # ---- accounting
     def rows_per_step(self) -> int:

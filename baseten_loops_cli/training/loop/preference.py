@@ -17,14 +17,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationInfo
 
 from baseten_loops_cli.errors import ConfigError, LoopsError
 from baseten_loops_cli.training.losses import preference_losses as pl
-from baseten_loops_cli.training.config import config_error
+from baseten_loops_cli.training.config import ConfigT, config_error
 from baseten_loops_cli.training.data.datums import batches_for_step, dpo_datum, reference_logprobs_field
 from baseten_loops_cli.training.loop.core import Loop, StepHooks, total_steps
 from baseten_loops_cli.training.session import StopRequested, TrainingSession
+
+if TYPE_CHECKING:
+    from baseten_loops_cli.training.kinds import Kind
 
 REFERENCE_CHECKPOINT = "dpo-reference"
 _SCORES_IN_FLIGHT = 32  # reference-scoring requests at once (a local sampler batches them)
@@ -46,6 +51,12 @@ def reference_value(value: str) -> str:
             f"bt://loops:{uri.run_id}/sampler_weights/{uri.name}"
         )
     return value
+
+
+def param_key(info: ValidationInfo) -> str:
+    """The config key of the loss parameter a field validator checks (``lambda_`` is ``lambda``)."""
+    name = info.field_name or ""  # always set in a field validator
+    return "lambda" if name == "lambda_" else name
 
 
 def param_error(loss: str, key: str, value: Any) -> Exception | None:
@@ -98,11 +109,12 @@ def check_reference(client: Any, loaded: Any) -> None:
 
 
 # ------------------------------------------------------------------ the reference's logprobs
-def _reference_sampler(session: TrainingSession) -> tuple[Any, str | None]:
-    """The sampler client that scores the reference, and the checkpoint to pin on it."""
+def _reference_sampler(session: TrainingSession, reference: str) -> tuple[Any, str | None]:
+    """The sampler client that scores ``reference`` ('base' or a checkpoint), and the checkpoint
+    to pin on it."""
     config = session.config
-    if config.reference != "base":
-        return session.new_sampler_client(), config.reference
+    if reference != "base":
+        return session.new_sampler_client(), reference
     if session.start_step == 0:
         # The SDK's recipe: snapshot the policy before any optimizer step (a fresh LoRA adds
         # exactly zero, so this is the base model) and score with the run's own sampler.
@@ -114,13 +126,12 @@ def _reference_sampler(session: TrainingSession) -> tuple[Any, str | None]:
     return session.new_base_sampler_client(), None
 
 
-def reference_scores(session: TrainingSession, sequences: list[Any], sink: Any,
+def reference_scores(session: TrainingSession, reference: str, sequences: list[Any], sink: Any,
                      stop: StopRequested | None = None) -> dict[str, list[float]]:
     """Every sequence's ``ref_logprobs`` by :func:`sequence_key` (``data.Example``s: DPO's chosen
     and rejected sides, KTO's examples and their KL sequences): those in the run directory, plus
     any missing ones, scored now and appended as they arrive (a Ctrl-C stops after the chunk in
     flight, keeping what was scored)."""
-    config = session.config
     rundir = session.rundir
     scores = {r["key"]: r["ref_logprobs"] for r in rundir.references()}
     todo: dict[str, list[int]] = {}
@@ -130,9 +141,9 @@ def reference_scores(session: TrainingSession, sequences: list[Any], sink: Any,
             todo.setdefault(key, example.tokens)
     if not todo:
         return scores
-    sink.message(f"Scoring {len(todo)} sequences with the reference policy ({config.reference})...")
+    sink.message(f"Scoring {len(todo)} sequences with the reference policy ({reference})...")
     started = time.monotonic()
-    sampler, pin = _reference_sampler(session)
+    sampler, pin = _reference_sampler(session, reference)
     items = list(todo.items())
 
     async def score_all() -> None:
@@ -180,7 +191,20 @@ def sequence_datum(example: Any, scores: dict[str, list[float]] | None) -> dict:
     return dpo_datum(example, scores[sequence_key(example.tokens)])
 
 
-class PreferenceSteps(StepHooks):
+def preference_kind(**fields: Any) -> "Kind":
+    """The registry entry of a preference kind (DPO, KTO): what both declare, plus ``fields``.
+    Shared: the loss is the main metric, the held-out split is ``data.eval``, the reference is
+    checked before provisioning (:func:`check_reference`) and served by a sampler (so the base
+    model must be on the capabilities API's rl list), and there is no `loops eval` task (pairs
+    and labelled completions are not rows it scores: no `eval:` block)."""
+    from baseten_loops_cli.training.kinds import Kind
+
+    shared: dict[str, Any] = dict(main_metric="loss", eval_data_key=("data", "eval"), eval_task=None,
+                                  capabilities_use_case="rl", check=check_reference)
+    return Kind(**{**shared, **fields})
+
+
+class PreferenceSteps(StepHooks[ConfigT]):
     """The preference kinds' part of the loop: before step 1 the reference scores the sequences
     the run uses (:meth:`sequences` of a row; none for a reference-free loss), and the eval split
     is scored once before training (step 0, the "before" of the final line)."""
@@ -192,10 +216,15 @@ class PreferenceSteps(StepHooks):
         """The rendered sequences of one row the reference scores."""
         raise NotImplementedError
 
+    def reference(self) -> str | None:
+        """The reference policy ('base' or a sampler checkpoint); None for a reference-free loss."""
+        raise NotImplementedError
+
     def begin(self, loop: Loop) -> None:
-        if not self.config.needs_reference:
+        reference = self.reference()
+        if reference is None:
             return
         train, evals = self.data.train, self.data.eval or []
         used = [train[i] for i in rows_to_train(len(train), self.config, self.session.start_step)] + evals
-        self.scores = reference_scores(self.session, [s for row in used for s in self.sequences(row)], loop.sink,
-                                       loop.stop)
+        self.scores = reference_scores(self.session, reference, [s for row in used for s in self.sequences(row)],
+                                       loop.sink, loop.stop)

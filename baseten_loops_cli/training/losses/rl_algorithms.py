@@ -36,7 +36,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, get_args
 
 from pydantic import Field
 
@@ -111,7 +111,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "loss": {"name": "importance_sampling"},
     },
 }
-ALGORITHMS = tuple(PRESETS)
+# The presets' names, as the config's `algorithm:` type (a Literal, so the schema lists them).
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"]
+ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
+assert set(ALGORITHMS) == set(PRESETS), "AlgorithmName names every preset"
 PIECES = ("advantage", "loss", "overlong", "dynamic_sampling")
 
 
@@ -122,7 +125,8 @@ def expand_preset(data: Mapping[str, Any]) -> dict[str, Any]:
     or ``dynamic_sampling: null`` (or false) turns a preset's piece off. An unknown name is left
     for the schema to report (with the known ones)."""
     out = dict(data)
-    preset = PRESETS.get(out.get("algorithm")) if isinstance(out.get("algorithm"), str) else None
+    name = out.get("algorithm")
+    preset = PRESETS.get(name) if isinstance(name, str) else None
     if preset is None:
         return out
     for piece, values in preset.items():
@@ -274,11 +278,14 @@ DEFAULT_CLIP = {"ppo": (0.2, 0.2), "cispo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}
 
 
 def clip_bounds(loss: Any) -> tuple[float, float] | None:
-    """(low, high) bounds of the ratio: ``[1 - clip_low, 1 + clip_high]`` (the epsilons, as
-    DAPO writes them), else ppo/cispo's own ``config`` thresholds, else the defaults; None for a
-    loss without clipping."""
-    if loss.name not in DEFAULT_CLIP:
-        return None
+    """:func:`ratio_bounds` of a loss that clips; None for a loss without clipping."""
+    return ratio_bounds(loss) if loss.name in DEFAULT_CLIP else None
+
+
+def ratio_bounds(loss: Any) -> tuple[float, float]:
+    """(low, high) bounds of the ratio of a clipping loss (a ``DEFAULT_CLIP`` name):
+    ``[1 - clip_low, 1 + clip_high]`` (the epsilons, as DAPO writes them), else ppo/cispo's own
+    ``config`` thresholds, else the defaults."""
     low_eps, high_eps = DEFAULT_CLIP[loss.name]
     low = 1.0 - loss.clip_low if loss.clip_low is not None else loss.config.get("clip_low_threshold", 1.0 - low_eps)
     high = 1.0 + loss.clip_high if loss.clip_high is not None else loss.config.get("clip_high_threshold", 1.0 + high_eps)
@@ -288,7 +295,7 @@ def clip_bounds(loss: Any) -> tuple[float, float] | None:
 def protocol_loss(loss: Any) -> tuple[str, dict | None]:
     """(loss_fn, loss_fn_config) of a loss the protocol runs itself (every one but gspo)."""
     if loss.name in ("ppo", "cispo") and (loss.clip_low is not None or loss.clip_high is not None):
-        low, high = clip_bounds(loss)
+        low, high = ratio_bounds(loss)
         return loss.name, {"clip_low_threshold": low, "clip_high_threshold": high}
     return loss.name, (loss.config or None)
 

@@ -115,7 +115,7 @@ def detect(rows: list[tuple[str, dict]], label: str, forced: str | None = None,
             # The mistake users make most with preference data: thumbs-up/down rows among pairs.
             looks = ("this is an unpaired row ('completion'/'label')" if kind == "unpaired_preference"
                      else "this is a paired row ('chosen'/'rejected')")
-            reader = _kind_reading(purpose)
+            reader = _kind_reading(purpose) if purpose else None
             if reader is not None:
                 looks += f" under kind: {reader}"
             hint = ("Pairs (chosen/rejected) train with kind: dpo, unpaired rows (completion + label) "
