@@ -418,7 +418,7 @@ def compare_rl256(args: Any, steps: int) -> list[dict]:
     replies, fp32 on both sides (bf16 TRL too without --quick); one row per preset."""
     import yaml
 
-    from baseten_loops_cli.training.math_reward import build
+    from baseten_loops_cli.training.rewards.math_reward import build
 
     spec = yaml.safe_load(MATH_YAML.read_text())
     prompts, group = int(spec["groups_per_batch"]), int(spec["group_size"])

@@ -107,7 +107,7 @@ def test_model_card_of_a_base_path_export_does_not_suggest_base_path():
 def test_plot_legend_is_outside_the_plot_area():
     """A flat curve along the top right (where the legend was drawn) is fully visible: every
     step of both runs has its marker inside the frame, and the labels appear only outside it."""
-    from baseten_loops_cli.training.plot import plot_terminal
+    from baseten_loops_cli.training.experiments.plot import plot_terminal
 
     runs = {"runs/flat-a": [{"step": s, "loss": 5.0} for s in range(1, 61)],
             "runs/fall-b": [{"step": s, "loss": 5.0 / s} for s in range(1, 61)]}

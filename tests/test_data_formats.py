@@ -14,7 +14,7 @@ import pytest
 
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.config import load_config
-from baseten_loops_cli.training.formats.dataset import plain_spec, read_rows
+from baseten_loops_cli.training.data.formats.dataset import plain_spec, read_rows
 from baseten_loops_cli.training.plan import load_data
 
 FORMATS = Path(__file__).resolve().parent / "data" / "formats"
@@ -88,8 +88,8 @@ def test_alpaca_input_system_and_history():
 def test_every_fixture_renders_through_the_loaders():
     """The converted rows are what the loaders take: tokens for every SFT, RL and DPO fixture."""
     from baseten_loops_cli.tokenization import get_tokenizer
-    from baseten_loops_cli.training import data
-    from baseten_loops_cli.training.kto_data import load_kto_examples
+    from baseten_loops_cli.training.data import datums as data
+    from baseten_loops_cli.training.data.kto_rows import load_kto_examples
 
     tok = get_tokenizer("loops-local/tiny")
     for name, purpose, _, _ in CASES:
@@ -327,7 +327,7 @@ def test_ci_installs_the_data_extra():
 
 def test_jsonl_needs_no_extra():
     """Plain JSONL (and JSON, CSV) never import pyarrow, pandas or datasets."""
-    code = ("import sys; from baseten_loops_cli.training.formats import read_rows; "
+    code = ("import sys; from baseten_loops_cli.training.data.formats import read_rows; "
             f"rows = list(read_rows({str(FORMATS / 'messages.jsonl')!r}, 'sft')) + list(read_rows({str(FORMATS / 'alpaca.tsv')!r}, 'sft')); "
             "print(sorted(m for m in ('pyarrow', 'pandas', 'datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,

@@ -12,7 +12,7 @@ import pytest
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.tokenization import get_tokenizer
 from baseten_loops_cli.training.config import load_config
-from baseten_loops_cli.training.formats import truncation as trunc
+from baseten_loops_cli.training.data.formats import truncation as trunc
 from baseten_loops_cli.training.plan import load_data
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from baseten_loops_cli.training.data import Prompt
+from baseten_loops_cli.training.data.datums import Prompt
 from baseten_loops_cli.training.kinds.distill import Rollout, datums_of
-from baseten_loops_cli.training.teacher import TeacherScores
+from baseten_loops_cli.training.rewards.teacher import TeacherScores
 from tests.cli_support import TINY, loops, one_line_error
 from tests.support import serve_asgi
 
@@ -134,7 +134,7 @@ def test_an_endpoint_teacher_scores_as_the_checkpoints_sampler_does(local_server
 
     from baseten_loops_cli.services.sampling import resolve_source
     from baseten_loops_cli.tokenization import get_tokenizer
-    from baseten_loops_cli.training.teacher import Endpoint, ascore_with_sampler
+    from baseten_loops_cli.training.rewards.teacher import Endpoint, ascore_with_sampler
     from baseten_loops_cli.workers.sampler import SamplerClient
 
     monkeypatch.setenv("TEACHER_KEY", local_server.token)

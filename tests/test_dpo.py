@@ -14,7 +14,7 @@ import pytest
 
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training.config import load_config
-from baseten_loops_cli.training.data import dpo_datum, load_preference_pairs, reference_logprobs_field
+from baseten_loops_cli.training.data.datums import dpo_datum, load_preference_pairs, reference_logprobs_field
 from tests.cli_support import cli_env, kill_once_then_resume, loops_subprocess, one_line_error, seeded  # noqa: F401 - fixture
 from tests.cli_support import preference_config, run_metrics as metrics, write_rows
 
@@ -83,7 +83,7 @@ def test_dpo_config_defaults_and_reference_errors(tmp_path):
 def test_reference_scores_survive_a_torn_append(tmp_path):
     """A kill mid-append leaves a torn last line: it is dropped, and the next scores append on
     a line of their own (read back whole, nothing lost after the tear)."""
-    from baseten_loops_cli.training.rundir import RunDir
+    from baseten_loops_cli.training.experiments.rundir import RunDir
 
     rundir = RunDir(tmp_path)
     rundir.append_references([{"key": "a", "ref_logprobs": [-1.5, 0.0]}])
@@ -146,7 +146,7 @@ def test_dpo_loss_and_gradient_match_an_independent_torch_computation(engine):
     import torch.nn.functional as F
 
     from baseten_loops_cli.local.engine.trainer import LoraTrainer
-    from baseten_loops_cli.training.data import sft_datum
+    from baseten_loops_cli.training.data.datums import sft_datum
     from baseten_loops_cli.training.kinds.dpo import preference_metrics
 
     base, _ = engine
@@ -334,10 +334,10 @@ def _ctrl_c_at_step(server, run_dir: Path, monkeypatch, at_step: int, overrides:
     from baseten_loops_cli.cli._backend import open_backend
     from baseten_loops_cli.training.service import absolute_raw
     from baseten_loops_cli.training.kinds.dpo import DPOSteps
-    from baseten_loops_cli.training.loop import run
-    from baseten_loops_cli.training.metrics import MetricsSink
+    from baseten_loops_cli.training.loop.core import run
+    from baseten_loops_cli.training.experiments.metrics import MetricsSink
     from baseten_loops_cli.training.plan import load_data
-    from baseten_loops_cli.training.rundir import RunDir
+    from baseten_loops_cli.training.experiments.rundir import RunDir
     from baseten_loops_cli.training.session import StopRequested, open_session
 
     for key, value in server.env.items():

@@ -62,7 +62,7 @@ def peft_scores(adapter_dir: Path | None) -> dict[str, float]:
 
     from baseten_loops_cli.local.engine.model_zoo import build_tiny_model
     from baseten_loops_cli.tokenization import get_tokenizer
-    from baseten_loops_cli.training.data import load_sft_examples
+    from baseten_loops_cli.training.data.datums import load_sft_examples
 
     model = build_tiny_model()
     if adapter_dir is not None:
@@ -230,7 +230,7 @@ def test_bad_input(local_server, sft_run, tmp_path):
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
-    from baseten_loops_cli.training.evaluation import pass_at_k
+    from baseten_loops_cli.training.evaluation.scoring import pass_at_k
 
     assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
     assert pass_at_k(5, 2, 1) == pytest.approx(0.4)

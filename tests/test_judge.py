@@ -1,4 +1,4 @@
-"""Judge rewards (training/judge.py) against a real OpenAI-compatible grader over HTTP.
+"""Judge rewards (training/rewards/judge.py) against a real OpenAI-compatible grader over HTTP.
 
 The grader is examples/judge/grader.py (starlette, served by uvicorn on 127.0.0.1 in a thread):
 its answers are known (10 x the digit fraction of the reply), so every parsed score is checked.
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training.judge import Judge, check_rubric, parse_group, parse_score
-from baseten_loops_cli.training.rewards import RewardError, build_reward
+from baseten_loops_cli.training.rewards.judge import Judge, check_rubric, parse_group, parse_score
+from baseten_loops_cli.training.rewards.builtins import RewardError, build_reward
 from tests.support import serve_asgi
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def test_the_judge_example_reward_rises(local_server, grader_url, tmp_path):
 
 def test_a_built_judge_reward_reaches_its_token_counts(grader_url):
     from baseten_loops_cli.training.config import JudgeConfig, RewardConfig
-    from baseten_loops_cli.training.judge import judge_of
+    from baseten_loops_cli.training.rewards.judge import judge_of
 
     spec = RewardConfig(fn="judge", judge=JudgeConfig(url=grader_url, model="grader", rubric=RUBRIC))
     name, fn = build_reward(spec, ROOT)
@@ -221,7 +221,7 @@ def test_a_group_judge_in_rl_is_asked_once_per_group_and_its_tokens_are_recorded
         digits = round(10 * sum(c.isdigit() for c in text) / len(text)) if text else 0
         assert s["reward"] == pytest.approx(digits / 10), s
     # What people read at the end of `train run`: the summary's judge line.
-    from baseten_loops_cli.training.rundir import RunDir
+    from baseten_loops_cli.training.experiments.rundir import RunDir
     from baseten_loops_cli.training.service import summary_of
 
     line = summary_of(RunDir(run_dir), summary["run_id"], "rl", "completed").judge_line()
@@ -262,7 +262,7 @@ def test_a_checkpoint_judge_grades_through_the_runs_backend(local_server, tiny_s
     backend's usage of that checkpoint's run, exactly as the run's judge_completion_tokens say."""
     import json
 
-    from baseten_loops_cli.training.judge import parse_score
+    from baseten_loops_cli.training.rewards.judge import parse_score
     from tests.cli_support import loops
 
     judge_run = tiny_sft_checkpoint.split(":")[0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from baseten_loops_cli.training.rewards import RewardError, build_reward, score
+from baseten_loops_cli.training.rewards.builtins import RewardError, build_reward, score
 
 pytest.importorskip("math_verify")  # in the dev extra: CI runs these
 
@@ -48,7 +48,7 @@ def test_scores_on_a_worker_thread_as_rollouts_run_it(reward):
     failed every rollout of the first SmolLM2 math run; reward_timeout_s bounds it instead."""
     import asyncio
 
-    from baseten_loops_cli.training.isolation import Isolated
+    from baseten_loops_cli.training.rewards.isolation import Isolated
 
     name, fn = reward
 

@@ -1,4 +1,4 @@
-"""The preference losses of training/preference_losses.py (issue 29): each loss's value, metrics
+"""The preference losses of training/losses/preference_losses.py (issue 29): each loss's value, metrics
 and per-token weights against an independent torch computation written from the papers'
 formulas (autograd through per-token logprob tensors gives the reference gradient; our code is
 never called for the reference); the weights, sent through the SDK's custom-loss path on the real
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training import preference_losses as pl
-from baseten_loops_cli.training.kto_data import (
+from baseten_loops_cli.training.losses import preference_losses as pl
+from baseten_loops_cli.training.data.kto_rows import (
     check_kto_labels, check_paired_row, kl_examples, kto_row, load_kto_examples,
 )  # fmt: skip
 from tests.cli_support import create_run, trainer
@@ -38,7 +38,7 @@ KTO_PARAMS = {"beta": 0.3, "desirable_weight": 1.2, "undesirable_weight": 0.8}
 
 # ── the reference: the papers' formulas in torch, on per-token logprob tensors ─────────────
 # Each takes lists of 1-D tensors (policy lp, reference ref, mask m with 1 on the reply) and
-# returns per-pair (per-example) losses; nothing here calls training/preference_losses.py.
+# returns per-pair (per-example) losses; nothing here calls training/losses/preference_losses.py.
 
 
 def _sum(lp, m):
@@ -353,7 +353,7 @@ def test_an_unpaired_row_under_dpo_is_named():
 
 
 def _pairs():
-    from baseten_loops_cli.training.data import load_preference_pairs
+    from baseten_loops_cli.training.data.datums import load_preference_pairs
 
     return load_preference_pairs(DPO_TRAIN, _tokenizer(), max_seq_len=64)
 
@@ -372,7 +372,7 @@ def _scored_datums(engine, examples):
     """dpo_datum rows whose ref_logprobs are the base model's, scored by the sampler engine the
     way the SDK's compute_logprobs does (tests/test_dpo.py does the same)."""
     from baseten_loops_cli.local.engine.sampler import SampleRequest
-    from baseten_loops_cli.training.data import dpo_datum, reference_logprobs_field
+    from baseten_loops_cli.training.data.datums import dpo_datum, reference_logprobs_field
 
     results = engine[1].sample([SampleRequest(e.tokens, max_tokens=1, temperature=0.0, prompt_logprobs=0) for e in examples])
     return [dpo_datum(e, reference_logprobs_field([None if x is None else x.logprob for x in r.prompt_logprobs]))
@@ -399,7 +399,7 @@ def test_weights_through_the_engine_give_each_loss_its_gradient(engine):
     forward_backward) on the engine the server runs leaves the same LoRA gradient as autograd
     through the reference formula on the model's own logprobs, for every loss."""
     from baseten_loops_cli.local.engine.trainer import LoraTrainer
-    from baseten_loops_cli.training.data import sft_datum
+    from baseten_loops_cli.training.data.datums import sft_datum
 
     base, _ = engine
     pairs = _pairs()[:3]
@@ -455,7 +455,7 @@ def test_custom_loss_steps_on_the_local_server_lower_the_loss(local_server, loss
     """Over real HTTP, two steps of submit_custom_loss + optim_step lower the loss (the engine
     test above covers every loss's gradient; this covers the wire). The reference is the policy
     before step 1 (a fresh LoRA adds zero: the SDK's recipe), read from the first /forward."""
-    from baseten_loops_cli.training.data import dpo_datum
+    from baseten_loops_cli.training.data.datums import dpo_datum
 
     pairs = _pairs()[:4]
     examples = [e for p in pairs for e in (p.chosen, p.rejected)]

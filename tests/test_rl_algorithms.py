@@ -1,4 +1,4 @@
-"""The RL algorithms of `kind: rl` (training/rl_algorithms.py): each loss and advantage against
+"""The RL algorithms of `kind: rl` (training/losses/rl_algorithms.py): each loss and advantage against
 an independent torch computation written from the papers' formulas (value and gradient, 1e-5),
 each `algorithm:` preset learning the tiny RL example through the real local server, and a
 SIGKILL + resume of a DAPO run (dynamic sampling draws the same groups again)."""
@@ -119,10 +119,11 @@ def _our_loss(rewards, lengths, old, new, *, algorithm: str, **overrides):
     """The loss our code sends (datums from kinds.rl._datums with the preset's rule) as the local
     engine computes it, or (gspo) as the custom loss computes it, and d loss / d new."""
     from baseten_loops_cli.local.engine import losses
-    from baseten_loops_cli.training import rl_algorithms as algos
-    from baseten_loops_cli.training.data import Prompt
-    from baseten_loops_cli.training.kinds.rl import RLConfig, Rollout, _datums
-    from baseten_loops_cli.training.preference_losses import score_sequence
+    from baseten_loops_cli.training.losses import rl_algorithms as algos
+    from baseten_loops_cli.training.data.datums import Prompt
+    from baseten_loops_cli.training.kinds.rl import RLConfig, _datums
+    from baseten_loops_cli.training.kinds.rl_rollouts import Rollout
+    from baseten_loops_cli.training.losses.preference_losses import score_sequence
 
     config = RLConfig.model_validate({
         "kind": "rl", "name": "t", "base_model": "loops-local/tiny", "data": {"prompts": "p.jsonl"},
@@ -270,7 +271,7 @@ def test_bad_pieces_are_named(keys, message):
 
 
 def test_ppo_clip_epsilons_reach_the_protocol_as_thresholds():
-    from baseten_loops_cli.training import rl_algorithms as algos
+    from baseten_loops_cli.training.losses import rl_algorithms as algos
 
     assert algos.protocol_loss(_config(algorithm="dapo").loss) == ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
     assert algos.protocol_loss(_config(loss={"name": "ppo", "config": {"clip_low_threshold": 0.7}}).loss) == (
@@ -279,7 +280,7 @@ def test_ppo_clip_epsilons_reach_the_protocol_as_thresholds():
 
 
 def test_overlong_penalty_follows_dapo_eq_13():
-    from baseten_loops_cli.training import rl_algorithms as algos
+    from baseten_loops_cli.training.losses import rl_algorithms as algos
 
     limit, cache = 16, 4
     for length in range(0, 21):
@@ -289,7 +290,7 @@ def test_overlong_penalty_follows_dapo_eq_13():
 
 
 def test_dynamic_sampling_fills_from_new_groups_within_its_bound():
-    from baseten_loops_cli.training import rl_algorithms as algos
+    from baseten_loops_cli.training.losses import rl_algorithms as algos
 
     groups = [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.5, 0.0]]
     versions = [3, 3, 3, 3]

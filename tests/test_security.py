@@ -555,7 +555,7 @@ def test_reward_code_is_loaded_only_from_the_file_the_config_names(local_server,
     legit_marker.unlink()
 
     # Import paths are not file paths: no module is imported by name.
-    for spec in ("rewards:score", "os:system", "json:loads", "rewards.score", "baseten_loops_cli.training.rewards:score"):
+    for spec in ("rewards:score", "os:system", "json:loads", "rewards.score", "baseten_loops_cli.training.rewards.builtins:score"):
         p = _loops(["train", "validate", str(_rl_config(cfg_dir, spec, prompts)), "--offline"], env, cwd, timeout=120)
         assert p.returncode != 0, spec
         assert "unknown reward" in p.stderr, p.stderr

@@ -9,10 +9,10 @@ import pytest
 
 from baseten_loops_cli.errors import ConfigError, UsageError
 from baseten_loops_cli.training.config import load_config
-from baseten_loops_cli.training.data import batches_for_step, rl_datum, sft_datum, Example
+from baseten_loops_cli.training.data.datums import batches_for_step, rl_datum, sft_datum, Example
 from baseten_loops_cli.training.plan import load_data
-from baseten_loops_cli.training.rewards import RewardError, build_reward, score
-from baseten_loops_cli.training.rundir import RunDir
+from baseten_loops_cli.training.rewards.builtins import RewardError, build_reward, score
+from baseten_loops_cli.training.experiments.rundir import RunDir
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -318,8 +318,9 @@ def test_rundir_resume_trims_metrics_after_last_checkpoint(tmp_path):
 
 
 def test_kl_penalty_shapes_per_token_advantages():
-    from baseten_loops_cli.training.data import Prompt
-    from baseten_loops_cli.training.kinds.rl import Rollout, _datums
+    from baseten_loops_cli.training.data.datums import Prompt
+    from baseten_loops_cli.training.kinds.rl import _datums
+    from baseten_loops_cli.training.kinds.rl_rollouts import Rollout
 
     prompt = Prompt([1, 2], {}, "p:1")
     group = [

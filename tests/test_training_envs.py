@@ -181,7 +181,7 @@ def test_a_list_of_weighted_rewards_is_summed_and_each_logged(local_server, tmp_
 def test_builtin_penalties_and_format():
     from types import SimpleNamespace
 
-    from baseten_loops_cli.training.rewards import BUILDERS
+    from baseten_loops_cli.training.rewards.builtins import BUILDERS
 
     def spec(fn, **kw):
         return SimpleNamespace(fn=fn, pattern=None, case_sensitive=False, partial_credit=False, max_chars=None,
@@ -245,7 +245,7 @@ def test_a_hanging_call_blocks_neither_other_calls_nor_the_loop():
     import threading
     import time
 
-    from baseten_loops_cli.training.isolation import Isolated, RolloutFailed
+    from baseten_loops_cli.training.rewards.isolation import Isolated, RolloutFailed
 
     release = threading.Event()
 

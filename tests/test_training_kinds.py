@@ -5,7 +5,7 @@ The toy kind ("toy") trains plain text rows ({"text": ...}) with cross-entropy o
 through the same protocol routes the built-in kinds use; it declares its own config keys
 (``data.texts``, ``repeat``), data loading, plan estimate (noun "texts"), loop, main metric
 (``toy_loss``) and step fields, template and data path keys; its loop is the one every kind
-runs (training/loop.py), fed by its :class:`ToySteps` hooks. Nothing outside the registry
+runs (training/loop/core.py), fed by its :class:`ToySteps` hooks. Nothing outside the registry
 knows it exists.
 """
 
@@ -21,9 +21,9 @@ from pydantic import Field
 from baseten_loops_cli.errors import ConfigError
 from baseten_loops_cli.training import kinds
 from baseten_loops_cli.training.config import CommonConfig, Section, load_config
-from baseten_loops_cli.training.data import Example, read_jsonl, sft_datum, weighted_nll
+from baseten_loops_cli.training.data.datums import Example, read_jsonl, sft_datum, weighted_nll
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.loop import ProtocolLoss, StepHooks, StepWork, total_steps
+from baseten_loops_cli.training.loop.core import ProtocolLoss, StepHooks, StepWork, total_steps
 from tests.cli_support import TINY, loops
 
 

@@ -1,4 +1,4 @@
-"""The one training loop (training/loop.py): ``max_steps`` wins over ``epochs`` and cycles the
+"""The one training loop (training/loop/core.py): ``max_steps`` wins over ``epochs`` and cycles the
 data, in the plan as in the run; and Ctrl-C stops without starting another step.
 
 The loops run against the real local server; the trainer client is only observed (each
@@ -32,7 +32,7 @@ def _sft_config(tmp_path: Path, rows: int, extra: str) -> Path:
 def test_max_steps_wins_over_epochs_and_cycles_the_data(local_server, tmp_path):
     """HF Trainer / TRL: ``max_steps: 20`` on 40 rows, batch 8, epochs 1 trains 20 steps (4
     passes over the 5 batches), and the plan counts the same 20 steps and their tokens."""
-    from baseten_loops_cli.training.loop import step_rows, total_steps
+    from baseten_loops_cli.training.loop.core import step_rows, total_steps
 
     config = _sft_config(tmp_path, 40, "max_steps: 20\n")
     plan = loops(local_server, "train", "validate", str(config), "-o", "json")
@@ -77,10 +77,10 @@ def _ctrl_c_at_step_2(server, tmp_path: Path, monkeypatch, submits: list) -> tup
     from baseten_loops_cli.training.config import load_config
     from baseten_loops_cli.training.kinds import LoadedData
     from baseten_loops_cli.training.kinds.sft import SFTSteps
-    from baseten_loops_cli.training.loop import run
-    from baseten_loops_cli.training.metrics import MetricsSink
+    from baseten_loops_cli.training.loop.core import run
+    from baseten_loops_cli.training.experiments.metrics import MetricsSink
     from baseten_loops_cli.training.plan import load_data
-    from baseten_loops_cli.training.rundir import RunDir
+    from baseten_loops_cli.training.experiments.rundir import RunDir
     from baseten_loops_cli.training.service import absolute_raw
     from baseten_loops_cli.training.session import StopRequested, open_session
 
@@ -115,7 +115,7 @@ def test_ctrl_c_on_long_steps_starts_no_other_step_and_resumes_exactly_once(loca
                                                                             trainer_submits):
     """Steps longer than AHEAD_MAX_STEP_S are not submitted ahead: a Ctrl-C during step 2 stops
     after it, with nothing of step 3 submitted; `train resume` then trains 3..6 once each."""
-    from baseten_loops_cli.training import loop
+    from baseten_loops_cli.training.loop import core as loop
 
     monkeypatch.setattr(loop, "AHEAD_MAX_STEP_S", 0.0)  # every step counts as long
     rundir, before = _ctrl_c_at_step_2(local_server, tmp_path, monkeypatch, trainer_submits)

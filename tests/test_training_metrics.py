@@ -13,9 +13,9 @@ import pytest
 from baseten_loops_cli.training.config import OptimizerConfig, load_config
 from baseten_loops_cli.training import kinds
 from baseten_loops_cli.output.training_view import PlainTrainingView, sparkline, step_line
-from baseten_loops_cli.training.metrics import MetricsSink, open_wandb
-from baseten_loops_cli.training.plot import plot_terminal
-from baseten_loops_cli.training.rundir import RunDir
+from baseten_loops_cli.training.experiments.metrics import MetricsSink, open_wandb
+from baseten_loops_cli.training.experiments.plot import plot_terminal
+from baseten_loops_cli.training.experiments.rundir import RunDir
 from baseten_loops_cli.training.session import learning_rate
 from baseten_loops_cli.training.templates import template
 

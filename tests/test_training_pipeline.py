@@ -1,5 +1,5 @@
 """The training loops keep the trainer busy: step N+1 is submitted before step N's results are
-awaited, while every op still runs in the order of a one-at-a-time loop (training/pipeline.py).
+awaited, while every op still runs in the order of a one-at-a-time loop (training/loop/pipeline.py).
 
 The loop runs in process against the real local server; the trainer client is only observed
 (each submit and each first wait is logged, then the real method runs)."""

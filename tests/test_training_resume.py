@@ -29,13 +29,13 @@ def test_ctrl_c_at_the_last_step_then_resume_in_a_new_run_with_lineage(local_ser
     from baseten_loops_cli.training.service import absolute_raw
     from baseten_loops_cli.cli._backend import open_backend
     from baseten_loops_cli.training.config import load_config
-    from baseten_loops_cli.training.metrics import MetricsSink
+    from baseten_loops_cli.training.experiments.metrics import MetricsSink
     from baseten_loops_cli.training.plan import load_data
-    from baseten_loops_cli.training.rundir import RunDir
+    from baseten_loops_cli.training.experiments.rundir import RunDir
     from baseten_loops_cli.training.session import StopRequested, open_session
     from baseten_loops_cli.training.kinds import LoadedData
     from baseten_loops_cli.training.kinds.sft import SFTSteps
-    from baseten_loops_cli.training.loop import run
+    from baseten_loops_cli.training.loop.core import run
 
     for key, value in local_server.env.items():
         monkeypatch.setenv(key, value)

@@ -150,7 +150,7 @@ def test_a_failed_run_does_not_stop_the_others(local_server, tmp_path, monkeypat
     """The first point fails in its own process (a value only its run checks: the index was
     edited after the sweep checked it); the second still trains; the result names the failure."""
     from baseten_loops_cli.cli.train import sweep_child_command
-    from baseten_loops_cli.training import sweep as sweeps
+    from baseten_loops_cli.training.experiments import sweep as sweeps
     from tests.test_reliability_faults import cli_env
 
     for key, value in cli_env(local_server).items():
@@ -168,7 +168,7 @@ def test_a_failed_run_does_not_stop_the_others(local_server, tmp_path, monkeypat
 
 
 def test_points_are_the_product_or_distinct_seeded_draws_each_in_its_own_directory():
-    from baseten_loops_cli.training import sweep as sweeps
+    from baseten_loops_cli.training.experiments import sweep as sweeps
 
     grid = sweeps.parse_grid(["optimizer.learning_rate=1e-4,3e-4,1e-3", "lora_rank=4,8"])
     every = sweeps.points(sweeps.SweepSpec(grid=grid))
@@ -184,7 +184,7 @@ def test_points_are_the_product_or_distinct_seeded_draws_each_in_its_own_directo
 
 
 def test_a_run_directory_has_one_writer(tmp_path):
-    from baseten_loops_cli.training.rundir import RunDir, RunDirBusy
+    from baseten_loops_cli.training.experiments.rundir import RunDir, RunDirBusy
 
     first, second = RunDir(tmp_path), RunDir(tmp_path)
     first.acquire()

@@ -117,8 +117,8 @@ def test_a_sweeps_parallel_runs_share_one_experiment_and_one_parent_run(tmp_path
 
     from mlflow.tracking import MlflowClient
 
-    from baseten_loops_cli.training.rundir import SWEEP_INDEX, RunDir
-    from baseten_loops_cli.training.trackers import open_trackers
+    from baseten_loops_cli.training.experiments.rundir import SWEEP_INDEX, RunDir
+    from baseten_loops_cli.training.experiments.trackers import open_trackers
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -19,7 +19,7 @@ ColumnsOpt = Annotated[Optional[str], typer.Option(
 
 
 def _columns(text: Optional[str]) -> Optional[dict]:
-    from baseten_loops_cli.training.formats.spec import parse_columns
+    from baseten_loops_cli.training.data.formats.spec import parse_columns
 
     return parse_columns(text) if text else None
 
@@ -47,7 +47,7 @@ def check(
       loops data check prefs.parquet --kind dpo --base-model HuggingFaceTB/SmolLM2-135M-Instruct --max-seq-len 512 -o json
     """
     from baseten_loops_cli.errors import ConfigError
-    from baseten_loops_cli.training.formats.inspect import check as check_data
+    from baseten_loops_cli.training.data.formats.inspect import check as check_data
 
     out = get_state(ctx).output
     report = check_data(path, kind=kind, base_model=base_model, max_seq_len=max_seq_len, train_on=train_on,
@@ -105,7 +105,7 @@ def preview(
 
       loops data preview qa.csv --columns prompt=question,completion=answer
     """
-    from baseten_loops_cli.training.formats.inspect import preview as preview_rows
+    from baseten_loops_cli.training.data.formats.inspect import preview as preview_rows
 
     from dataclasses import asdict
 

@@ -1,7 +1,7 @@
 """`loops eval`: score sampler checkpoints (and the base model) side by side on a data set.
 
 Parse, call :func:`services.evaluation.candidates` (the rows, and the samplers that serve them:
-see there) and :func:`training.evaluation.evaluate`, render the report.
+see there) and :func:`training.evaluation.scoring.evaluate`, render the report.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ def _task(data_arg: Optional[str], config: Optional[Path], *, limit, seed, sampl
     `eval:` block: an RL config brings the reward). The rows' columns are mapped by --columns,
     else by the config's data.columns."""
     from baseten_loops_cli.errors import UsageError
-    from baseten_loops_cli.training import evaluation as ev
-    from baseten_loops_cli.training.formats.dataset import HUB_PREFIX, plain_spec, with_options
-    from baseten_loops_cli.training.formats.spec import parse_columns
+    from baseten_loops_cli.training.evaluation import scoring as ev
+    from baseten_loops_cli.training.data.formats.dataset import HUB_PREFIX, plain_spec, with_options
+    from baseten_loops_cli.training.data.formats.spec import parse_columns
 
     mapping = parse_columns(columns) if columns else None
     # A file or folder of any type the data layer reads stays a Path; an hf:// name (a Path
@@ -54,7 +54,7 @@ def _task(data_arg: Optional[str], config: Optional[Path], *, limit, seed, sampl
                          hint="For example: loops eval RUN:final --data examples/data/tiny_sft_eval.jsonl")
     if samples or k:
         raise UsageError("--samples and --k need an RL config (--config) with a reward", hint="SFT rows are scored by likelihood, not sampled.")
-    from baseten_loops_cli.training.multiple_choice import MCTask, is_multiple_choice
+    from baseten_loops_cli.training.evaluation.multiple_choice import MCTask, is_multiple_choice
 
     if isinstance(data, Path) and is_multiple_choice(data):  # rows with choices + label
         return MCTask(data, limit)
@@ -104,7 +104,7 @@ def eval_command(
     """
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.settings.paths import cache_dir
-    from baseten_loops_cli.training import evaluation as ev
+    from baseten_loops_cli.training.evaluation import scoring as ev
 
     state = get_state(ctx)
     out = state.output
@@ -146,7 +146,7 @@ def _fail_on(out: Any, report: Any, gates: list[Any]) -> None:
     """Exit 1 (LoopsError) when a reward failed on a row, or a gate failed; the rows' errors
     are warned first (five at most)."""
     from baseten_loops_cli.errors import LoopsError
-    from baseten_loops_cli.training import evaluation as ev
+    from baseten_loops_cli.training.evaluation import scoring as ev
 
     for error in report.errors[:5]:
         out.warn(f"{error.source}: {error.message}")

@@ -32,7 +32,7 @@ def test(
     from baseten_loops_cli.errors import LoopsError
     from baseten_loops_cli.training.reward_test import test_rewards
     from baseten_loops_cli.training import service
-    from baseten_loops_cli.training.samples import sample_lines
+    from baseten_loops_cli.training.experiments.samples import sample_lines
 
     state = get_state(ctx)
     out = state.output

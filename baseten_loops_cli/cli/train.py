@@ -207,7 +207,7 @@ def resume(
       loops train resume runs/sweep-tiny-sft-20261204-101500
     """
     from baseten_loops_cli.training import service
-    from baseten_loops_cli.training.rundir import is_sweep_dir
+    from baseten_loops_cli.training.experiments.rundir import is_sweep_dir
 
     state = get_state(ctx)
     out = state.output
@@ -247,7 +247,7 @@ def plot(
     """
 
     from baseten_loops_cli.errors import UsageError
-    from baseten_loops_cli.training.rundir import RunRecord, run_dirs as expand
+    from baseten_loops_cli.training.experiments.rundir import RunRecord, run_dirs as expand
 
     state = get_state(ctx)
     records = []
@@ -264,7 +264,7 @@ def _plot(state, records, metric, out_file) -> None:
     import shutil
 
     from baseten_loops_cli.errors import UsageError
-    from baseten_loops_cli.training.plot import plot_png, plot_terminal
+    from baseten_loops_cli.training.experiments.plot import plot_png, plot_terminal
 
     if not records:
         raise UsageError("no run has metrics to plot yet", hint="Plot runs that have taken a step.")
@@ -286,7 +286,7 @@ def _plot(state, records, metric, out_file) -> None:
 
 
 def sweep_child_command(loops_args: list[str]):
-    """A sweep point's process (training.sweep.ChildCommand): `loops train run CONFIG --set ...
+    """A sweep point's process (training.experiments.sweep.ChildCommand): `loops train run CONFIG --set ...
     --run-dir DIR --yes`, or `loops train resume DIR --yes`, with ``loops_args`` (the global
     options that reach the same backend) and plain table output for its train.log."""
     import sys
@@ -331,7 +331,7 @@ def _sweep_plan_lines(sweep, prepared, parallel: int, backend_desc: str) -> list
 
 
 def _sweep_rows(result):
-    from baseten_loops_cli.training.rundir import RunRecord
+    from baseten_loops_cli.training.experiments.rundir import RunRecord
 
     rows = []
     for outcome in result.outcomes:
@@ -347,7 +347,7 @@ def _run_sweep(state, sweep, parallel: int) -> None:
     """Train the sweep's runs and render how they ended: a table (or -o json|csv), exit 130 after
     Ctrl-C, exit 1 naming the failed runs."""
     from baseten_loops_cli.errors import LoopsError
-    from baseten_loops_cli.training import sweep as sweeps
+    from baseten_loops_cli.training.experiments import sweep as sweeps
 
     out = state.output
     columns = [("RUN", "run"), ("STATUS", "status"), ("STEPS", "steps"), ("RUN DIR", "run_dir")]
@@ -372,7 +372,7 @@ def _run_sweep(state, sweep, parallel: int) -> None:
 
 def _resume_sweep(state, sweep_dir: Path, *, yes: bool) -> None:
     from baseten_loops_cli.training import service
-    from baseten_loops_cli.training import sweep as sweeps
+    from baseten_loops_cli.training.experiments import sweep as sweeps
 
     out = state.output
     sweep = sweeps.open_sweep(sweep_dir)
@@ -419,7 +419,7 @@ def sweep(
 
       loops train sweep my.yaml --grid optimizer.learning_rate=1e-4,3e-4 --parallel 2 --yes
     """
-    from baseten_loops_cli.training import sweep as sweeps
+    from baseten_loops_cli.training.experiments import sweep as sweeps
 
     state = get_state(ctx)
     out = state.output
@@ -467,8 +467,8 @@ def compare(
     """
     from baseten_loops_cli.errors import UsageError
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.compare import compare as compare_runs
-    from baseten_loops_cli.training.rundir import RunRecord, run_dirs as expand
+    from baseten_loops_cli.training.experiments.compare import compare as compare_runs
+    from baseten_loops_cli.training.experiments.rundir import RunRecord, run_dirs as expand
 
     state = get_state(ctx)
     out = state.output

@@ -24,7 +24,7 @@ def samples(
 
       loops train samples runs/my-rl -o json
     """
-    from baseten_loops_cli.training.samples import read_samples, sample_lines
+    from baseten_loops_cli.training.experiments.samples import read_samples, sample_lines
 
     records = read_samples(run_dir, step=step, worst=worst)
     get_state(ctx).output.emit(records, text=[line for r in records for line in sample_lines(r)])

@@ -434,7 +434,7 @@ class Output:
         return CountBar(self.err_console if self.animate else None, label)
 
     def training_view(self):
-        """How a training run shows its steps (``training.metrics.TrainingView``): a Rich live
+        """How a training run shows its steps (``training.experiments.metrics.TrainingView``): a Rich live
         view (progress bar, ETA, step line, sparkline) for a person at a terminal
         (:attr:`animate`); otherwise one plain line per step on stderr (none with -q), and with
         ``-o jsonl`` each step's record on stdout as it comes."""

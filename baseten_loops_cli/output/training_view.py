@@ -2,7 +2,7 @@
 TTY, JSON Lines on stdout with ``-o jsonl``. All human output goes to stderr.
 
 :meth:`Output.training_view` picks one (the sink owns every terminal decision); the training
-service drives it through ``training.metrics.MetricsSink`` (``start``, ``step``, ``message``,
+service drives it through ``training.experiments.metrics.MetricsSink`` (``start``, ``step``, ``message``,
 ``close``). What a step line shows besides the common columns is the kind's: ``fields`` are its
 ``training.kinds.StepField`` entries (key, label, spec, of, optional), read by attribute.
 """

@@ -1,7 +1,7 @@
 """What `loops eval` scores and which samplers serve it.
 
 :func:`candidates` turns checkpoint names (``RUN:NAME``, ids, ``bt://`` URIs, ``RUN:*``) and
-``--base`` into :class:`Candidate` rows (which training/evaluation.py scores). A
+``--base`` into :class:`Candidate` rows (which training/evaluation/scoring.py scores). A
 :class:`SamplerPool` opens a sampler for a row only on a cache miss:
 
 - a checkpoint of an active run: the run's paired sampler, pinned to it (``X-Checkpoint-Path``);

@@ -10,12 +10,14 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Generic, Literal, Mapping
+
+from typing_extensions import TypeVar  # a TypeVar default (PEP 696): typing has it from 3.13
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError, ExitCode, UsageError
-from baseten_loops_cli.training.formats.spec import SOURCE_TAGS
+from baseten_loops_cli.training.data.formats.spec import SOURCE_TAGS, EvalSources, FormatOptions, Sources
 
 
 # The keys of every kind that name files (relative to the config file); each kind adds its own
@@ -64,6 +66,23 @@ def _kinds_text() -> str:
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainData(Section, FormatOptions):
+    """``data:`` of the kinds that train on rows (sft, dpo, kto): the training rows, the held-out
+    ones, whether to shuffle."""
+
+    train: Sources
+    eval: EvalSources | None = None
+    shuffle: bool = True
+
+
+class PromptsData(Section, FormatOptions):
+    """``data:`` of the kinds that sample from prompts (rl, distill)."""
+
+    prompts: Sources
+    eval_prompts: EvalSources | None = None
+    shuffle: bool = True
 
 
 class OptimizerConfig(Section):
@@ -126,7 +145,7 @@ class PricingConfig(Section):
 
 
 class JudgeConfig(Section):
-    """``reward: {fn: judge, judge: {...}}``: a grader model scores replies (training/judge.py).
+    """``reward: {fn: judge, judge: {...}}``: a grader model scores replies (training/rewards/judge.py).
     The grader is ``url:`` an OpenAI-compatible endpoint (``model:`` then names its model), or,
     without ``url``, ``model:`` a Loops sampler checkpoint (``RUN:NAME``, ``bt://...``) or a base
     model, served by a sampler of the run's backend."""
@@ -170,7 +189,7 @@ class JudgeConfig(Section):
     @field_validator("rubric")
     @classmethod
     def _rubric_fields(cls, value: str, info: Any) -> str:
-        from baseten_loops_cli.training.judge import check_rubric
+        from baseten_loops_cli.training.rewards.judge import check_rubric
 
         check_rubric(value, info.data.get("mode", "single"))
         return value
@@ -290,10 +309,16 @@ class CommonConfig(Section):
         return data
 
 
-class LoadedConfig:
+# The config model of one kind (kinds/NAME.py's NAMEConfig): what LoadedConfig, TrainingSession
+# and StepHooks carry, so a kind's hooks read their own keys with their types (covariant: they only
+# read it, so a TrainingSession[RLConfig] is a TrainingSession).
+ConfigT = TypeVar("ConfigT", bound=CommonConfig, default=CommonConfig, covariant=True)
+
+
+class LoadedConfig(Generic[ConfigT]):
     """A validated config plus where it came from (paths in it are relative to its folder)."""
 
-    def __init__(self, config: CommonConfig, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
+    def __init__(self, config: ConfigT, path: Path, raw: dict, lines: dict[tuple, int] | None = None,
                  overrides: dict[tuple, str] | None = None):
         self.config = config
         self.path = path
@@ -524,7 +549,7 @@ def config_error(message: str, fix: str | None = None) -> Exception:
 def _missing_data_files(raw: dict, lines: dict[tuple, int], base_dir: Path,
                         overrides: dict[tuple, str] | None = None) -> list[Problem]:
     """A data path that does not exist, reported at the line of its key (not later, at load)."""
-    from baseten_loops_cli.training.formats.spec import path_problem, source_paths
+    from baseten_loops_cli.training.data.formats.spec import path_problem, source_paths
 
     problems = []
     for loc in data_path_keys(raw["kind"]):
@@ -578,7 +603,7 @@ def _paths_from_here(raw: dict, applied: dict[tuple, str]) -> None:
     made absolute here, before the rest (written relative to the config's folder) is resolved
     against the config."""
     from baseten_loops_cli.settings.model_files import looks_like_path
-    from baseten_loops_cli.training.formats.spec import absolute_sources
+    from baseten_loops_cli.training.data.formats.spec import absolute_sources
 
     def here(value: str) -> Path:
         return Path(value).expanduser().absolute()

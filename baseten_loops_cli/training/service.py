@@ -8,7 +8,7 @@ checkpoint saved when a reward breaks, state.json, deactivation, the summary and
 calibration record.
 
 Nothing here prints or imports ``cli``/``output``: people hear about a run through the
-``announce`` callable (one line each) and the :class:`~training.metrics.TrainingView` the caller
+``announce`` callable (one line each) and the :class:`~training.experiments.metrics.TrainingView` the caller
 supplies (the steps); asking before billable capacity is provisioned is the caller's
 (``backend.capabilities.billable``).
 
@@ -31,7 +31,7 @@ from baseten_loops_cli.errors import InterruptedByUser, LoopsError, UsageError
 from baseten_loops_cli.training.config import LoadedConfig
 from baseten_loops_cli.training.kinds import LoadedData
 from baseten_loops_cli.training.plan import Plan
-from baseten_loops_cli.training.rundir import RunDir
+from baseten_loops_cli.training.experiments.rundir import RunDir
 
 Announce = Callable[[str], None]
 
@@ -118,7 +118,7 @@ class ResumeTarget:
 def load(config: Path, overrides: list[str] | None = None) -> LoadedConfig:
     """Load and validate a config, including that its data files exist."""
     from baseten_loops_cli.training.config import load_config
-    from baseten_loops_cli.training.trackers import check_installed
+    from baseten_loops_cli.training.experiments.trackers import check_installed
 
     loaded = load_config(config, overrides or [], check_files=True)
     check_installed(loaded.config.logging.trackers)
@@ -142,7 +142,7 @@ def check_on_backend(client: Any, loaded: LoadedConfig) -> list[str]:
             continue
         # A grader must answer and take its key (a URL), or exist on the backend (a checkpoint,
         # a base model it serves), before capacity is provisioned.
-        from baseten_loops_cli.training.judge import Judge
+        from baseten_loops_cli.training.rewards.judge import Judge
 
         keys = (kind.reward_key, index, "judge") if isinstance(reward, list) else (kind.reward_key, "judge")
         Judge(spec.judge, where=f"{loaded.where(*keys)}: {kind.reward_key}.judge").check(client)
@@ -246,7 +246,7 @@ def open_run_dir(run_dir: Path) -> ResumeTarget:
         raise UsageError(f"{run_dir} is not a run directory ({what})", hint="Pass the --run-dir of `loops train run`.")
     state = rundir.read_state()
     loaded = load_config(rundir.config_file)
-    from baseten_loops_cli.training.trackers import check_installed
+    from baseten_loops_cli.training.experiments.trackers import check_installed
 
     check_installed(loaded.config.logging.trackers)
     return ResumeTarget(rundir, loaded, state)
@@ -270,7 +270,7 @@ def summary_of(rundir: RunDir, run_id: str | None, kind: str, status: str, *, de
     """The summary of a run directory as its metrics and checkpoints record it."""
     from baseten_loops_cli.training import kinds
 
-    from baseten_loops_cli.training.judge import usage_of_records
+    from baseten_loops_cli.training.rewards.judge import usage_of_records
 
     records = rundir.metrics()
     metrics = [r for r in records if not r.get("final")]
@@ -323,7 +323,7 @@ def absolute_raw(loaded: LoadedConfig) -> dict:
 
     from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.config import data_path_keys
-    from baseten_loops_cli.training.formats.spec import absolute_sources
+    from baseten_loops_cli.training.data.formats.spec import absolute_sources
 
     raw = copy.deepcopy(loaded.raw)
     for section, key in data_path_keys(loaded.config.kind):
@@ -357,7 +357,7 @@ def _execute(backend: "Connected", loaded: LoadedConfig, data: LoadedData, rundi
     """:func:`_train` with the run directory held by this process (its .lock): a second `train
     resume` of the same directory (a sweep's resume while a killed sweep's run still stops) is
     refused instead of replaying the other's steps."""
-    from baseten_loops_cli.training.rundir import RunDirBusy
+    from baseten_loops_cli.training.experiments.rundir import RunDirBusy
 
     try:
         rundir.acquire()
@@ -378,11 +378,11 @@ def _train(backend: "Connected", loaded: LoadedConfig, data: LoadedData, rundir:
     is left billing.
     """
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training import loop as train_loop
-    from baseten_loops_cli.training.metrics import MetricsSink, open_wandb
-    from baseten_loops_cli.training.rewards import RewardError
+    from baseten_loops_cli.training.loop import core as train_loop
+    from baseten_loops_cli.training.experiments.metrics import MetricsSink, open_wandb
+    from baseten_loops_cli.training.rewards.builtins import RewardError
     from baseten_loops_cli.training.session import StopRequested, open_session, save_checkpoint
-    from baseten_loops_cli.training.trackers import open_trackers
+    from baseten_loops_cli.training.experiments.trackers import open_trackers
 
     kind = kinds.of(loaded.config)
     resume_cmd = f"loops train resume {rundir.path}"

@@ -12,14 +12,14 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Generic
 
 if TYPE_CHECKING:
     from baseten_loops_cli.services import Connected  # the backend: cli._backend.Backend is one
 
 from baseten_loops_cli.errors import LoopsError
-from baseten_loops_cli.training.config import CommonConfig, LoadedConfig
-from baseten_loops_cli.training.rundir import RunDir
+from baseten_loops_cli.training.config import CommonConfig, ConfigT, LoadedConfig
+from baseten_loops_cli.training.experiments.rundir import RunDir
 
 
 def learning_rate(opt: Any, step: int, total_steps: int) -> float:
@@ -80,10 +80,10 @@ SAMPLE_TIMEOUT_S = 1800.0
 
 
 @dataclass
-class TrainingSession:
+class TrainingSession(Generic[ConfigT]):
     """A connected run: control-plane client, trainer, sampler, and where to resume from."""
 
-    loaded: LoadedConfig
+    loaded: LoadedConfig[ConfigT]
     rundir: RunDir
     client: Any  # api.client.LoopsClient
     api_key: str
@@ -95,7 +95,7 @@ class TrainingSession:
     _model_samplers: dict = field(default_factory=dict, repr=False)  # base model -> standalone sampler
 
     @property
-    def config(self) -> CommonConfig:
+    def config(self) -> ConfigT:
         return self.loaded.config
 
     @property
@@ -247,7 +247,7 @@ def open_session(
 
 def save_if_stopped(session: TrainingSession, stop: StopRequested, step: int, pipeline: Any = None) -> bool:
     """Ctrl-C, checked between steps and after the last one: once a stop is requested, collect
-    the steps in flight (``pipeline``, a training.pipeline.StepPipeline) and save the resume
+    the steps in flight (``pipeline``, a training.loop.pipeline.StepPipeline) and save the resume
     point at ``step``. True: the loop returns "interrupted" (exit 130; ``loops train resume``
     continues exactly once, after the last step only with the final eval and checkpoint)."""
     if not stop.requested:

@@ -40,6 +40,13 @@ logging:
 """
 
 
+# The batch of the kinds that sample groups from prompts (rl, distill), after COMMON.
+GROUPS = """\
+batch_size: 8                   # unused: groups_per_batch sets the batch
+group_size: 4                   # completions sampled per prompt
+groups_per_batch: 8             # prompts per step
+"""
+
 def template(kind: str) -> str:
     """The commented config `loops train init --kind KIND` writes."""
     from baseten_loops_cli.training import kinds

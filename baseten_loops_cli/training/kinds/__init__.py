@@ -2,7 +2,7 @@
 
 A kind is one module here (``sft.py``, ``rl.py``, ``dpo.py``, ``kto.py``, ``distill.py``) that ends with ``KIND = Kind(...)``:
 its config model (the pydantic class of the whole config, built on ``config.CommonConfig``), its
-data loading, its plan estimate, its hooks into the one training loop (``training/loop.py``:
+data loading, its plan estimate, its hooks into the one training loop (``training/loop/core.py``:
 the step's datums and loss, its record fields, its eval), its main metric and step fields, its ``train init``
 template, the config keys that name data files, and how its ``eval:`` task is built. Nothing
 outside this package asks which kind a config is: config loading, plans, the training service,
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from baseten_loops_cli.api.client import LoopsClient
     from baseten_loops_cli.training.config import LoadedConfig
-    from baseten_loops_cli.training.loop import StepHooks
+    from baseten_loops_cli.training.loop.core import StepHooks
 
 # kind -> the module that defines it (its KIND), in the order messages list them.
 _BUILTIN = {
@@ -80,7 +80,7 @@ class EvalTaskMaker(Protocol):
     """``Kind.eval_task``: the evaluation task of a config's rows in ``data`` (a file's path or
     the data layer's spec); returns an ``evaluation.EvalTask``."""
 
-    def __call__(self, loaded: "LoadedConfig", data: Any, *, limit: int | None = None, seed: int | None = None,
+    def __call__(self, loaded: "LoadedConfig[Any]", data: Any, *, limit: int | None = None, seed: int | None = None,
                  samples: int | None = None, k: int | None = None) -> Any: ...
 
 
@@ -95,7 +95,7 @@ class RewardTester(Protocol):
     """``Kind.reward_test`` (`loops reward test`): ``rows`` samples.jsonl records; ``new_sampler()``
     opens a base-model sampler, ``serving`` (client, api_key, new_model_sampler_client) serves judges."""
 
-    def __call__(self, loaded: "LoadedConfig", data: LoadedData, new_sampler: Callable[[], Any], rows: int,
+    def __call__(self, loaded: "LoadedConfig[Any]", data: LoadedData, new_sampler: Callable[[], Any], rows: int,
                  serving: Any = None) -> list[dict]: ...
 
 
@@ -109,13 +109,14 @@ class Kind:
     main_metric: str  # what the summary reports first/last of and plots by default
     metric_names: tuple[str, ...]  # the per-step numbers its records carry
     step_fields: tuple[StepField, ...]  # the progress line's kind-specific part
-    data_path_keys: tuple[tuple[str, str], ...]  # config keys naming data files (relative to the config)
     template: Callable[[], str]  # `loops train init --kind NAME`
     load_data: Callable[["LoadedConfig", Any], LoadedData]  # (loaded, tokenizer): every row checked
     estimate: Callable[[Any, LoadedData], Estimate]  # (config, data)
-    hooks: type["StepHooks"]  # its part of the one training loop (training/loop.py), made with (session, data)
+    hooks: type["StepHooks[Any]"]  # each kind its own config model; its part of the one training loop (training/loop/core.py), made with (session, data)
     eval_data_key: tuple[str, str] | None = None  # the config key of the default eval data (`eval:` and `loops eval --config`)
     train_data_key: tuple[str, str] = ("data", "train")  # the config key of the training rows (what from_train holds out of)
+    # config keys naming data files (relative to the config); default: train_data_key and eval_data_key
+    data_path_keys: tuple[tuple[str, str], ...] = ()
     eval_task: EvalTaskMaker | None = None  # (loaded, data, *, limit, seed, samples, k) -> evaluation.EvalTask
     code_keys: tuple[tuple[str, ...], ...] = ()  # keys whose value may be path/to/file.py:function (RL: reward)
     reward_key: str | None = None  # the key of its reward(s) (RL, distill: reward): judges are checked before provisioning
@@ -128,6 +129,11 @@ class Kind:
     render_rows: RowRenderer | None = None  # (spec, tokenizer, *, max_seq_len, train_on) -> each row's sequences (.tokens, .weights)
     reward_test: RewardTester | None = None  # (loaded, data, new_sampler, rows, serving=): `loops reward test`
     title: str = ""  # how plans name it (default: NAME in capitals)
+
+    def __post_init__(self) -> None:
+        if not self.data_path_keys:
+            keys = tuple(key for key in (self.train_data_key, self.eval_data_key) if key is not None)
+            object.__setattr__(self, "data_path_keys", keys)
 
     @property
     def display_name(self) -> str:
@@ -211,7 +217,7 @@ def eval_task(loaded: "LoadedConfig", data: "Path | None" = None, *, limit: int 
 def data_specs(loaded: "LoadedConfig") -> tuple[Any, Any]:
     """The training and eval data of a config as the data layer reads them
     (``formats.DataSpec``: sources, mixture, hold-out), from the kind's data keys."""
-    from baseten_loops_cli.training.formats import data_specs as specs
+    from baseten_loops_cli.training.data.formats import data_specs as specs
 
     kind = of(loaded.config)
     return specs(loaded, kind.train_data_key, kind.eval_data_key)
@@ -220,7 +226,7 @@ def data_specs(loaded: "LoadedConfig") -> tuple[Any, Any]:
 def eval_source(loaded: "LoadedConfig", value: Any) -> Any:
     """What an eval scores for ``value`` (``eval.data`` or the kind's eval data): a file's path,
     or the data layer's spec of a hub dataset, a mixture or a hold-out of the training rows."""
-    from baseten_loops_cli.training.formats import eval_source as source
+    from baseten_loops_cli.training.data.formats import eval_source as source
 
     kind = of(loaded.config)
     return source(loaded, value, kind.train_data_key, kind.eval_data_key)

@@ -2,7 +2,7 @@
 
 Per step: publish the student's weights to its sampler, sample ``group_size`` completions for
 each of ``groups_per_batch`` prompts (with the sampler's logprobs), have the teacher score every
-completion (its prompt logprobs over prompt + completion, training/teacher.py), and train with
+completion (its prompt logprobs over prompt + completion, training/rewards/teacher.py), and train with
 the ``importance_sampling`` loss on the per-token advantage
 
     A_t = kl_coef * (logp_teacher(t) - logp_student(t))  [+ reward_weight * (reward - group mean)]
@@ -26,24 +26,17 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from baseten_loops_cli.training.config import CommonConfig, RewardConfig, SamplingConfig, Section
-from baseten_loops_cli.training.data import Prompt, rl_datum
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.config import CommonConfig, PromptsData, RewardConfig, SamplingConfig, Section
+from baseten_loops_cli.training.data.datums import Prompt, rl_datum
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.loop import Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
+from baseten_loops_cli.training.loop.core import Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
 from baseten_loops_cli.training.session import TrainingSession
-from baseten_loops_cli.training.templates import COMMON
-from baseten_loops_cli.training.teacher import (
+from baseten_loops_cli.training.templates import COMMON, GROUPS
+from baseten_loops_cli.training.rewards.teacher import (
     Endpoint, ServedModel, TeacherScores, ascore_with_sampler, check_same_tokenizer, is_checkpoint_ref,
 )  # fmt: skip
 
 LOSS = "importance_sampling"
-
-
-class DistillData(Section, FormatOptions):
-    prompts: Sources
-    eval_prompts: EvalSources | None = None
-    shuffle: bool = True
 
 
 class TeacherConfig(Section):
@@ -70,7 +63,7 @@ class TeacherConfig(Section):
 class DistillConfig(CommonConfig):
     SECTIONS = CommonConfig.SECTIONS + ("sampling",)
     kind: Literal["distill"]
-    data: DistillData
+    data: PromptsData
     teacher: TeacherConfig
     group_size: int = Field(4, ge=1)
     groups_per_batch: int = Field(8, ge=1)
@@ -94,7 +87,7 @@ class DistillConfig(CommonConfig):
 # ------------------------------------------------------------------ data, checks, estimate
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.data import load_prompts
+    from baseten_loops_cli.training.data.datums import load_prompts
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)  # any format and source, read by the data layer
@@ -103,7 +96,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
     evals = load_prompts(eval_spec, tokenizer, **kwargs) if eval_spec else None
     reward = None
     if config.reward is not None:
-        from baseten_loops_cli.training.rewards import build_reward
+        from baseten_loops_cli.training.rewards.builtins import build_reward
 
         reward = build_reward(config.reward, loaded.base_dir)
     teacher = config.teacher
@@ -158,7 +151,7 @@ def estimate(config, data: LoadedData) -> Estimate:
              f"the teacher ({where}) scores every sampled sequence: ~{sequences + evals:,} tokens"]
     judge = None
     if config.reward is not None:
-        from baseten_loops_cli.training.judge import plan_tokens
+        from baseten_loops_cli.training.rewards.judge import plan_tokens
 
         passes = [prompts_for_step(data.train, step, config) for step in range(steps)]
         if data.eval:  # before training, every eval_every steps and at the end: one reply per prompt
@@ -174,21 +167,27 @@ class Teacher:
     """Scores sequences for one run: opened once (a checkpoint's sampler may be started for it),
     closed at the end (a sampler it started is deactivated)."""
 
-    def __init__(self, session: TrainingSession):
+    def __init__(self, session: TrainingSession[DistillConfig]):
         self.session = session
         spec = session.config.teacher
-        self.endpoint = Endpoint(spec.url, spec.model, spec.api_key_env) if spec.url else None
-        self._served = ServedModel(session, spec.model) if self.endpoint is None else None
+        self.endpoint: Endpoint | None = None
+        self._served: ServedModel | None = None
+        if spec.url:
+            self.endpoint = Endpoint(spec.url, spec.model, spec.api_key_env)
+        else:
+            assert spec.model, "TeacherConfig._one_teacher: without a url, a model"
+            self._served = ServedModel(session, spec.model)
         self._model_name: str | None = None
 
     def clients(self) -> tuple[Any, Any]:
         """(client, pin) for one event loop."""
-        if self.endpoint is not None:
-            client = self.endpoint._client()
-            if self._model_name is None:
-                self._model_name = self.endpoint.model_name(client)
-            return client, None
-        return self._served.client()
+        if self._served is not None:
+            return self._served.client()
+        assert self.endpoint is not None  # __init__ opens one or the other
+        client = self.endpoint._client()
+        if self._model_name is None:
+            self._model_name = self.endpoint.model_name(client)
+        return client, None
 
     async def ascore(self, client: Any, pin: str | None, tokens: list[int], prompt_len: int) -> TeacherScores:
         if self.endpoint is not None:
@@ -221,9 +220,11 @@ def advantages(rollout: Rollout, kl_coef: float, reward_term: float = 0.0) -> li
 def datums_of(groups: list[list[Rollout]], config) -> tuple[list[dict], list[float]]:
     """The importance_sampling datums of a batch, and every token's reverse KL estimate
     (logp_student - logp_teacher)."""
-    datums, kl_terms = [], []
+    datums: list[dict] = []
+    kl_terms: list[float] = []
     for group in groups:
-        mean = statistics.fmean(r.reward for r in group) if group and group[0].reward is not None else 0.0
+        rewards = [r.reward for r in group if r.reward is not None]  # all or none: one reward scores the group
+        mean = statistics.fmean(rewards) if rewards else 0.0
         for r in group:
             if not r.tokens or r.teacher is None or len(r.logprobs) != len(r.tokens):
                 continue
@@ -233,10 +234,10 @@ def datums_of(groups: list[list[Rollout]], config) -> tuple[list[dict], list[flo
     return datums, kl_terms
 
 
-def sample_and_score(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward: tuple[str, Any] | None,
+def sample_and_score(session: TrainingSession[DistillConfig], teacher: Teacher, tokenizer: Any, reward: tuple[str, Any] | None,
                      prompts: list[Prompt], *, n: int, sampling: Any, seed: int, version: int | None) -> list[list[Rollout]]:
     """Sample ``n`` completions per prompt (all in flight), then have the teacher score each."""
-    from baseten_loops_cli.training.rewards import completion_text, score
+    from baseten_loops_cli.training.rewards.builtins import completion_text, score
 
     async def gather() -> list[list[Rollout]]:
         sampler = session.new_sampler_client()
@@ -273,15 +274,15 @@ def sample_and_score(session: TrainingSession, teacher: Teacher, tokenizer: Any,
     return asyncio.run(gather())
 
 
-def evaluate(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward, prompts: list[Prompt], config,
+def evaluate(session: TrainingSession[DistillConfig], teacher: Teacher, tokenizer: Any, reward, prompts: list[Prompt], config,
              version: int | None) -> dict:
     """The student's greedy answers to the eval prompts, scored by the teacher."""
     greedy = config.sampling.model_copy(update={"temperature": 0.0})
     groups = sample_and_score(session, teacher, tokenizer, reward, prompts, n=1, sampling=greedy,
                               seed=config.seed + 7, version=version)  # fmt: skip
-    rollouts = [r for g in groups for r in g if r.teacher is not None]
-    kl = [s - t for r in rollouts for s, t in zip(r.logprobs, r.teacher.logprobs)]
-    agree = [a for r in rollouts if r.teacher.agrees is not None for a in r.teacher.agrees]
+    scored = [(r, r.teacher) for g in groups for r in g if r.teacher is not None]
+    kl = [s - t for r, teacher in scored for s, t in zip(r.logprobs, teacher.logprobs)]
+    agree = [a for _, teacher in scored if teacher.agrees is not None for a in teacher.agrees]
     out = {"eval_reverse_kl": statistics.fmean(kl) if kl else float("nan"),
            "eval_teacher_agreement": statistics.fmean(agree) if agree else float("nan")}
     rewards = [r.reward for g in groups for r in g if r.reward is not None]
@@ -291,7 +292,7 @@ def evaluate(session: TrainingSession, teacher: Teacher, tokenizer: Any, reward,
     return out
 
 
-class DistillSteps(StepHooks):
+class DistillSteps(StepHooks[DistillConfig]):
     """Per step: the student samples ``group_size`` completions of each prompt with its current
     weights, the teacher scores every token, and the datums carry the per-token advantage."""
 
@@ -303,7 +304,7 @@ class DistillSteps(StepHooks):
         return self.config.groups_per_batch
 
     def begin(self, loop: Loop) -> None:
-        from baseten_loops_cli.training.judge import JudgeMeter
+        from baseten_loops_cli.training.rewards.judge import JudgeMeter
 
         reward = self.data.reward
         self.teacher = Teacher(self.session)
@@ -361,11 +362,7 @@ TEMPLATE = """\
 # loops on-policy distillation config: the student samples, the teacher scores every token.
 # Check it with `loops train validate FILE`.
 kind: distill
-""" + COMMON + """
-batch_size: 8                   # unused by distill; groups_per_batch sets the batch
-group_size: 4                   # completions sampled per prompt
-groups_per_batch: 8             # prompts per step
-
+""" + COMMON + GROUPS + """
 data:
   prompts: data/prompts.jsonl   # JSONL: {{"prompt": "..."}} (or "messages"; "answer" for a reward)
   # eval_prompts: data/eval_prompts.jsonl   # teacher agreement on held-out prompts
@@ -397,7 +394,6 @@ KIND = Kind(
         StepField("reward", "reward", ".3f", optional=True),
         StepField("eval_teacher_agreement", "agree", ".0%", optional=True),
     ),
-    data_path_keys=(("data", "prompts"), ("data", "eval_prompts")),
     train_data_key=("data", "prompts"),
     eval_data_key=("data", "eval_prompts"),
     row_purpose="prompts",

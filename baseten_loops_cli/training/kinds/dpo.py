@@ -1,13 +1,13 @@
 """Preference tuning (``kind: dpo``): pairs of a chosen and a rejected reply, trained with one of
-the paired preference losses (``loss: dpo | ipo | simpo | orpo``, training/preference_losses.py).
+the paired preference losses (``loss: dpo | ipo | simpo | orpo``, training/losses/preference_losses.py).
 
 Before step 1, every sequence (each pair's chosen and rejected conversation, train and eval) is
-scored once by the reference policy (training/preference.py, shared with KTO: kept in
+scored once by the reference policy (training/loop/preference.py, shared with KTO: kept in
 ``reference_logprobs.jsonl`` and reused on resume).
 
 The reference-free losses (``simpo``, ``orpo``: not in ``NEEDS_REFERENCE``) skip that pass.
 
-Per step (:class:`DPOSteps`, in the one loop of training/loop.py): the batch's pairs as
+Per step (:class:`DPOSteps`, in the one loop of training/loop/core.py): the batch's pairs as
 interleaved (chosen, rejected) datums. ``loss: dpo`` sends them to ``forward_backward`` with the protocol's ``dpo`` loss
 (``beta``, ``label_smoothing``); the other losses take the SDK's custom-loss path
 (``preference_losses.submit_custom_loss``: ``/forward`` for the logprobs, the loss and its
@@ -25,14 +25,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from baseten_loops_cli.training import preference_losses as pl
-from baseten_loops_cli.training.config import CommonConfig, Section, config_error
-from baseten_loops_cli.training.data import PreferencePair, batches_for_step
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
-from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.loop import CustomLoss, ProtocolLoss, StepWork, Waiter, total_steps
-from baseten_loops_cli.training.preference import (
-    PreferenceSteps, check_reference, param_error, reference_value, rows_to_train, sequence_datum, sequence_key,
+from baseten_loops_cli.training.losses import preference_losses as pl
+from baseten_loops_cli.training.config import CommonConfig, TrainData, config_error
+from baseten_loops_cli.training.data.datums import PreferencePair, batches_for_step
+from baseten_loops_cli.training.kinds import Estimate, LoadedData, StepField
+from baseten_loops_cli.training.loop.core import CustomLoss, ProtocolLoss, StepWork, Waiter, total_steps
+from baseten_loops_cli.training.loop.preference import (
+    PreferenceSteps, preference_kind, param_error, param_key, reference_value, rows_to_train, sequence_datum, sequence_key,
 )  # fmt: skip
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
@@ -45,17 +44,11 @@ TIE_NATS = pl.TIE_NATS
 __all__ = ["KIND", "DPOConfig", "DPOSteps", "evaluate", "preference_metrics", "rows_to_train", "sequence_key"]
 
 
-class DPOData(Section, FormatOptions):
-    train: Sources
-    eval: EvalSources | None = None
-    shuffle: bool = True
-
-
 class DPOConfig(CommonConfig):
     kind: Literal["dpo"]
-    data: DPOData
+    data: TrainData
     # `loss` comes before its parameters: their validators read it (a bad loss: they are skipped).
-    loss: str = Field("dpo", description="dpo | ipo | simpo | orpo (training/preference_losses.py).")
+    loss: str = Field("dpo", description="dpo | ipo | simpo | orpo (training/losses/preference_losses.py).")
     beta: float | None = Field(None, description="dpo, ipo: how far the policy may move from the reference (default 0.1); simpo: the reward scale (default 2.0).")
     label_smoothing: float | None = Field(None, description="dpo: assumed fraction of flipped labels, in [0, 0.5) (default 0).")
     gamma: float | None = Field(None, description="simpo: the target reward margin (default 1.0).")
@@ -82,7 +75,7 @@ class DPOConfig(CommonConfig):
         loss = info.data.get("loss")
         if value is None or loss is None:
             return value
-        error = param_error(loss, "lambda" if info.field_name == "lambda_" else info.field_name, value)
+        error = param_error(loss, param_key(info), value)
         if error is not None:
             raise error
         return value
@@ -113,8 +106,8 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
     """Rows of any preference format and source (the data layer reads them), as chosen/rejected
     pairs (``data.load_preference_pairs``: every row checked, an unpaired KTO row named as such)."""
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.data import load_preference_pairs
-    from baseten_loops_cli.training.formats import data_notes
+    from baseten_loops_cli.training.data.datums import load_preference_pairs
+    from baseten_loops_cli.training.data.formats import data_notes
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)
@@ -125,7 +118,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 
 def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
     """Each row as the loop trains it (`loops data check|preview`): its chosen and rejected sequences."""
-    from baseten_loops_cli.training.data import load_preference_pairs
+    from baseten_loops_cli.training.data.datums import load_preference_pairs
 
     return [[p.chosen, p.rejected] for p in load_preference_pairs(spec, tokenizer, max_seq_len=max_seq_len)]
 
@@ -206,13 +199,13 @@ def preference_metrics(datums: list[dict], outputs: list[dict], beta: float, lab
     }
 
 
-def evaluate(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> dict:
+def evaluate(session: TrainingSession[DPOConfig], pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> dict:
     """The eval split's metrics under the current policy (``forward``: no gradient), prefixed
     ``eval_``."""
     return submit_eval(session, pairs, scores)()
 
 
-def submit_eval(session: TrainingSession, pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> Waiter:
+def submit_eval(session: TrainingSession[DPOConfig], pairs: list[PreferencePair], scores: dict[str, list[float]] | None) -> Waiter:
     """Submit :func:`evaluate`'s ``forward`` passes now; the returned function waits for them
     (a pipelined loop submits them right behind a step's ``optim_step``). ``loss: dpo`` scores
     with the protocol's ``dpo`` loss, the others with the custom-loss path's ``/forward``
@@ -245,9 +238,12 @@ def submit_eval(session: TrainingSession, pairs: list[PreferencePair], scores: d
 
 
 # ------------------------------------------------------------------ the kind's part of the loop
-class DPOSteps(PreferenceSteps):
+class DPOSteps(PreferenceSteps[DPOConfig]):
     """Per step: the batch's pairs as interleaved (chosen, rejected) datums, trained with the
     protocol's ``dpo`` loss or on the custom-loss path (every other paired loss)."""
+
+    def reference(self) -> str | None:
+        return self.config.reference if self.config.needs_reference else None
 
     def sequences(self, row: PreferencePair) -> list:
         return [row.chosen, row.rejected]
@@ -296,11 +292,10 @@ loss: dpo                       # dpo | ipo (noisy labels) | simpo | orpo (both 
 reference: base                 # dpo, ipo: base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
 """
 
-KIND = Kind(
+KIND = preference_kind(
     name="dpo",
     config_model=DPOConfig,
     noun="pairs",
-    main_metric="loss",
     metric_names=("loss", "reward_margin", "preference_accuracy", "chosen_reward", "rejected_reward", "pairs",
                   "nll_loss", "log_odds_ratio",  # orpo
                   "eval_loss", "eval_reward_margin", "eval_preference_accuracy", "eval_chosen_reward",
@@ -312,15 +307,10 @@ KIND = Kind(
         StepField("eval_loss", "eval_loss", optional=True),
         StepField("eval_preference_accuracy", "eval_pref_acc", ".0%", optional=True),
     ),
-    data_path_keys=(("data", "train"), ("data", "eval")),
     template=lambda: TEMPLATE.format(name="my-dpo", lr="5.0e-5", schedule="linear"),
     load_data=load_data,
     estimate=estimate,
     hooks=DPOSteps,
-    eval_data_key=("data", "eval"),
-    eval_task=None,  # pairs are not rows `loops eval` scores (no `eval:` block)
-    capabilities_use_case="rl",  # the capabilities API knows sft and rl; DPO needs a sampler as RL does
-    check=check_reference,
     row_purpose="preference",
     row_formats=("preference",),
     row_sides=("chosen", "rejected"),

@@ -12,7 +12,7 @@ sequences (``preference.reference_scores``: kept in ``reference_logprobs.jsonl``
 Per step, the SDK's custom-loss path (``preference_losses.submit_custom_loss``): one ``/forward``
 of the batch's examples and their KL sequences, the KTO loss and its gradient in closed form on
 the client, then a weighted ``cross_entropy`` ``/forward_backward`` of the examples only (no
-gradient through ``z0``), and ``optim_step``, in the one loop of training/loop.py (:class:`KTOSteps`). Metrics: ``loss``, ``desirable_reward`` / ``undesirable_reward``
+gradient through ``z0``), and ``optim_step``, in the one loop of training/loop/core.py (:class:`KTOSteps`). Metrics: ``loss``, ``desirable_reward`` / ``undesirable_reward``
 (``beta`` times the log-ratio, means over each label), ``reward_margin`` (their difference) and
 ``kl_estimate``, with ``eval_`` twins on ``data.eval``.
 """
@@ -24,14 +24,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from baseten_loops_cli.training import preference_losses as pl
-from baseten_loops_cli.training.config import CommonConfig, Section, config_error
-from baseten_loops_cli.training.data import Example, batches_for_step
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
-from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.loop import CustomLoss, StepWork, Waiter, total_steps
-from baseten_loops_cli.training.preference import (
-    PreferenceSteps, check_reference, param_error, reference_value, rows_to_train, sequence_datum,
+from baseten_loops_cli.training.losses import preference_losses as pl
+from baseten_loops_cli.training.config import CommonConfig, TrainData, config_error
+from baseten_loops_cli.training.data.datums import Example, batches_for_step
+from baseten_loops_cli.training.kinds import Estimate, LoadedData, StepField
+from baseten_loops_cli.training.loop.core import CustomLoss, StepWork, Waiter, total_steps
+from baseten_loops_cli.training.loop.preference import (
+    PreferenceSteps, preference_kind, param_error, param_key, reference_value, rows_to_train, sequence_datum,
 )  # fmt: skip
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
@@ -39,15 +38,9 @@ from baseten_loops_cli.training.templates import COMMON
 __all__ = ["KIND", "KTOConfig", "KTOItem", "KTOSteps", "read_examples"]
 
 
-class KTOData(Section, FormatOptions):
-    train: Sources
-    eval: EvalSources | None = None
-    shuffle: bool = True
-
-
 class KTOConfig(CommonConfig):
     kind: Literal["kto"]
-    data: KTOData
+    data: TrainData
     loss: str = Field("kto", description="Always kto (the paired losses are kind: dpo's).")
     beta: float | None = Field(None, description="How far the policy may move from the reference (default 0.1).")
     desirable_weight: float | None = Field(None, description="lambda_D: the weight of desirable (label true) rows (default 1.0).")
@@ -74,8 +67,7 @@ class KTOConfig(CommonConfig):
     @field_validator("beta", "desirable_weight", "undesirable_weight", "label_smoothing", "gamma", "lambda_")
     @classmethod
     def _loss_parameter(cls, value: float | None, info: ValidationInfo) -> float | None:
-        key = "lambda" if info.field_name == "lambda_" else info.field_name
-        error = param_error("kto", key, value) if value is not None else None
+        error = param_error("kto", param_key(info), value) if value is not None else None
         if error is not None:
             raise error
         return value
@@ -110,7 +102,7 @@ def read_examples(spec: Any, tokenizer: Any, *, max_seq_len: int) -> list[KTOIte
     data layer reads, checked (file:line: a paired row, a missing or non-boolean label, only one
     label in the split, too long) and rendered, each with its KL sequence. The one function of
     this kind that reads data."""
-    from baseten_loops_cli.training.kto_data import kl_examples, load_kto_examples
+    from baseten_loops_cli.training.data.kto_rows import kl_examples, load_kto_examples
 
     examples = load_kto_examples(spec, tokenizer, max_seq_len=max_seq_len)
     kls = kl_examples(examples, tokenizer, max_seq_len=max_seq_len)
@@ -119,7 +111,7 @@ def read_examples(spec: Any, tokenizer: Any, *, max_seq_len: int) -> list[KTOIte
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.formats import data_notes
+    from baseten_loops_cli.training.data.formats import data_notes
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)
@@ -131,7 +123,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
     """Each row as the loop trains it (`loops data check|preview`): its completion with its
     prompt (the KL sequences pair rows with each other, so a row alone has none)."""
-    from baseten_loops_cli.training.kto_data import load_kto_examples
+    from baseten_loops_cli.training.data.kto_rows import load_kto_examples
 
     return [[e.example] for e in load_kto_examples(spec, tokenizer, max_seq_len=max_seq_len, check_labels=False)]
 
@@ -167,7 +159,7 @@ def _datums(items: list[KTOItem], scores: dict[str, list[float]] | None) -> tupl
             [item.label for item in items])
 
 
-def submit_eval(session: TrainingSession, items: list[KTOItem], scores: dict[str, list[float]] | None) -> Waiter:
+def submit_eval(session: TrainingSession[KTOConfig], items: list[KTOItem], scores: dict[str, list[float]] | None) -> Waiter:
     """Submit the eval split's ``/forward`` passes (examples and KL sequences) now; the returned
     function waits for them and gives the KTO metrics of the whole split, prefixed ``eval_``."""
     config = session.config
@@ -191,9 +183,12 @@ def submit_eval(session: TrainingSession, items: list[KTOItem], scores: dict[str
     return metrics
 
 
-class KTOSteps(PreferenceSteps):
+class KTOSteps(PreferenceSteps[KTOConfig]):
     """Per step, the custom-loss path: the batch's examples trained, their KL sequences scored
     in the same ``/forward`` (no gradient through ``z0``)."""
+
+    def reference(self) -> str | None:
+        return self.config.reference if self.config.needs_reference else None
 
     def sequences(self, row: KTOItem) -> list:
         return [row.example, row.kl]
@@ -236,11 +231,10 @@ undesirable_weight: 1.0         #   in [1, 4/3] (the KTO paper; the plan notes i
 reference: base                 # base | bt://loops:<run_id>/sampler_weights/<name> (e.g. your SFT run's final)
 """
 
-KIND = Kind(
+KIND = preference_kind(
     name="kto",
     config_model=KTOConfig,
     noun="examples",
-    main_metric="loss",
     metric_names=("loss", "reward_margin", "desirable_reward", "undesirable_reward", "kl_estimate", "examples",
                   "desirable", "eval_loss", "eval_reward_margin", "eval_desirable_reward", "eval_undesirable_reward",
                   "eval_kl_estimate"),
@@ -251,15 +245,10 @@ KIND = Kind(
         StepField("eval_loss", "eval_loss", optional=True),
         StepField("eval_reward_margin", "eval_margin", ".3f", optional=True),
     ),
-    data_path_keys=(("data", "train"), ("data", "eval")),
     template=lambda: TEMPLATE.format(name="my-kto", lr="5.0e-5", schedule="linear"),
     load_data=load_data,
     estimate=estimate,
     hooks=KTOSteps,
-    eval_data_key=("data", "eval"),
-    eval_task=None,  # labelled completions are not rows `loops eval` scores (no `eval:` block)
-    capabilities_use_case="rl",  # needs a sampler (the reference) as DPO does
-    check=check_reference,
     row_purpose="unpaired",
     row_formats=("unpaired_preference",),
     render_rows=render_rows,

@@ -6,7 +6,7 @@ advantage = reward - group mean, drop groups whose rewards are all equal (no sig
 datums carrying the sampler's logprobs, then ``forward_backward`` with the configured loss and
 ``optim_step``.
 
-The loop (training/loop.py) drives it through :class:`RLSteps`: ``gather`` (the rollouts),
+The loop (training/loop/core.py) drives it through :class:`RLSteps`: ``gather`` (the rollouts),
 ``advantages`` (the datums) and ``loss`` are the three hooks an RL algorithm overrides.
 
 ``max_steps_off_policy: 0`` is synchronous (sample with the weights of this very step).
@@ -17,40 +17,30 @@ is resampled, never trained on.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from baseten_loops_cli.errors import ConfigError
-from baseten_loops_cli.training import rl_algorithms as algos
-from baseten_loops_cli.training.config import CommonConfig, LossConfig, RewardConfig, SamplingConfig, Section
-from baseten_loops_cli.training.data import Prompt, rl_datum
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.losses import rl_algorithms as algos
+from baseten_loops_cli.training.config import CommonConfig, LoadedConfig, LossConfig, PromptsData, RewardConfig, SamplingConfig
+from baseten_loops_cli.training.data.datums import Prompt, rl_datum
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.rewards import completion_text
-from baseten_loops_cli.training.loop import CustomLoss, Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
-from baseten_loops_cli.training.session import TrainingSession
-from baseten_loops_cli.training.templates import COMMON
+from baseten_loops_cli.training.kinds.rl_rollouts import Batch, Rollout, Rollouts
+from baseten_loops_cli.training.loop.core import CustomLoss, Loop, ProtocolLoss, StepHooks, StepWork, Waiter, step_rows, total_steps
+from baseten_loops_cli.training.templates import COMMON, GROUPS
 
 # Builtin rewards that compare against the row's "answer": a row without one fails at load time.
 ANSWER_REWARDS = ("exact_match", "numeric_match", "contains", "starts_with")
 
 
-class RLData(Section, FormatOptions):
-    prompts: Sources
-    eval_prompts: EvalSources | None = None
-    shuffle: bool = True
-
-
 class RLConfig(CommonConfig):
     SECTIONS = CommonConfig.SECTIONS + ("loss", "sampling")
     kind: Literal["rl"]
-    data: RLData
+    data: PromptsData
     reward: RewardConfig | list[RewardConfig] | None  # required unless `env:` is given (see _reward_optional_with_env)
     env: str | None = Field(None, description="path/to/file.py:ClassName: a multi-turn environment, one episode per row.")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor.")
@@ -67,9 +57,9 @@ class RLConfig(CommonConfig):
     kl_penalty_coef: float = Field(0.0, ge=0, description="KL penalty against the base model (0 = off).")
     max_steps_off_policy: int = Field(0, ge=0, description="0 = synchronous; N >= 1 = async with that staleness bound.")
     pass_threshold: float = Field(1.0, description="A rollout passes when its reward is at least this.")
-    # The RL algorithm's pieces (training/rl_algorithms.py, docs/rl-algorithms.md); `algorithm:`
+    # The RL algorithm's pieces (training/losses/rl_algorithms.py, docs/rl-algorithms.md); `algorithm:`
     # is a preset that fills them in under the keys the config sets itself (_expand_algorithm).
-    algorithm: Literal[algos.ALGORITHMS] | None = Field(None, description="A preset: " + ", ".join(algos.ALGORITHMS) + ".")
+    algorithm: algos.AlgorithmName | None = Field(None, description="A preset: " + ", ".join(algos.ALGORITHMS) + ".")
     advantage: algos.AdvantageConfig = Field(default_factory=algos.AdvantageConfig)
     overlong: algos.OverlongConfig | None = Field(None, description="DAPO's soft overlong reward shaping (off unless set).")
     dynamic_sampling: algos.DynamicSamplingConfig | None = Field(
@@ -116,9 +106,9 @@ class RLConfig(CommonConfig):
 
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.data import load_prompts
-    from baseten_loops_cli.training.formats import data_notes
-    from baseten_loops_cli.training.rewards import build_rewards
+    from baseten_loops_cli.training.data.datums import load_prompts
+    from baseten_loops_cli.training.data.formats import data_notes
+    from baseten_loops_cli.training.rewards.builtins import build_rewards
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)  # any format and source, read by the data layer
@@ -128,7 +118,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
     evals = load(eval_spec, tokenizer, **kwargs) if eval_spec else None
     reward = build_rewards(config.reward, loaded.base_dir) if config.reward is not None else None
     if config.env:
-        from baseten_loops_cli.training.envs import load_env
+        from baseten_loops_cli.training.rewards.envs import load_env
 
         load_env(config.env, loaded.base_dir)  # a missing file or class fails now, before provisioning
     specs = config.reward if isinstance(config.reward, list) else [config.reward] if config.reward else []
@@ -146,7 +136,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 
 def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None = None) -> list[list[Any]]:
     """Each row as the sampler gets it (`loops data check|preview`): one Prompt (its tokens)."""
-    from baseten_loops_cli.training.data import load_prompts
+    from baseten_loops_cli.training.data.datums import load_prompts
 
     return [[p] for p in load_prompts(spec, tokenizer, max_seq_len=max_seq_len, max_tokens=0)]
 
@@ -154,9 +144,9 @@ def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str | None 
 def load_env_rows(data, tokenizer: Any, **_: Any) -> list[Prompt]:
     """Environment rows: any JSON object each, from any source the data layer reads (the
     environment reads the row); the prompt comes from the environment's ``reset``."""
-    from baseten_loops_cli.training.data import JSONL_HINT
-    from baseten_loops_cli.training.formats import read_rows
-    from baseten_loops_cli.training.formats.rows import ENV_ROWS
+    from baseten_loops_cli.training.data.datums import JSONL_HINT
+    from baseten_loops_cli.training.data.formats import read_rows
+    from baseten_loops_cli.training.data.formats.rows import ENV_ROWS
 
     rows = [Prompt([], row, where, str(row.get("prompt", ""))) for where, row in read_rows(data, ENV_ROWS)]
     if not rows:
@@ -179,7 +169,7 @@ def estimate(config, data: LoadedData) -> Estimate:
         notes.append(algos.describe(config))  # what `algorithm:` expanded to (`train validate` prints it)
     judge = None
     if config.reward is not None:
-        from baseten_loops_cli.training.judge import plan_tokens
+        from baseten_loops_cli.training.rewards.judge import plan_tokens
 
         passes = [prompts_for_step(data.train, step, config) for step in range(steps)]
         if data.eval:  # each eval (every eval_every steps, and the last) grades one reply per prompt
@@ -192,7 +182,7 @@ def estimate(config, data: LoadedData) -> Estimate:
 
 def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> Any:
     """Prompt rows: ``samples`` completions each (default: group_size), scored by the reward."""
-    from baseten_loops_cli.training.evaluation import RLTask
+    from baseten_loops_cli.training.evaluation.scoring import RLTask
 
     config = loaded.config
     if config.env or isinstance(config.reward, list):
@@ -207,241 +197,12 @@ def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> A
     )  # fmt: skip
 
 
-@dataclass
-class Rollout:
-    prompt: Prompt
-    tokens: list[int]
-    logprobs: list[float]
-    text: str
-    reward: float
-    stop_reason: str
-    base_logprobs: list[float] | None = None  # the base model's, when a KL penalty is on
-    components: dict[str, float] | None = None  # each reward of a list of rewards, unweighted
-    error: str | None = None  # the rollout failed (its reward or environment): the reason
-    traceback: str | None = None
-    episode: Any = None  # envs.Episode, for an environment's rollouts
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
-
-    def record(self, step: int, version: int) -> dict:
-        """Its line of samples.jsonl: the prompt and reply, or the whole transcript of an episode."""
-        out: dict[str, Any] = {"step": step, "prompt": self.prompt.text, "completion": self.text, "reward": self.reward,
-                               "policy_version": version, "stop_reason": self.stop_reason}
-        if self.components:
-            out["rewards"] = self.components
-        if self.episode is not None:
-            from baseten_loops_cli.training.envs import transcript
-
-            out.update(source=self.prompt.source, transcript=transcript(self.episode),
-                       turn_rewards=[t.reward for t in self.episode.turns], turns=len(self.episode.turns),
-                       done=self.episode.done)
-        if self.error is not None:
-            out.update(failed=True, error=self.error, traceback=self.traceback)
-        return out
-
-
-@dataclass
-class Batch:
-    """The sampled groups of one step, each tagged with the policy version that sampled it
-    (the sampler's ``x-trainers-policy-version``, or the floor asked for when it does not say)."""
-
-    step: int
-    groups: list[list[Rollout]]
-    versions: list[int]
-    sample_time_s: float
-
-    @property
-    def version(self) -> int:
-        """The oldest policy among the groups: what staleness is measured by."""
-        return min(self.versions) if self.versions else 0
-
-
 def prompts_for_step(prompts: list[Prompt], step: int, config) -> list[Prompt]:
     return [prompts[i] for i in step_rows(len(prompts), config.groups_per_batch, step, config, shuffle=config.data.shuffle)]
 
 
 def steps_of(config, n_prompts: int) -> int:
     return total_steps(n_prompts, config.groups_per_batch, config.epochs, config.max_steps)
-
-
-class Rollouts:
-    """Samples groups through the sampler (async, all requests in flight) and scores them."""
-
-    def __init__(self, session: TrainingSession, tokenizer: Any, rewards: list[tuple[str, Any, float]] | None):
-        from baseten_loops_cli.training.envs import load_env
-
-        config = session.config
-        self.session = session
-        self.tokenizer = tokenizer
-        self.rewards = rewards or []
-        self.reward_fn = self.rewards or None  # truthy when the config has a reward
-        self.listed = isinstance(config.reward, list)
-        self.reward_name = config.reward.fn if config.reward is not None and not self.listed else None
-        self.kl = config.kl_penalty_coef > 0
-        self.env_cls = load_env(config.env, session.loaded.base_dir) if config.env else None
-        self.timeout_s, self.workers = config.reward_timeout_s, config.reward_workers
-
-    async def _score(self, isolated, prompt: Prompt, text: str) -> tuple[float, str | None, str | None, dict | None]:
-        """(weighted sum, error, traceback, each reward): the rewards of one reply, each run isolated."""
-        return (await self._score_group(isolated, prompt, [text]))[0]
-
-    async def _score_group(self, isolated, prompt: Prompt, texts: list[str]) -> list[tuple[float, str | None, str | None, dict | None]]:
-        """:meth:`_score` for every reply of a group. A reward with ``score_group(texts, row)``
-        (a judge in ``mode: group``) is called once for the whole group, under the same isolation
-        (its own thread, reward_timeout_s); its failure fails every rollout of the group."""
-        from baseten_loops_cli.training.isolation import RolloutFailed
-        from baseten_loops_cli.training.rewards import reward_value
-
-        def checked(what: str, value: Any) -> tuple[float | None, str | None, str | None]:
-            number = reward_value(value)
-            if number is None:
-                return None, f"{what} returned {value!r:.100}, not a finite number (prompt {prompt.source})", None
-            return number, None, None
-
-        async def one(what: str, fn: Any, text: str) -> tuple[float | None, str | None, str | None]:
-            try:
-                value = await isolated.call(what, fn, text, prompt.row)
-            except RolloutFailed as failed:
-                return None, f"{failed} (prompt {prompt.source})", failed.detail
-            return checked(what, value)
-
-        async def each(label: str, fn: Any) -> list[tuple[float | None, str | None, str | None]]:
-            what = f"reward {self.reward_name or label!r}"
-            group = getattr(fn, "score_group", None)
-            if group is None:
-                return list(await asyncio.gather(*(one(what, fn, text) for text in texts)))
-            try:
-                values = await isolated.call(what, group, texts, prompt.row)
-            except RolloutFailed as failed:
-                return [(None, f"{failed} (prompt {prompt.source})", failed.detail)] * len(texts)
-            if not isinstance(values, (list, tuple)) or len(values) != len(texts):
-                count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-                error = f"{what} returned {count} scores for a group of {len(texts)} replies (prompt {prompt.source})"
-                return [(None, error, None)] * len(texts)
-            return [checked(what, v) for v in values]
-
-        per_reward = await asyncio.gather(*(each(label, fn) for label, fn, _ in self.rewards))
-        out = []
-        for i in range(len(texts)):
-            results = [values[i] for values in per_reward]
-            failed = next(((error, trace) for _, error, trace in results if error is not None), None)
-            if failed is not None:
-                out.append((0.0, failed[0], failed[1], None))
-                continue
-            total = sum(weight * value for (_, _, weight), (value, _, _) in zip(self.rewards, results))
-            components = {label: value for (label, _, _), (value, _, _) in zip(self.rewards, results)} if self.listed else None
-            out.append((total, None, None, components))
-        return out
-
-    async def _episodes(self, sampler, isolated, prompt: Prompt, *, n: int, seed: int, version: int,
-                        sampling) -> tuple[list[Rollout], int]:
-        """``n`` episodes of the environment on one row, every turn's request in flight together."""
-        from baseten_loops_cli.training.envs import run_episode
-
-        config = self.session.config
-        stop = list(self.tokenizer.stop_token_ids)
-
-        async def sample(tokens: list[int], max_tokens: int, turn_seed: int):
-            result = await sampler.asample(
-                tokens, n=1, max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k, seed=turn_seed, stop=stop, min_policy_version=version or None,
-            )  # fmt: skip
-            seq = result.sequences[0]
-            served = result.policy_version if result.policy_version is not None else version
-            return list(seq.tokens), list(seq.logprobs or []), seq.stop_reason, int(served)
-
-        def reply(tokens: list[int]) -> str:
-            return completion_text(self.tokenizer, tokens, sampling.stop)
-
-        episodes = await asyncio.gather(*(
-            run_episode(self.env_cls, config.env_args, prompt.row, tokenizer=self.tokenizer, isolated=isolated,
-                        sample=sample, seed=seed * 1009 + j, max_turns=config.max_turns,
-                        max_tokens=sampling.max_tokens, max_seq_len=config.max_seq_len, reply_text=reply)
-            for j in range(n)
-        ))  # fmt: skip
-        rollouts = []
-        for ep in episodes:
-            last = ep.turns[-1] if ep.turns else None
-            opening = prompt if prompt.text else Prompt([], prompt.row, prompt.source,
-                                                        ep.opening[-1]["content"] if ep.opening else "")
-            rollout = Rollout(opening, [t for turn in ep.turns for t in turn.tokens],
-                              [lp for turn in ep.turns for lp in turn.logprobs], last.text if last else "",
-                              ep.total(config.turn_discount), last.stop_reason if last else "none",
-                              error=ep.error, traceback=ep.traceback, episode=ep)
-            if rollout.error is None and self.reward_fn is not None and last is not None:
-                extra, rollout.error, rollout.traceback, rollout.components = await self._score(isolated, prompt, last.text)
-                rollout.reward += extra * config.turn_discount ** (len(ep.turns) - 1)
-            rollouts.append(rollout)
-        served = min((ep.version for ep in episodes if ep.turns), default=version)
-        return rollouts, served
-
-    async def _base_logprobs(self, base_sampler, rollout: Rollout) -> None:
-        """Score the completion under the frozen base model (prompt logprobs of prompt+completion)."""
-        full = rollout.prompt.tokens + rollout.tokens
-        result = await base_sampler.asample(full, n=1, max_tokens=1, temperature=1.0, prompt_logprobs=True)
-        scored = result.prompt_logprobs or []
-        tail = scored[len(rollout.prompt.tokens) :]
-        rollout.base_logprobs = [float(x) if x is not None else 0.0 for x in tail]
-
-    async def _group(
-        self, sampler, isolated, prompt: Prompt, *, n: int, seed: int, version: int, sampling
-    ) -> tuple[list[Rollout], int]:
-        if self.env_cls is not None:
-            return await self._episodes(sampler, isolated, prompt, n=n, seed=seed, version=version, sampling=sampling)
-        result = await sampler.asample(
-            prompt.tokens,
-            n=n,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=seed,
-            stop=list(self.tokenizer.stop_token_ids),
-            min_policy_version=version or None,
-        )
-        texts = [completion_text(self.tokenizer, seq.tokens, sampling.stop) for seq in result.sequences]
-        scores = await self._score_group(isolated, prompt, texts)
-        rollouts = [
-            Rollout(prompt, list(seq.tokens), list(seq.logprobs or []), text, value, seq.stop_reason,
-                    components=components, error=error, traceback=trace)
-            for seq, text, (value, error, trace, components) in zip(result.sequences, texts, scores)
-        ]
-        served = result.policy_version if result.policy_version is not None else version
-        return rollouts, int(served)
-
-    def sample(self, prompts: list[Prompt], *, step: int, version: int, n: int, sampling, seed: int) -> Batch:
-        started = time.monotonic()
-
-        # One client per batch: batches may be sampled from two threads (async mode), and an
-        # async HTTP client belongs to the event loop that made it.
-        sampler = self.session.new_sampler_client()
-        base_sampler = self.session.new_base_sampler_client() if self.kl else None
-
-        async def gather() -> list[tuple[list[Rollout], int]]:
-            from baseten_loops_cli.training.isolation import Isolated
-
-            isolated = Isolated(timeout_s=self.timeout_s, workers=self.workers)
-            try:
-                tagged = await asyncio.gather(
-                    *(self._group(sampler, isolated, p, n=n, seed=seed * 1_000_003 + step * 1009 + i, version=version, sampling=sampling)
-                      for i, p in enumerate(prompts))
-                )  # fmt: skip
-                if base_sampler is not None:
-                    await asyncio.gather(
-                        *(self._base_logprobs(base_sampler, r) for g, _ in tagged for r in g
-                          if r.tokens and r.episode is None)
-                    )
-                return tagged
-            finally:
-                for client in (sampler, base_sampler):
-                    if client is not None:
-                        await client.aclose()
-                        client.close()
-
-        tagged = asyncio.run(gather())
-        return Batch(step, [g for g, _ in tagged], [v for _, v in tagged], time.monotonic() - started)
 
 
 def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0,
@@ -454,7 +215,7 @@ def _datums(groups: list[list[Rollout]], kl_coef: float = 0.0,
     ``(advantage - kl_coef * (logp_policy - logp_base)) * scale``: the per-token k1 estimate of
     KL(policy || base), as in the Tinker cookbook's ``kl_penalty_coef``.
     """
-    from baseten_loops_cli.training.envs import episode_datum
+    from baseten_loops_cli.training.rewards.envs import episode_datum
 
     rule = rule or algos.AdvantageRule()
     datums, kl_terms, trained = [], [], []
@@ -575,7 +336,7 @@ class HealthWarnings:
 def check_failures(batch: Batch, config) -> None:
     """Stop the run (RewardError: state saved, resumable) when more than max_failed_fraction of
     the batch's rollouts failed; below that, failed rollouts are only left out of training."""
-    from baseten_loops_cli.training.rewards import RewardError
+    from baseten_loops_cli.training.rewards.builtins import RewardError
 
     rollouts = [r for g in batch.groups for r in g]
     failed = [r for r in rollouts if r.failed]
@@ -632,7 +393,7 @@ class AheadSampler:
         return box["batch"]
 
 
-class RLSteps(StepHooks):
+class RLSteps(StepHooks["RLConfig"]):
     """RL's part of the loop. Per step: gather the batch's rollouts (:meth:`gather`, through the
     off-policy window), turn them into datums with their advantages (:meth:`advantages`), and
     train them with the config's loss (:meth:`loss`). An RL algorithm (GSPO, DAPO, RLOO, ...)
@@ -645,7 +406,7 @@ class RLSteps(StepHooks):
         return self.config.groups_per_batch
 
     def begin(self, loop: Loop) -> None:
-        from baseten_loops_cli.training.judge import JudgeMeter
+        from baseten_loops_cli.training.rewards.judge import JudgeMeter
 
         self.sink = loop.sink
         self.rollouts = Rollouts(self.session, self.data.tokenizer, self.data.reward)
@@ -689,7 +450,7 @@ class RLSteps(StepHooks):
         bounds as thresholds), or GSPO as a custom loss over the sampler's logprobs."""
         loss = self.config.loss
         if loss.name == "gspo":
-            data, compute = algos.gspo_custom_loss(datums, *algos.clip_bounds(loss))
+            data, compute = algos.gspo_custom_loss(datums, *algos.ratio_bounds(loss))
             return data, CustomLoss(compute, ref_key="logprobs")
         return datums, ProtocolLoss(*algos.protocol_loss(loss))
 
@@ -745,18 +506,33 @@ class RLSteps(StepHooks):
             judges.close()
 
 
-def reward_test(loaded, data: LoadedData, new_sampler, rows: int, serving: Any = None) -> list[dict]:
+@dataclass
+class _BaseModelRun:
+    """A run as :class:`Rollouts` sees it, for `loops reward test`: the config and the base
+    model's sampler, which samples the replies (there is no policy yet) and is the base too."""
+
+    loaded: LoadedConfig[RLConfig]
+    new_sampler: Callable[[], Any]
+
+    @property
+    def config(self) -> RLConfig:
+        return self.loaded.config
+
+    def new_sampler_client(self) -> Any:
+        return self.new_sampler()
+
+    def new_base_sampler_client(self) -> Any:
+        return self.new_sampler()
+
+
+def reward_test(loaded: LoadedConfig[RLConfig], data: LoadedData, new_sampler, rows: int, serving: Any = None) -> list[dict]:
     """`loops reward test`: one reply (or episode) per row for the first ``rows`` rows, sampled
     from the base model, scored as training scores them (isolated); their samples.jsonl records.
     ``serving`` (client, api_key, new_model_sampler_client) serves a checkpoint or base model judge."""
-    from types import SimpleNamespace
-
-    from baseten_loops_cli.training.judge import JudgeMeter
+    from baseten_loops_cli.training.rewards.judge import JudgeMeter
 
     config = loaded.config
-    shim = SimpleNamespace(config=config, loaded=loaded, new_sampler_client=new_sampler,
-                           new_base_sampler_client=new_sampler)  # fmt: skip
-    rollouts = Rollouts(shim, data.tokenizer, data.reward)
+    rollouts = Rollouts(_BaseModelRun(loaded, new_sampler), data.tokenizer, data.reward)
     rollouts.kl = False
     judges = JudgeMeter([fn for _, fn, _ in data.reward or []], serving) if serving is not None else None
     try:
@@ -770,11 +546,7 @@ def reward_test(loaded, data: LoadedData, new_sampler, rows: int, serving: Any =
 TEMPLATE = """\
 # loops RL config (GRPO-style group advantages). Check it with `loops train validate FILE`.
 kind: rl
-""" + COMMON + """
-batch_size: 8                   # unused by RL; groups_per_batch sets the batch
-group_size: 4                   # completions sampled per prompt
-groups_per_batch: 8             # prompts per step
-
+""" + COMMON + GROUPS + """
 data:
   prompts: data/prompts.jsonl   # JSONL: {{"prompt": "...", "answer": "..."}} (or "messages")
   # eval_prompts: data/eval_prompts.jsonl
@@ -829,7 +601,6 @@ KIND = Kind(
         StepField("groups_trained", "groups", of="groups"),
         StepField("eval_reward_mean", "eval_reward", ".3f", optional=True),
     ),
-    data_path_keys=(("data", "prompts"), ("data", "eval_prompts")),
     template=lambda: TEMPLATE.format(name="my-rl", lr="4.0e-5", schedule="constant"),
     load_data=load_data,
     estimate=estimate,

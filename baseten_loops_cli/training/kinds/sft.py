@@ -1,7 +1,7 @@
 """Supervised fine-tuning (``kind: sft``): chat or prompt/completion rows, cross-entropy on the
 trained tokens.
 
-Per step (:class:`SFTSteps`, in the one loop of training/loop.py): the batch's examples as
+Per step (:class:`SFTSteps`, in the one loop of training/loop/core.py): the batch's examples as
 cross-entropy datums; on schedule the eval's ``forward`` passes give ``eval_loss``.
 """
 
@@ -9,20 +9,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-from baseten_loops_cli.training.config import CommonConfig, Section
-from baseten_loops_cli.training.data import Example, batches_for_step, sft_datum, weighted_nll
-from baseten_loops_cli.training.formats.spec import EvalSources, FormatOptions, Sources
+from baseten_loops_cli.training.config import CommonConfig, TrainData
+from baseten_loops_cli.training.data.datums import Example, batches_for_step, sft_datum, weighted_nll
 from baseten_loops_cli.training.kinds import Estimate, Kind, LoadedData, StepField
-from baseten_loops_cli.training.loop import ProtocolLoss, StepHooks, StepWork, Waiter, total_steps
+from baseten_loops_cli.training.loop.core import ProtocolLoss, StepHooks, StepWork, Waiter, total_steps
 from baseten_loops_cli.training.session import TrainingSession
 from baseten_loops_cli.training.templates import COMMON
 
 
-class SFTData(Section, FormatOptions):
-    train: Sources
-    eval: EvalSources | None = None
+class SFTData(TrainData):
     train_on: Literal["last_assistant", "all_assistant", "all"] = "last_assistant"
-    shuffle: bool = True
 
 
 class SFTConfig(CommonConfig):
@@ -33,8 +29,8 @@ class SFTConfig(CommonConfig):
 def load_data(loaded, tokenizer: Any) -> LoadedData:
     """Rows of any format and source (the data layer reads them), as chat/prompt-completion examples."""
     from baseten_loops_cli.training import kinds
-    from baseten_loops_cli.training.data import load_sft_examples
-    from baseten_loops_cli.training.formats import data_notes
+    from baseten_loops_cli.training.data.datums import load_sft_examples
+    from baseten_loops_cli.training.data.formats import data_notes
 
     config = loaded.config
     train_spec, eval_spec = kinds.data_specs(loaded)
@@ -46,7 +42,7 @@ def load_data(loaded, tokenizer: Any) -> LoadedData:
 
 def render_rows(spec, tokenizer: Any, *, max_seq_len: int, train_on: str = "last_assistant") -> list[list[Any]]:
     """Each row as the loop trains it (`loops data check|preview`): one Example (tokens, weights)."""
-    from baseten_loops_cli.training.data import load_sft_examples
+    from baseten_loops_cli.training.data.datums import load_sft_examples
 
     return [[e] for e in load_sft_examples(spec, tokenizer, train_on=train_on, max_seq_len=max_seq_len)]
 
@@ -64,7 +60,7 @@ def estimate(config, data: LoadedData) -> Estimate:
 
 def eval_task(loaded, data, *, limit=None, seed=None, samples=None, k=None) -> Any:
     """SFT rows scored by likelihood (the config brings the rendering and max_seq_len)."""
-    from baseten_loops_cli.training.evaluation import SFTTask
+    from baseten_loops_cli.training.evaluation.scoring import SFTTask
 
     config = loaded.config
     return SFTTask(data, config.data.train_on, config.max_seq_len, limit)
@@ -89,7 +85,7 @@ def submit_eval(session: TrainingSession, eval_examples: list[Example], batch_si
     return mean_nll
 
 
-class SFTSteps(StepHooks):
+class SFTSteps(StepHooks[SFTConfig]):
     """Per step: the batch's examples as cross-entropy datums; ``eval_loss`` on ``data.eval``."""
 
     def step(self, step: int, rows: list[int], version: int) -> StepWork:
@@ -134,7 +130,6 @@ KIND = Kind(
     main_metric="loss",
     metric_names=("loss", "trained_tokens", "eval_loss"),
     step_fields=(StepField("loss", "loss"), StepField("eval_loss", "eval_loss", optional=True)),
-    data_path_keys=(("data", "train"), ("data", "eval")),
     template=lambda: TEMPLATE.format(name="my-sft", lr="2.0e-4", schedule="linear"),
     load_data=load_data,
     estimate=estimate,
