@@ -30,6 +30,11 @@ def reward():
     ("$\\frac{2}{4}$", "$\\frac{1}{2}$", 1.0),
     ("ANSWER: 81", "82", 0.0),
     ("I don't know", "82", 0.0),
+    # The question repeated is not its answer, though math-verify would work it out to 73.
+    ("12 + 61 = x", "73", 0.0),
+    ("$12 + 61$", "73", 0.0),
+    ("The final answer is 73.", "73", 1.0),
+    ("$2\\sqrt{3}$", "$2\\sqrt{3}$", 1.0),
 ])
 def test_the_final_answer_is_compared_mathematically(reward, reply, answer, expected):
     name, fn = reward

@@ -33,6 +33,15 @@ def _math_verify() -> Any:
     return math_verify
 
 
+def _unworked_arithmetic(value: Any) -> bool:
+    """Whether an extracted answer is a sum or product of plain numbers left for the grader to
+    work out (``$12 + 61$``): that is the question, not its answer. A value such as ``2\\sqrt{3}``
+    or ``\\frac{1}{2}`` is an answer."""
+    from sympy import Add, Mul
+
+    return isinstance(value, (Add, Mul)) and all(arg.is_Rational for arg in value.args)
+
+
 def build() -> Any:
     """The reward function (checks now that math-verify is installed)."""
     mv = _math_verify()
@@ -41,9 +50,13 @@ def build() -> Any:
     for module in ("math_verify.parser", "math_verify.grader"):  # see math_answer below
         logging.getLogger(module).addFilter(_without_timeout_notice)
 
-    # The reply's answer: a boxed / $...$ LaTeX answer first, else the last plain expression
-    # (TRL's accuracy_reward takes LaTeX only; rows with plain numbers need the second).
-    reply_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    # The reply's answer: a boxed / $...$ LaTeX answer first, else a plain expression after an
+    # answer anchor ("answer:", "the final answer is"; TRL's accuracy_reward takes anchored
+    # LaTeX only, rows with plain numbers need the second). Not any plain expression: the first
+    # SmolLM2 math run scored "12 + 61 = x" as the answer 73, a reward a policy learns to
+    # collect by repeating the question.
+    reply_config = [LatexExtractionConfig(boxed_match_priority=0),
+                    ExprExtractionConfig(try_extract_without_anchor=False)]
 
     # No timeouts of math-verify's own: they use signal.alarm, which only the main thread may
     # set, and rewards run on worker threads (the first SmolLM2 math run failed every rollout
@@ -58,6 +71,8 @@ def build() -> Any:
             raise RewardError(f"reward {NAME!r}: math-verify cannot parse the row's answer {str(row['answer'])[:80]!r}")
         answer = mv.parse(completion, extraction_config=reply_config, extraction_mode="first_match",
                           parsing_timeout=None)
-        return float(bool(answer) and mv.verify(gold, answer, timeout_seconds=None))
+        if not answer or _unworked_arithmetic(answer[0]):
+            return 0.0
+        return float(mv.verify(gold, answer, timeout_seconds=None))
 
     return math_answer
