@@ -82,6 +82,14 @@ def file_mode(path: Path) -> int:
 
 # ── the environment of a `loops` run ─────────────────────────────────────────────────────
 
+def ctrl_c_as_a_terminal_sends() -> None:
+    """``preexec_fn`` of a child a test interrupts with SIGINT: the default disposition, so
+    Python turns it into KeyboardInterrupt. A pytest started in the background (``cmd &`` in a
+    non-interactive shell, as a CI script may) has SIGINT ignored, every child inherits that,
+    and a `loops` relying on KeyboardInterrupt (downloads, --tail) would not see Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 # Variables of the developer's shell that would change what a `loops` under test does.
 FOREIGN_PREFIXES = ("LOOPS_", "BASETEN_", "_LOOPS_", "WANDB_")
 

@@ -23,6 +23,7 @@ from tests.cli_support import (
     seeded,  # noqa: F401  (fixture)
     wait_for,
 )
+from tests.support import ctrl_c_as_a_terminal_sends
 
 # The LoopsRun keys of `baseten loops run list -o json` ({"runs": [LoopsRun]}), loops-protocol §2.3.
 GO_RUN_KEYS = {"id", "session_id", "deployment_id", "name", "base_model", "base_url", "created_at", "status", "user", "sampler"}
@@ -241,7 +242,8 @@ def test_logs_empty_window_and_bad_flags(seeded):
 
 def test_tail_stops_following_on_ctrl_c_and_the_run_keeps_running(seeded):
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "runs", "logs", seeded.run_id, "--tail"],
-                            env=cli_env(seeded.server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=cli_env(seeded.server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_as_a_terminal_sends)
     try:
         first = proc.stdout.readline()  # the backlog arrives, then it follows
         assert first.startswith("["), first

@@ -17,6 +17,7 @@ import pytest
 
 from baseten_loops_cli.api import download as dl
 from tests.cli_support import api, cli_env, loops, one_line_error, seeded, wait_for  # noqa: F401  (fixture)
+from tests.support import ctrl_c_as_a_terminal_sends
 
 
 def _files(server, checkpoint_id: str) -> list[dict]:
@@ -212,7 +213,8 @@ def test_ctrl_c_keeps_what_was_saved_and_the_next_run_resumes(seeded, tmp_path, 
     dest = tmp_path / "interrupted"
     faults(path=f"/files/{cp['id']}/*", delay_s=4, times=20)
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "checkpoints", "download", cp["id"], "-O", str(dest)],
-                            env=cli_env(seeded.server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=cli_env(seeded.server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_as_a_terminal_sends)
 
     def held() -> bool:  # the server holds a file request of this download (its fault was taken)
         faults_now = api(seeded.server, "GET", "/v1/local/faults")["faults"]

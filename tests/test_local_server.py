@@ -26,7 +26,7 @@ import pytest
 
 from conftest import LocalServer
 
-from tests.support import cli_env, kill, wait_for
+from tests.support import cli_env, ctrl_c_as_a_terminal_sends, kill, wait_for
 
 pytest.importorskip("torch")
 
@@ -997,7 +997,7 @@ def test_server_logs_follow_ends_with_130_on_ctrl_c(local_server: LocalServer):
     proc = subprocess.Popen([sys.executable, "-m", "baseten_loops_cli", "server", "logs", "-f", "-n", "1", "-o", "jsonl"],
                             env=cli_env(local_server), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=ctrl_c_as_a_terminal_sends)
     first = proc.stdout.readline()  # the last line is printed: following has begun
     assert json.loads(first)["line"], first
     proc.send_signal(signal.SIGINT)

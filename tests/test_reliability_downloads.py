@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.support import cli_env, kill, wait_for
+from tests.support import cli_env, ctrl_c_as_a_terminal_sends, kill, wait_for
 
 pytest.importorskip("torch")
 
@@ -136,7 +136,7 @@ def test_download_interrupted_with_ctrl_c_says_how_to_resume(local_server, ckpt,
                     throttle_path=r"^/files/") as proxy:
         proc = subprocess.Popen(_loops_cmd("checkpoints", "download", ckpt.ref, "-O", str(dest)),
                                 env=cli_env(local_server, LOOPS_BASE_URL=proxy.url), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                                stderr=subprocess.PIPE, text=True, cwd=tmp_path, preexec_fn=ctrl_c_as_a_terminal_sends)
         # The transfer has started (its resume record is written) and bytes are arriving.
         wait_for(lambda: proc.poll() is not None or ((dest / ".loops-download.json").exists() and any(
             p.stat().st_size > 0 for p in dest.glob("*.part"))), timeout=60, interval=0.05, what="bytes on disk")
