@@ -112,8 +112,8 @@ def eval_command(
     if not refs and not base:
         raise UsageError("name at least one checkpoint, or --base", hint="For example: loops eval RUN:final --base --data eval.jsonl")
     task = _task(data, config, limit=limit, seed=seed, samples=samples, k=k, columns=columns)
-    gates = [ev.parse_gate(g, task.kind, "under") for g in fail_under or []]
-    gates += [ev.parse_gate(g, task.kind, "over") for g in fail_over or []]
+    gates = [ev.parse_gate(g, task, "under") for g in fail_under or []]
+    gates += [ev.parse_gate(g, task, "over") for g in fail_over or []]
 
     backend = state.backend()
 

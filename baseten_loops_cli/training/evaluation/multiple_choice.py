@@ -43,9 +43,20 @@ class MCTask:
     limit: int | None = None
 
     kind = "mc"
+    metrics = MC_METRICS
 
     def settings(self) -> dict:
         return {"limit": self.limit}
+
+    def identity(self) -> str:
+        return ""
+
+    def load_rows(self, tokenizer: Any) -> list[Any]:
+        return load_mc_rows(self.data, tokenizer, limit=self.limit)
+
+    async def score(self, client: Any, rows: list, tokenizer: Any, advance: Callable[[], None]
+                    ) -> tuple[dict[str, float], list[Any]]:
+        return await score_mc(client, rows, advance), []
 
 
 @dataclass(frozen=True)

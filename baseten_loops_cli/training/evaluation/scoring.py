@@ -24,13 +24,14 @@ renders the :class:`EvalReport`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Literal, Protocol, Sequence
 
 from baseten_loops_cli.errors import ConfigError, LoopsError
 # The rows: services/evaluation.py makes them from checkpoint names (training sits above services).
@@ -69,14 +70,6 @@ RL_METRICS = (
 )
 
 
-def metrics_of(kind: str) -> tuple[Metric, ...]:
-    if kind == "mc":  # multiple-choice rows (training/evaluation/multiple_choice.py)
-        from baseten_loops_cli.training.evaluation.multiple_choice import MC_METRICS
-
-        return MC_METRICS
-    return SFT_METRICS if kind == "sft" else RL_METRICS
-
-
 # ── what is evaluated, on what ─────────────────────────────────────────────────────────────
 
 
@@ -90,9 +83,34 @@ class SFTTask:
     limit: int | None = None
 
     kind = "sft"
+    metrics = SFT_METRICS
 
     def settings(self) -> dict:
         return {"train_on": self.train_on, "limit": self.limit}
+
+    def identity(self) -> str:
+        return ""
+
+    def load_rows(self, tokenizer: Any) -> list[Any]:
+        from baseten_loops_cli.training.data import datums as data_mod
+
+        try:
+            rows = data_mod.load_sft_examples(self.data, tokenizer, train_on=self.train_on, max_seq_len=self.max_seq_len)
+        except ConfigError as exc:
+            # rows without a reply: the old loader's words, or the data layer's (a prompt-only format)
+            # (not rows of no known format: the data layer's hint says how to map their columns)
+            if "no known row format" not in exc.message and any(
+                    text in exc.message for text in ("expected a 'messages'", "no assistant message", "do not have a reply to train on")):
+                exc.hint = (
+                    "SFT rows need an answer to score (an assistant message, or prompt + completion); "
+                    "to score prompts by a reward, pass --config with an RL config (kind: rl, reward: ...)."
+                )
+            raise
+        return rows[: self.limit] if self.limit else rows
+
+    async def score(self, client: SamplerLike, rows: list, tokenizer: Any, advance: Callable[[], None]
+                    ) -> tuple[dict[str, float], list[RowError]]:
+        return await _score_sft(client, rows, advance), []
 
 
 @dataclass(frozen=True)
@@ -109,10 +127,31 @@ class RLTask:
     limit: int | None = None
 
     kind = "rl"
+    metrics = RL_METRICS
 
     @property
     def pass_k(self) -> int:
         return self.k or self.samples
+
+    def identity(self) -> str:
+        return _reward_identity(self)
+
+    @functools.cached_property
+    def reward_fn(self) -> Any:
+        """The built reward (once per task: a file reward is imported once)."""
+        from baseten_loops_cli.training.rewards.builtins import build_reward
+
+        return build_reward(self.reward, self.reward_dir)
+
+    def load_rows(self, tokenizer: Any) -> list[Any]:
+        from baseten_loops_cli.training.data import datums as data_mod
+
+        rows = data_mod.load_prompts(self.data, tokenizer, max_seq_len=self.max_seq_len, max_tokens=self.sampling.max_tokens)
+        return rows[: self.limit] if self.limit else rows
+
+    async def score(self, client: SamplerLike, rows: list, tokenizer: Any, advance: Callable[[], None]
+                    ) -> tuple[dict[str, float], list[RowError]]:
+        return await _score_rl(client, rows, self, tokenizer, self.reward_fn, advance)
 
     def settings(self) -> dict:
         return {
@@ -122,7 +161,25 @@ class RLTask:
         }  # fmt: skip
 
 
-EvalTask = SFTTask | RLTask  # and multiple_choice.MCTask (kind "mc")
+class EvalTask(Protocol):
+    """What `evaluate` scores: a task kind (SFTTask, RLTask, multiple_choice.MCTask) carries
+    its metrics, reads its rows and scores one candidate's sampler on them."""
+
+    data: Path
+    limit: int | None
+    kind: ClassVar[str]  # "sft" | "rl" | "mc": in the report and the cache key
+    metrics: ClassVar[tuple[Metric, ...]]
+
+    def settings(self) -> dict: ...
+
+    def identity(self) -> str:
+        """What else makes a result differ (a reward file's content); "" if nothing."""
+        ...
+
+    def load_rows(self, tokenizer: Any) -> list[Any]: ...
+
+    async def score(self, client: SamplerLike, rows: list, tokenizer: Any, advance: Callable[[], None]
+                    ) -> tuple[dict[str, float], list[RowError]]: ...
 
 
 @dataclass
@@ -152,15 +209,12 @@ class CandidateResult:
 
 @dataclass
 class EvalReport:
-    kind: str  # "sft" | "rl"
+    kind: str  # the task's: "sft" | "rl" | "mc"
     data: str
     data_sha256: str
     settings: dict
     results: list[CandidateResult]
-
-    @property
-    def metrics(self) -> tuple[Metric, ...]:
-        return metrics_of(self.kind)
+    metrics: tuple[Metric, ...]  # the task's
 
     @property
     def errors(self) -> list[RowError]:
@@ -231,7 +285,7 @@ class Gate:
     direction: Literal["under", "over"]  # fail when the best is under / over the threshold
 
 
-def parse_gate(text: str, kind: str, direction: Literal["under", "over"]) -> Gate:
+def parse_gate(text: str, task: EvalTask, direction: Literal["under", "over"]) -> Gate:
     from baseten_loops_cli.errors import UsageError
 
     flag = f"--fail-{direction}"
@@ -239,7 +293,7 @@ def parse_gate(text: str, kind: str, direction: Literal["under", "over"]) -> Gat
     want = "higher" if direction == "under" else "lower"
     key, sep, value = text.partition("=")
     key = key.strip().replace("-", "_").lower()
-    known = {m.key: m for m in metrics_of(kind) if m.better is not None}
+    known = {m.key: m for m in task.metrics if m.better is not None}
     fitting = [k for k, m in known.items() if m.better == want]
     others = [k for k in known if k not in fitting]
     choices = ", ".join(fitting) + (f" ({', '.join(others)} with --fail-{other})" if others else "")
@@ -250,7 +304,7 @@ def parse_gate(text: str, kind: str, direction: Literal["under", "over"]) -> Gat
         key = "pass_at_k"
     metric = known.get(key)
     if metric is None:
-        raise UsageError(f"{flag}: unknown metric {key!r} for {kind.upper()} data", hint=f"Use one of: {choices}.")
+        raise UsageError(f"{flag}: unknown metric {key!r} for {task.kind.upper()} data", hint=f"Use one of: {choices}.")
     if metric.better != want:
         raise UsageError(
             f"{flag} {key}: {key} is better when {metric.better}, so a floor makes no sense",
@@ -297,32 +351,6 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _load_rows(task: EvalTask, tokenizer: Any) -> list[Any]:
-    from baseten_loops_cli.training.data import datums as data_mod
-
-    if task.kind == "mc":
-        from baseten_loops_cli.training.evaluation.multiple_choice import load_mc_rows
-
-        return load_mc_rows(task.data, tokenizer, limit=task.limit)
-    rows: list[data_mod.Prompt] | list[data_mod.Example]
-    if isinstance(task, RLTask):
-        rows = data_mod.load_prompts(task.data, tokenizer, max_seq_len=task.max_seq_len, max_tokens=task.sampling.max_tokens)
-    else:
-        try:
-            rows = data_mod.load_sft_examples(task.data, tokenizer, train_on=task.train_on, max_seq_len=task.max_seq_len)
-        except ConfigError as exc:
-            # rows without a reply: the old loader's words, or the data layer's (a prompt-only format)
-            # (not rows of no known format: the data layer's hint says how to map their columns)
-            if "no known row format" not in exc.message and any(
-                    text in exc.message for text in ("expected a 'messages'", "no assistant message", "do not have a reply to train on")):
-                exc.hint = (
-                    "SFT rows need an answer to score (an assistant message, or prompt + completion); "
-                    "to score prompts by a reward, pass --config with an RL config (kind: rl, reward: ...)."
-                )
-            raise
-    return rows[: task.limit] if task.limit else rows
 
 
 def _reward_identity(task: RLTask) -> str:
@@ -511,12 +539,7 @@ def evaluate(
     tokenizer_for = tokenizer_for or get_tokenizer
     progress = progress or _NoProgress()
     data_sha = file_sha256(task.data)
-    reward_sha = _reward_identity(task) if isinstance(task, RLTask) else ""
-    reward = None
-    if isinstance(task, RLTask):
-        from baseten_loops_cli.training.rewards.builtins import build_reward
-
-        reward = build_reward(task.reward, task.reward_dir)
+    reward_sha = task.identity()
 
     tokenizers: dict[str, Any] = {}
     rows_by_model: dict[str, list] = {}
@@ -524,7 +547,7 @@ def evaluate(
         model = candidate.base_model
         if model not in rows_by_model:
             tokenizers[model] = tokenizer_for(model)
-            rows_by_model[model] = _load_rows(task, tokenizers[model])
+            rows_by_model[model] = task.load_rows(tokenizers[model])
 
     plan: list[tuple[Candidate, Path | None, dict | None]] = []
     for candidate in candidates:
@@ -544,16 +567,9 @@ def evaluate(
         async def run(candidate: Candidate = candidate, rows: list = rows, errors: list[RowError] = errors) -> dict[str, float]:
             client = candidate.open()
             try:
-                if isinstance(task, RLTask):
-                    assert reward is not None
-                    metrics, found = await _score_rl(client, rows, task, tokenizers[candidate.base_model], reward, progress.advance)
-                    errors.extend(found)
-                    return metrics
-                if task.kind == "mc":
-                    from baseten_loops_cli.training.evaluation.multiple_choice import score_mc
-
-                    return await score_mc(client, rows, progress.advance)
-                return await _score_sft(client, rows, progress.advance)
+                metrics, found = await task.score(client, rows, tokenizers[candidate.base_model], progress.advance)
+                errors.extend(found)
+                return metrics
             finally:
                 await client.aclose()
 
@@ -562,4 +578,5 @@ def evaluate(
             _write_cache(path, len(rows), metrics)
         results.append(CandidateResult(label=candidate.label, base_model=candidate.base_model, uri=candidate.uri,
                                        is_base=candidate.is_base, rows=len(rows), metrics=metrics, errors=errors))
-    return EvalReport(task.kind, str(task.data), data_sha, {"kind": task.kind, **task.settings()}, results)
+    return EvalReport(task.kind, str(task.data), data_sha, {"kind": task.kind, **task.settings()}, results,
+                      task.metrics)
