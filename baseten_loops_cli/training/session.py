@@ -71,13 +71,6 @@ class StopRequested:
             signal.signal(signal.SIGINT, self._previous)
 
 
-# How long a training run waits for one /sample answer (the client's default is 300 s). A
-# dedicated sampler answers synchronously, and a training batch's requests are generated
-# together: 4 groups of 4 replies of 256 SmolLM2 tokens took over 300 s on a busy 2-core
-# machine, which failed the run (issue 44's example). A read timeout is never retried, since a
-# retry restarts the generation; this bound is only there for a sampler that stopped answering.
-SAMPLE_TIMEOUT_S = 1800.0
-
 
 @dataclass
 class TrainingSession(Generic[ConfigT]):
@@ -104,7 +97,7 @@ class TrainingSession(Generic[ConfigT]):
 
     def new_sampler_client(self) -> Any:
         """A client of the run's paired sampler (created on first use if the run has none)."""
-        from baseten_loops_cli.workers.sampler import SamplerClient
+        from baseten_loops_cli.workers.sampler import TRAINING_SAMPLE_TIMEOUT_S, SamplerClient
 
         if self._sampler is None:
             sampler = self.run.sampler
@@ -112,7 +105,7 @@ class TrainingSession(Generic[ConfigT]):
                 sampler = self.client.samplers.create({"session_id": self.run.session_id, "run_id": self.run.id})
             self._sampler = sampler
         return SamplerClient(self._sampler.base_url, api_key=self.api_key, run_id=self.run.id,
-                             timeout=SAMPLE_TIMEOUT_S)
+                             timeout=TRAINING_SAMPLE_TIMEOUT_S)
 
     def new_base_sampler_client(self) -> Any:
         """A client of a standalone sampler on the frozen base model (for the KL penalty)."""
@@ -122,14 +115,14 @@ class TrainingSession(Generic[ConfigT]):
         """A client of a standalone sampler on ``base_model`` (the frozen base model, or another
         model a kind scores with, e.g. a distillation teacher): created in the run's session on
         first use, deactivated by :meth:`close`."""
-        from baseten_loops_cli.workers.sampler import SamplerClient
+        from baseten_loops_cli.workers.sampler import TRAINING_SAMPLE_TIMEOUT_S, SamplerClient
 
         sampler = self._model_samplers.get(base_model)
         if sampler is None:
             sampler = self.client.samplers.create({"session_id": self.run.session_id, "base_model": base_model})
             self._model_samplers[base_model] = sampler
         return SamplerClient(sampler.base_url, api_key=self.api_key, sampler_id=sampler.id,
-                             timeout=SAMPLE_TIMEOUT_S)
+                             timeout=TRAINING_SAMPLE_TIMEOUT_S)
 
     def close(self, *, deactivate: bool) -> None:
         self.trainer.close()

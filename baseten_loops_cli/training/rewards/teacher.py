@@ -202,11 +202,13 @@ class ServedModel:
     def client(self) -> tuple[Any, str | None]:
         """(a new SamplerClient, the checkpoint path to pin each request to, or None)."""
         if self._source is not None:
-            from baseten_loops_cli.workers.sampler import SamplerClient
+            from baseten_loops_cli.workers.sampler import TRAINING_SAMPLE_TIMEOUT_S, SamplerClient
 
             source = self._source
+            # the wait of every training sampler client, not the client's 300 s
             client = SamplerClient(source.sampler.base_url, api_key=self.session.api_key, run_id=source.run_header,
-                                   sampler_id=None if source.run_header else source.sampler.id)  # fmt: skip
+                                   sampler_id=None if source.run_header else source.sampler.id,
+                                   timeout=TRAINING_SAMPLE_TIMEOUT_S)  # fmt: skip
             return client, source.pin
         return self.session.new_model_sampler_client(self.model), None
 
