@@ -703,12 +703,17 @@ def _dechunk(raw: bytes) -> bytes:
         pos += size + 2
 
 
-async def _pace(throttle, nbytes: int) -> None:
+def _count_paced(throttle, nbytes: int) -> float:
+    """Books `nbytes` as paced and returns the pause they cost (0 when not throttled).
+
+    Booked before the bytes are written: a client that has read the last chunk may look at the
+    counters before the relay resumes from its drain."""
     bps = getattr(throttle, "throttle_bps", None) if throttle is not None else None
-    if bps:
-        throttle.throttled_bytes += nbytes
-        throttle.throttled_s += nbytes / bps
-        await asyncio.sleep(nbytes / bps)
+    if not bps:
+        return 0.0
+    throttle.throttled_bytes += nbytes
+    throttle.throttled_s += nbytes / bps
+    return nbytes / bps
 
 
 def _chunk_size(throttle) -> int:
@@ -725,9 +730,11 @@ async def _relay_exact(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             raise asyncio.IncompleteReadError(b"", n)
         n -= len(chunk)
         if writer is not None:
+            pause = _count_paced(throttle, len(chunk))
             writer.write(chunk)
             await writer.drain()
-            await _pace(throttle, len(chunk))
+            if pause:
+                await asyncio.sleep(pause)
 
 
 async def _relay_until_eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None,
@@ -737,9 +744,11 @@ async def _relay_until_eof(reader: asyncio.StreamReader, writer: asyncio.StreamW
         if not chunk:
             return
         if writer is not None:
+            pause = _count_paced(throttle, len(chunk))
             writer.write(chunk)
             await writer.drain()
-            await _pace(throttle, len(chunk))
+            if pause:
+                await asyncio.sleep(pause)
 
 
 async def _relay_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None,
