@@ -8,7 +8,8 @@ layer and per unit of ``hidden_size + intermediate_size`` (torch.autograd.graph
 in bf16 (13.7; 1069 before precision.share_input_casts and grouped kv heads in float32
 attention), 1420 in float32 (22.4); the tiny model 16 in bf16. Past
 :data:`ACTIVATION_BUDGET_BYTES`, the trainer recomputes the first k decoder layers in the
-backward (:func:`checkpoint_layer_count`), which then keep only their float32 input.
+backward (:func:`checkpoint_layer_count`), which then keep only their float32 input and their
+attention's output (:func:`recomputed_layer_bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import Any
 ACTIVATION_BYTES_PER_WIDTH = {"bfloat16": 14, "float32": 23}
 # Activation checkpointing (issue 40; trainer.checkpointed_layers). Without it an 8k-token
 # SmolLM2 row held ~7 GB of activations and the server peaked at 10.95 GiB. Past this budget
-# the first k decoder layers keep only their input (hidden_size float32 values a token) and run
+# the first k decoder layers keep only their input and attention output and run the rest of
 # their forward again in the backward, the fewest k that keeps the estimate under the budget.
-# The peak is then about the runtime and weights plus the budget: with 1 GiB, a 4k-token
-# SmolLM2 row peaked at 2.95 GiB in-process (2.10 at 1k), too near the 3 GiB target for 8k;
-# with 512 MiB rows up to ~600 SmolLM2 tokens (the examples' batches) recompute nothing.
-ACTIVATION_BUDGET_BYTES = 512 * 2**20
+# The peak is then about the runtime and weights plus the budget. 1 GiB: an 8k SmolLM2 row
+# recomputes every layer either way (its kept inputs alone are 0.8 GiB), and 1k rows recompute
+# none; a 2k row recomputes 12 layers instead of 24 with 512 MiB (in-process, bf16: 2k SFT
+# 192 -> 205 tokens/s; 223 with none, at 3.1 GiB).
+ACTIVATION_BUDGET_BYTES = 1024 * 2**20
 # The server's activation_checkpointing option: "auto" (past the budget), "on" (every decoder
 # layer of every backward), "off" (never).
 CHECKPOINTING_MODES = ("auto", "on", "off")
@@ -47,6 +49,15 @@ def activation_bytes_per_token(config: Any, dtype: str) -> int:
     return max(1, _int(config, "num_hidden_layers") * width * per_width)
 
 
+def recomputed_layer_bytes_per_token(config: Any) -> int:
+    """What a recomputed decoder layer keeps per token: its float32 input, its attention's
+    bf16 output and the softmax's float32 logsumexp a head (attention.keep_attention_outputs)."""
+    hidden = _int(config, "hidden_size")
+    heads = _int(config, "num_attention_heads") or 1
+    head_dim = _int(config, "head_dim") or hidden // heads
+    return hidden * 4 + heads * head_dim * 2 + heads * 4
+
+
 def checkpoint_layer_count(config: Any, dtype: str, tokens: int, mode: str = "auto") -> int:
     """How many decoder layers a backward over ``tokens`` tokens recomputes: with ``mode``
     "auto", 0 while the estimate fits :data:`ACTIVATION_BUDGET_BYTES`, else the fewest that
@@ -55,7 +66,7 @@ def checkpoint_layer_count(config: Any, dtype: str, tokens: int, mode: str = "au
     if mode != "auto" or layers == 0:
         return layers if mode == "on" else 0
     per_layer = tokens * activation_bytes_per_token(config, dtype) // layers
-    kept_input = tokens * _int(config, "hidden_size") * 4  # the float32 residual stream
+    kept_input = tokens * recomputed_layer_bytes_per_token(config)
     if layers * per_layer <= ACTIVATION_BUDGET_BYTES:
         return 0
     # k recomputed layers hold k inputs plus, while one runs again, that layer's activations.
@@ -93,7 +104,8 @@ def training_peak_bytes(config: Any, tokens: int, dtype: str = "float32",
         weights = int(weights * 0.71)
     per_layer = tokens * activation_bytes_per_token(config, dtype) // layers
     recomputed = checkpoint_layer_count(config, dtype, tokens, mode)
-    activations = ((layers - recomputed) * per_layer + recomputed * tokens * hidden * 4
+    activations = ((layers - recomputed) * per_layer
+                   + recomputed * tokens * recomputed_layer_bytes_per_token(config)
                    + (per_layer if recomputed else 0))
     head = 3 * HEAD_CHUNK_ROWS * vocab * 4 + tokens * hidden * 4 * 2
     return RUNTIME_BYTES + weights + activations + head

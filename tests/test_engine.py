@@ -757,14 +757,14 @@ def test_bf16_bases_on_cpu_compute_attention_in_float32(tmp_path) -> None:
     """Under a bf16 policy on CPU the loaded base (and its twin) run SDPA in float32 (torch's
     CPU flash attention is slower in bf16, issue 33): packing still applies and still keeps
     packed datums apart, and logprobs stay within the bf16 bound of float32 and of the sampler."""
-    from baseten_loops_cli.local.engine import precision, trainer as trainer_module
+    from baseten_loops_cli.local.engine import attention, precision, trainer as trainer_module
 
     module, info = model_zoo.load_model(TINY)
     bf16 = registry.BaseModel(TINY, info, module)
     bf16.store_matmul_weights_bf16()
-    precision.use_float32_attention(module)
+    attention.use_float32_attention(module)
     bf16.make_twin()
-    assert bf16.twin.module.config._attn_implementation == precision.FLOAT32_ATTENTION
+    assert bf16.twin.module.config._attn_implementation == attention.FLOAT32_ATTENTION
     assert trainer_module._packable(module)
     trainer = LoraTrainer(bf16, "attention", 4, seed=2)
     try:

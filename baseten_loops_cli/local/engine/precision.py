@@ -15,7 +15,7 @@ auto|float32|bfloat16 --device auto|cpu|cuda``).
   float32 weights and computes in float32 (:func:`float32_linear_class`), so every logprob
   (sampling, echo, ``/forward``, RL) comes from float32 logits; a tied head shares the
   embedding's float32 weight.
-- On CPU, such a base computes attention in float32 (:func:`use_float32_attention`: q, k, v
+- On CPU, such a base computes attention in float32 (attention.use_float32_attention: q, k, v
   cast up, autocast off around SDPA): torch's CPU flash-attention kernel is slower in bf16
   than in float32 (SmolLM2 SFT step: its backward 174 ms in bf16 against 45 ms in float32;
   the step 12% faster with attention in float32). It is no less exact: SmolLM2 logprobs on 8
@@ -23,7 +23,8 @@ auto|float32|bfloat16 --device auto|cpu|cuda``).
   against 0.034. Plain PEFT compared with such a base runs the same attention
   (scripts/gpu_check.sh).
   That attention calls SDPA with grouped key/value heads (``enable_gqa``) where transformers
-  would repeat them: identical outputs, 92 KB less per trained SmolLM2 token.
+  would repeat them: identical outputs, 92 KB less per trained SmolLM2 token. From 1k tokens
+  its backward runs in bf16 (attention.py: faster there, and half the kept bytes).
 - The Linear layers inside a bf16 base's LoRA layers share one bf16 copy of each input
   (:func:`share_input_casts`): autocast made one per layer, and autograd kept the LoRA A
   ones (SmolLM2: 213 KB per trained token). Bit-identical results.
@@ -82,6 +83,13 @@ class Precision:
         import torch
 
         return torch.autocast(device_type=self.device, dtype=torch.bfloat16)
+
+    @property
+    def compute_dtype(self) -> Any:
+        """The torch dtype of the policy's matmuls (torch.bfloat16 or torch.float32)."""
+        import torch
+
+        return torch.bfloat16 if self.bf16 else torch.float32
 
     def to_dict(self) -> dict[str, str]:
         return {"dtype": self.dtype, "device": self.device, "reason": self.reason}
@@ -313,51 +321,3 @@ def _shared_cast() -> Any:
         _SHARED_CAST = SharedCast
     return _SHARED_CAST
 
-
-# The attention implementation name of bf16 bases on CPU (transformers' AttentionInterface).
-FLOAT32_ATTENTION = "loops_sdpa_float32"
-
-
-def use_float32_attention(module: Any) -> None:
-    """Run ``module``'s SDPA attention in float32 while autocast is on (see the module
-    docstring); unchanged without autocast. For models using ``sdpa`` (others are left)."""
-    if getattr(module.config, "_attn_implementation", None) != "sdpa":
-        return
-    _register_float32_attention()
-    module.set_attn_implementation(FLOAT32_ATTENTION)
-
-
-def _register_float32_attention() -> None:
-    import torch
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    def float32_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
-                     dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, **kwargs: Any) -> Any:
-        device = query.device.type
-        options = dict(dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-        if not torch.is_autocast_enabled(device):
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **options)
-        q_length = query.shape[2]
-        causal = q_length > 1 and attention_mask is None and (
-            is_causal if is_causal is not None else getattr(module, "is_causal", True))
-        if (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-                or (causal and key.shape[2] != q_length)):  # cases transformers adapts
-            with torch.autocast(device, enabled=False):
-                return sdpa_attention_forward(module, query.float(), key.float(), value.float(),
-                                              attention_mask, **options)
-        # SDPA itself, with grouped key/value heads (enable_gqa) where transformers would
-        # repeat them (it does with any mask): the CPU flash kernel takes a mask and GQA
-        # together, with identical outputs, and the backward keeps k and v at their own head
-        # count (SmolLM2, 9 query and 3 kv heads: 92 KB less per trained token, of 1069).
-        with torch.autocast(device, enabled=False):
-            output = torch.nn.functional.scaled_dot_product_attention(
-                query.float(), key.float(), value.float(), attn_mask=attention_mask,
-                dropout_p=dropout, scale=scaling, is_causal=bool(causal),
-                enable_gqa=query.shape[1] != key.shape[1])
-        return output.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register(FLOAT32_ATTENTION, float32_sdpa)
-    AttentionMaskInterface.register(FLOAT32_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

@@ -27,7 +27,7 @@ import torch
 if TYPE_CHECKING:
     from torch.nn.modules.module import _IncompatibleKeys
 
-from baseten_loops_cli.local.engine import precision
+from baseten_loops_cli.local.engine import attention, precision
 from baseten_loops_cli.local.engine.model_zoo import (
     ModelInfo,
     available_models,
@@ -267,7 +267,7 @@ def load_base(name: str) -> BaseModel:
         if policy.bf16:  # frozen matmul weights in bf16 once; CPU attention in float32
             base.store_matmul_weights_bf16()
             if policy.device == "cpu":
-                precision.use_float32_attention(module)
+                attention.use_float32_attention(module)
         base.make_twin()
         with _registry_lock:
             _bases[name] = base

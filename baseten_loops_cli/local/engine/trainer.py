@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from baseten_loops_cli import memory_estimate
-from baseten_loops_cli.local.engine import losses, precision
+from baseten_loops_cli.local.engine import attention, losses, precision
 from baseten_loops_cli.local.engine.datums import ParsedDatum, parse_data
 from baseten_loops_cli.local.engine.errors import EngineInputError
 from baseten_loops_cli.local.engine.registry import BaseModel
@@ -157,7 +157,8 @@ class LoraTrainer:
                     outputs = _datum_outputs(model, [p.tokens for p in part], policy.device,
                                              hidden=head is not None)
                 chunk_inputs, chunk_top = _target_logprobs(outputs, part, top_k_logprobs,
-                                                           policy.device, head, policy.autocast)
+                                                           policy.device, head,
+                                                           policy.compute_dtype)
                 del outputs
                 chunk_result = losses.compute(loss_fn, chunk_inputs, config)
                 if backward:
@@ -362,7 +363,8 @@ def decoder_layers(model: Any) -> list[Any]:
 @contextlib.contextmanager
 def checkpointed_layers(model: Any, count: int) -> Iterator[None]:
     """Run the first ``count`` decoder layers under non-reentrant activation checkpointing
-    while the block runs: each keeps its inputs and runs again, with the same autocast, in the
+    while the block runs: each keeps its inputs and its attention's output
+    (attention.keep_attention_outputs) and runs again, with the same autocast, in the
     backward. The layers' ``forward`` is wrapped on these module objects only (the sampling
     twin has its own); the caller holds the base's lock."""
     layers = decoder_layers(model)[:count] if count > 0 else []
@@ -371,11 +373,13 @@ def checkpointed_layers(model: Any, count: int) -> Iterator[None]:
         return
     from torch.utils.checkpoint import checkpoint
 
+    keep = attention.keep_attention_outputs()
+
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             # No dropout in the engine's models: the RNG state need not be replayed.
             return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
-                              **kwargs)
+                              context_fn=keep, **kwargs)
         return run
 
     saved = [layer.__dict__.get("forward") for layer in layers]
@@ -446,7 +450,7 @@ def _packable(model: Any) -> bool:
     config = getattr(model, "config", None)
     return (getattr(config, "model_type", None) in _PACKABLE_MODEL_TYPES
             and getattr(config, "_attn_implementation", None) in (
-                "sdpa", "eager", precision.FLOAT32_ATTENTION))
+                "sdpa", "eager", attention.FLOAT32_ATTENTION))
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
@@ -568,13 +572,19 @@ class HeadLogprobs(torch.autograd.Function):
     product, without keeping (P, V) tensors. Autograd kept the logits, their float32 copy and
     the softmax of every trained position until the backward: about 10 bytes x 49,152 per
     token on SmolLM2, as much as all 30 layers' activations (issue 33: "a fused or chunked LM
-    head"). Its matmuls run in float32, as the model's own head does (precision.float32_linear_class).
+    head"). The logits' matmul runs in float32, as the model's own head does
+    (precision.float32_linear_class), so every logprob is float32-exact. ``S`` only feeds the
+    gradient, and is computed in ``grad_dtype``: bf16 under a bf16 policy, as autocast would
+    (a 2k-token SmolLM2 row trained on its last 1,000: the head 1.86 s of a 9.6 s step with
+    both products in float32).
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor,
-                autocast: Any, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                grad_dtype: torch.dtype, top_k: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grad = ctx.needs_input_grad[0]
+        grad_weight = weight.to(grad_dtype) if grad else weight  # one cast per call
         picked, s_rows, top_values, top_ids = [], [], [], []
         for start in range(0, hidden.shape[0], HEAD_CHUNK_ROWS):
             rows = hidden[start: start + HEAD_CHUNK_ROWS]
@@ -595,7 +605,7 @@ class HeadLogprobs(torch.autograd.Function):
             if grad:
                 probs = logits.sub_(normalizer).exp_()  # in place: the logits are spent
                 with torch.autocast(probs.device.type, enabled=False):
-                    s_rows.append(probs @ weight.float())
+                    s_rows.append((probs.to(grad_dtype) @ grad_weight).float())
             del logits
         if grad:
             ctx.hidden_dtype = hidden.dtype
@@ -632,7 +642,7 @@ def _pick(logits: torch.Tensor, index: torch.Tensor, top_k: int
 
 def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top_k: int,
                      device: str = "cpu", head: Any = None,
-                     autocast: Callable[[], Any] = contextlib.nullcontext,
+                     grad_dtype: torch.dtype = torch.float32,
                      ) -> tuple[list[losses.DatumLossInput], list[TopK]]:
     """Each datum's logprobs of its targets (and optionally the top-k alternatives), with
     the datum's loss inputs on ``device`` (where the outputs are).
@@ -690,7 +700,7 @@ def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             part, values, ids = HeadLogprobs.apply(
                 torch.cat([outputs[d][at] for d, at, _ in group]), head.weight,
-                torch.cat([index for _, _, index in group]), autocast, top_k)
+                torch.cat([index for _, _, index in group]), grad_dtype, top_k)
         offset = 0
         for d, at, _ in group:
             count = at.shape[0]

@@ -1,0 +1,111 @@
+"""The attention of long training rows under a bf16 policy on CPU (local/engine/attention.py,
+issue 40): a float32 forward whose output the bf16 o_proj reads unchanged, a bf16 backward,
+and a checkpointed layer's recompute that reuses the forward's attention instead of running
+the kernel again. Checked against plain SDPA and against the unchecked trainer."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from baseten_loops_cli.local.engine import attention, model_zoo, precision, registry  # noqa: E402
+from baseten_loops_cli.local.engine import trainer as trainer_module  # noqa: E402
+from baseten_loops_cli.local.engine.trainer import LoraTrainer  # noqa: E402
+
+BF16 = precision.Precision("bfloat16", "cpu", "test")
+TEXT = list(b"The quick brown fox jumps over the lazy dog. ")
+
+
+def _qkv(dtype: torch.dtype, length: int = 96, heads: int = 6, kv_heads: int = 2):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, heads, length, 32), (1, kv_heads, length, 32), (1, kv_heads, length, 32)]
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_(True) for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_attention_is_float32_sdpa_forward_and_a_close_backward(dtype) -> None:
+    """The op's output is float32 SDPA's (causal, grouped kv heads) rounded to bf16, bit for
+    bit; its gradients are within bf16's rounding of float32 autograd's."""
+    ours_in, ref_in = _qkv(dtype), _qkv(dtype)
+    scale = 32 ** -0.5
+    out, logsumexp = attention.causal_attention(*ours_in, scale)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.float() for t in ref_in), is_causal=True, scale=scale, enable_gqa=True)
+    assert out.dtype == torch.bfloat16 and logsumexp.dtype == torch.float32
+    assert torch.equal(out, ref.to(torch.bfloat16))
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(grad.to(torch.bfloat16))
+    ref.backward(grad)
+    for ours, theirs in zip(ours_in, ref_in):
+        assert ours.grad.dtype == dtype
+        error = (ours.grad.float() - theirs.grad.float()).norm() / theirs.grad.float().norm()
+        assert 0 < error < 0.02, error  # bf16 arithmetic, not float32's, and not far from it
+
+
+@pytest.fixture(scope="module")
+def bf16_base() -> registry.BaseModel:
+    module, info = model_zoo.load_model(model_zoo.TINY)
+    base = registry.BaseModel(model_zoo.TINY, info, module)
+    base.store_matmul_weights_bf16()
+    attention.use_float32_attention(module)
+    return base
+
+
+def test_checkpointed_long_rows_reuse_the_forwards_attention(bf16_base, monkeypatch) -> None:
+    """A long row (here: past a lowered BF16_BACKWARD_MIN_TOKENS) runs causal_attention; with
+    every layer checkpointed, the backward's recompute takes the attention outputs its forward
+    kept (the kernel runs once a layer, not twice), and logprobs, loss and gradients equal the
+    unchecked trainer's to 1e-5."""
+    monkeypatch.setattr(attention, "BF16_BACKWARD_MIN_TOKENS", 64)
+    kernel_calls = []
+    real = attention._FLASH
+    monkeypatch.setattr(attention, "_FLASH",
+                        lambda *a, **k: kernel_calls.append(a[0].shape[2]) or real(*a, **k))
+    tokens = (TEXT * 4)[:150]
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+             "loss_fn_inputs": {
+                 "target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [149]},
+                 "weights": {"data": [0.0] * 60 + [1.0] * 89, "dtype": "float32",
+                             "shape": [149]}}}
+    layers = bf16_base.module.config.num_hidden_layers
+    outputs, grads = {}, {}
+    for mode in ("off", "on"):
+        trainer = LoraTrainer(bf16_base, f"long-{mode}", 4, seed=5)
+        try:
+            monkeypatch.setattr(trainer_module, "_checkpointing", mode)
+            kernel_calls.clear()
+            with precision.using(BF16):
+                outputs[mode] = trainer.forward_backward([datum])
+            assert kernel_calls == [149] * layers, (mode, kernel_calls)
+            grads[mode] = [p.grad.clone() for p in trainer._params]
+        finally:
+            trainer.release()
+    on, off = outputs["on"], outputs["off"]
+    assert on["metrics"]["recomputed_layers"] == layers
+    assert on["metrics"]["loss:sum"] == pytest.approx(off["metrics"]["loss:sum"], abs=1e-5)
+    on_lps = on["loss_fn_outputs"][0]["logprobs"]["data"]
+    off_lps = off["loss_fn_outputs"][0]["logprobs"]["data"]
+    assert on_lps == pytest.approx(off_lps, abs=1e-5)
+    assert max(float((a - b).abs().max()) for a, b in zip(grads["on"], grads["off"])) < 1e-5
+    assert max(float(g.abs().max()) for g in grads["off"]) > 1e-4  # the gradients are not 0
+
+
+def test_short_rows_keep_float32_sdpa(bf16_base, monkeypatch) -> None:
+    """Below BF16_BACKWARD_MIN_TOKENS a training row's attention stays torch's float32 SDPA
+    (its backward is faster in float32 there): the op is not called."""
+    calls = []
+    monkeypatch.setattr(attention, "causal_attention",
+                        lambda *a: calls.append(a) or pytest.fail("long-row path on a short row"))
+    trainer = LoraTrainer(bf16_base, "short", 4, seed=5)
+    try:
+        tokens = TEXT[:40]
+        datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+                 "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64",
+                                                      "shape": [39]}}}
+        with precision.using(BF16):
+            out = trainer.forward_backward([datum])
+    finally:
+        trainer.release()
+    assert out["metrics"]["loss:sum"] > 0 and not calls
