@@ -594,19 +594,26 @@ class HeadLogprobs(torch.autograd.Function):
             with torch.autocast(rows.device.type, enabled=False):
                 logits = torch.nn.functional.linear(rows.float(), weight.float())
             ctx.compute_dtype = logits.dtype
-            normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
             target = at if at.dim() == 2 else at.unsqueeze(-1)
-            chosen = logits.gather(-1, target) - normalizer
-            picked.append(chosen if at.dim() == 2 else chosen.squeeze(-1))
+            chosen = logits.gather(-1, target)
             if top_k:
                 values, ids = logits.topk(top_k, dim=-1)
-                top_values.append(values - normalizer)
                 top_ids.append(ids)
-            if grad:
-                probs = logits.sub_(normalizer).exp_()  # in place: the logits are spent
-                with torch.autocast(probs.device.type, enabled=False):
-                    s_rows.append((probs.to(grad_dtype) @ grad_weight).float())
-            del logits
+            # logsumexp by hand, so its exponentials are the softmax's too: one pass over the
+            # (rows, V) logits fewer than logsumexp then exp, and no temporary of that size
+            # (8 SmolLM2 rows of 16-64 tokens: the head 541 -> 388 ms in a micro-benchmark)
+            top = logits.amax(-1, keepdim=True)
+            exps = logits.sub_(top).exp_()  # in place: the logits are spent
+            total = exps.sum(-1, keepdim=True)
+            normalizer = top + total.log()
+            chosen = chosen - normalizer
+            picked.append(chosen if at.dim() == 2 else chosen.squeeze(-1))
+            if top_k:
+                top_values.append(values - normalizer)
+            if grad:  # S = softmax @ W = (exps @ W) / total
+                with torch.autocast(exps.device.type, enabled=False):
+                    s_rows.append((exps.to(grad_dtype) @ grad_weight).float().div_(total))
+            del logits, exps
         if grad:
             ctx.hidden_dtype = hidden.dtype
             ctx.save_for_backward(weight, index, torch.cat(s_rows))
