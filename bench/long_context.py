@@ -181,10 +181,12 @@ def model_dir() -> Path:
     return model_zoo.require_model_dir(SMOLLM2)
 
 
-def trl_rows(lengths: list[int], steps: int, quick: bool, ours: dict[int, dict]) -> list[dict]:
+def trl_rows(lengths: list[int], steps: int, quick: bool, ours: dict[int, dict],
+             dtypes: str = "both") -> list[dict]:
     bf16 = bench_precision().bf16
     grid = ([(bf16, False, c) for c in (True, False)] if quick else
-            [(b, p, c) for b in (True, False) for p in (True, False) for c in (True, False)])
+            [(b, p, c) for b in ((True, False) if dtypes == "both" else (dtypes == "bf16",))
+             for p in (True, False) for c in (True, False)])
     rows = []
     for length in lengths:
         mine = ours.get(length) or loops_sft(length, steps)
@@ -299,20 +301,24 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="sft,trl,rl,deploy", help="comma-separated parts")
-    parser.add_argument("--lengths", help="SFT row lengths (default 1000,2000,4000,8000; --quick 512,1024)")
+    parser.add_argument("--lengths", help="SFT row lengths, and TRL's when given (default 1000,2000,4000,8000 and TRL at 2000,8000; --quick 512,1024 and 1024)")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per side, after one warm-up step")
     parser.add_argument("--quick", action="store_true", help="short rows, one TRL dtype, 64-token RL replies")
+    parser.add_argument("--trl-dtypes", choices=("both", "bf16", "float32"), default="both",
+                        help="TRL's grid: both dtypes (default) or one (float32 TRL was never the "
+                             "fastest on a bf16 CPU)")
     parser.add_argument("--json", action="store_true", help="one JSON object for run_all.py")
     args = parser.parse_args()
     bench_env()
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else list(
         QUICK_LENGTHS if args.quick else LENGTHS)
+    # TRL runs at the rows given with --lengths, else at its own defaults (2k and 8k).
+    trl_lengths = lengths if args.lengths else list(QUICK_TRL_LENGTHS if args.quick else TRL_LENGTHS)
     rows: list[dict] = []
     ours: dict[int, dict] = {}
     jobs = [("sft", lambda: sft_rows(lengths, args.steps, args.quick)),
-            ("trl", lambda: trl_rows(list(QUICK_TRL_LENGTHS if args.quick else TRL_LENGTHS), args.steps,
-                                     args.quick, ours)),
+            ("trl", lambda: trl_rows(trl_lengths, args.steps, args.quick, ours, args.trl_dtypes)),
             ("rl", lambda: [rl_row(args.steps, 64 if args.quick else 256, args.quick)]),
             ("deploy", lambda: [deploy_row(2000 if args.quick else 8000, 64)])]
     for name, job in jobs:

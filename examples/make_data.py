@@ -76,14 +76,17 @@ def main() -> None:
     smol_prompts = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in small]
     write("smol_rl_prompts.jsonl", smol_prompts[:80])
     write("smol_rl_eval.jsonl", smol_prompts[80:96])
-    # RL with reasoning (SmolLM2, examples/smol-math-rl.yaml): two-digit additions, worked out in
-    # up to 256 tokens, graded by the builtin math_answer reward (the final boxed number).
-    rng3 = random.Random(4)
-    sums = [(rng3.randint(10, 99), rng3.randint(10, 99)) for _ in range(192)]
-    math_rows = [{"prompt": f"What is {a} + {b}? Think it through step by step, then give the final answer "
-                            f"as \\boxed{{<number>}}.", "answer": str(a + b)} for a, b in sums]
-    write("smol_math_prompts.jsonl", math_rows[:160])
-    write("smol_math_eval.jsonl", math_rows[160:])
+    # RL with reasoning (SmolLM2, examples/smol-math-rl.yaml): one-digit additions worked out in
+    # up to 256 tokens, graded by the builtin math_answer reward ("The answer is N" is an anchor
+    # math-verify reads). The base model gets ~30% right this way and ~6% when asked for a
+    # \boxed{} answer, which it seldom writes; two-digit sums scored 0 of 16. The 81 pairs are
+    # split: 65 to train on, 16 held out, none in both.
+    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+    random.Random(4).shuffle(pairs)
+    math_rows = [{"prompt": f"What is {a} + {b}? Think it through step by step, then end with "
+                            f"\"The answer is <number>.\"", "answer": str(a + b)} for a, b in pairs]
+    write("smol_math_prompts.jsonl", math_rows[:65])
+    write("smol_math_eval.jsonl", math_rows[65:])
 
 
 if __name__ == "__main__":

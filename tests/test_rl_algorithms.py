@@ -220,7 +220,8 @@ def test_each_preset_matches_its_paper_value_and_gradient(preset, overrides):
 
 def test_the_smollm2_reasoning_example_is_valid(smollm2_cache, monkeypatch):
     """examples/smol-math-rl.yaml: every row loads with SmolLM2's tokenizer and fits 256-token
-    replies, and its plan names what `algorithm: dapo` expanded to."""
+    replies, no held-out prompt is trained on, and its plan names what `algorithm: dr_grpo`
+    expanded to."""
     from baseten_loops_cli.training import kinds
     from baseten_loops_cli.training.config import load_config
     from baseten_loops_cli.training.plan import load_data
@@ -230,11 +231,13 @@ def test_the_smollm2_reasoning_example_is_valid(smollm2_cache, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(smollm2_cache / "empty-hub"))
     loaded = load_config(EXAMPLES / "smol-math-rl.yaml")
     data = load_data(loaded)
-    assert len(data.train) == 160 and len(data.eval) == 32
+    assert len(data.train) == 65 and len(data.eval) == 16
+    assert not {tuple(p.tokens) for p in data.train} & {tuple(p.tokens) for p in data.eval}
     assert loaded.config.sampling.max_tokens == 256
     assert all(len(p.tokens) + 256 <= loaded.config.max_seq_len for p in data.train + data.eval)
     plan = kinds.of(loaded.config).estimate(loaded.config, data)
-    assert any(n.startswith("algorithm dapo: ") and "length_normalization token" in n for n in plan.notes), plan.notes
+    assert any(n.startswith("algorithm dr_grpo: ") and "length_normalization constant" in n
+               for n in plan.notes), plan.notes
 
 
 # ------------------------------------------------------------------ the config and the pure pieces
