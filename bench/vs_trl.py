@@ -249,7 +249,7 @@ def trl_dpo(steps: int, batch: int, lr: float, beta: float, precompute: bool, bf
 
 def trl_grpo(steps: int, prompts: int, group: int, max_tokens: int, lr: float, bf16: bool,
              data: str = "smol_rl_prompts.jsonl", reward_fn: Callable[[str, dict], float] | None = None,
-             **loss: Any) -> dict:
+             temperature: float = 1.0, **loss: Any) -> dict:
     """GRPOTrainer on ``data``'s rows; ``loss``: GRPOConfig's loss keys (loss_type, epsilon_high,
     scale_rewards) over the GRPO defaults used here (epsilon 0.2, no KL)."""
     from datasets import Dataset
@@ -269,7 +269,7 @@ def trl_grpo(steps: int, prompts: int, group: int, max_tokens: int, lr: float, b
     def make(out: str, clock: Any) -> Any:
         config = GRPOConfig(**trl_common(out, steps, bf16, lr, prompts * group),
                             num_generations=group, max_completion_length=max_tokens,
-                            temperature=1.0, beta=0.0, **{"epsilon": 0.2, **loss}, shuffle_dataset=False)
+                            temperature=temperature, beta=0.0, **{"epsilon": 0.2, **loss}, shuffle_dataset=False)
         data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
                                    "answer": str(r["answer"])} for r in rows])
         return GRPOTrainer(model=lora_model(), reward_funcs=reward, args=config,
@@ -423,6 +423,7 @@ def compare_rl256(args: Any, steps: int) -> list[dict]:
     spec = yaml.safe_load(MATH_YAML.read_text())
     prompts, group = int(spec["groups_per_batch"]), int(spec["group_size"])
     max_tokens, lr = int(spec["sampling"]["max_tokens"]), float(spec["optimizer"]["learning_rate"])
+    temperature = float(spec["sampling"].get("temperature", 1.0))  # both sides sample alike
     rows = []
     for preset, trl_loss in RL256.items():
         records = loops_run(MATH_YAML, steps, [f"algorithm={preset}", "dynamic_sampling=null", "overlong=null",
@@ -434,7 +435,7 @@ def compare_rl256(args: Any, steps: int) -> list[dict]:
         grid = [False] if args.quick else [False, True]
         theirs = try_configs(f"GRPO {trl_loss['loss_type']}", [(f"bf16={onoff(b)}", lambda b=b, trl_loss=trl_loss: trl_grpo(
             steps, prompts, group, max_tokens, lr, b, data="smol_math_prompts.jsonl", reward_fn=build(),
-            **trl_loss)) for b in grid])
+            temperature=temperature, **trl_loss)) for b in grid])
         for name, side in theirs:
             log(f"RL256 TRL {trl_loss['loss_type']} {name} rewards: {curve(side['rewards'])}")
         spp = lambda side: side["seconds"] / (len(side["losses"]) - 1)  # noqa: E731

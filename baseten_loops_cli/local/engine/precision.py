@@ -84,13 +84,6 @@ class Precision:
 
         return torch.autocast(device_type=self.device, dtype=torch.bfloat16)
 
-    @property
-    def compute_dtype(self) -> Any:
-        """The torch dtype of the policy's matmuls (torch.bfloat16 or torch.float32)."""
-        import torch
-
-        return torch.bfloat16 if self.bf16 else torch.float32
-
     def to_dict(self) -> dict[str, str]:
         return {"dtype": self.dtype, "device": self.device, "reason": self.reason}
 

@@ -157,8 +157,7 @@ class LoraTrainer:
                     outputs = _datum_outputs(model, [p.tokens for p in part], policy.device,
                                              hidden=head is not None)
                 chunk_inputs, chunk_top = _target_logprobs(outputs, part, top_k_logprobs,
-                                                           policy.device, head,
-                                                           policy.compute_dtype)
+                                                           policy.device, head, policy.autocast)
                 del outputs
                 chunk_result = losses.compute(loss_fn, chunk_inputs, config)
                 if backward:
@@ -572,19 +571,13 @@ class HeadLogprobs(torch.autograd.Function):
     product, without keeping (P, V) tensors. Autograd kept the logits, their float32 copy and
     the softmax of every trained position until the backward: about 10 bytes x 49,152 per
     token on SmolLM2, as much as all 30 layers' activations (issue 33: "a fused or chunked LM
-    head"). The logits' matmul runs in float32, as the model's own head does
-    (precision.float32_linear_class), so every logprob is float32-exact. ``S`` only feeds the
-    gradient, and is computed in ``grad_dtype``: bf16 under a bf16 policy, as autocast would
-    (a 2k-token SmolLM2 row trained on its last 1,000: the head 1.86 s of a 9.6 s step with
-    both products in float32).
+    head"). Its matmuls run in float32, as the model's own head does (precision.float32_linear_class).
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor,
-                grad_dtype: torch.dtype, top_k: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                autocast: Any, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grad = ctx.needs_input_grad[0]
-        grad_weight = weight.to(grad_dtype) if grad else weight  # one cast per call
         picked, s_rows, top_values, top_ids = [], [], [], []
         for start in range(0, hidden.shape[0], HEAD_CHUNK_ROWS):
             rows = hidden[start: start + HEAD_CHUNK_ROWS]
@@ -594,26 +587,19 @@ class HeadLogprobs(torch.autograd.Function):
             with torch.autocast(rows.device.type, enabled=False):
                 logits = torch.nn.functional.linear(rows.float(), weight.float())
             ctx.compute_dtype = logits.dtype
+            normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
             target = at if at.dim() == 2 else at.unsqueeze(-1)
-            chosen = logits.gather(-1, target)
-            if top_k:
-                values, ids = logits.topk(top_k, dim=-1)
-                top_ids.append(ids)
-            # logsumexp by hand, so its exponentials are the softmax's too: one pass over the
-            # (rows, V) logits fewer than logsumexp then exp, and no temporary of that size
-            # (8 SmolLM2 rows of 16-64 tokens: the head 541 -> 388 ms in a micro-benchmark)
-            top = logits.amax(-1, keepdim=True)
-            exps = logits.sub_(top).exp_()  # in place: the logits are spent
-            total = exps.sum(-1, keepdim=True)
-            normalizer = top + total.log()
-            chosen = chosen - normalizer
+            chosen = logits.gather(-1, target) - normalizer
             picked.append(chosen if at.dim() == 2 else chosen.squeeze(-1))
             if top_k:
+                values, ids = logits.topk(top_k, dim=-1)
                 top_values.append(values - normalizer)
-            if grad:  # S = softmax @ W = (exps @ W) / total
-                with torch.autocast(exps.device.type, enabled=False):
-                    s_rows.append((exps.to(grad_dtype) @ grad_weight).float().div_(total))
-            del logits, exps
+                top_ids.append(ids)
+            if grad:
+                probs = logits.sub_(normalizer).exp_()  # in place: the logits are spent
+                with torch.autocast(probs.device.type, enabled=False):
+                    s_rows.append(probs @ weight.float())
+            del logits
         if grad:
             ctx.hidden_dtype = hidden.dtype
             ctx.save_for_backward(weight, index, torch.cat(s_rows))
@@ -649,7 +635,7 @@ def _pick(logits: torch.Tensor, index: torch.Tensor, top_k: int
 
 def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top_k: int,
                      device: str = "cpu", head: Any = None,
-                     grad_dtype: torch.dtype = torch.float32,
+                     autocast: Callable[[], Any] = contextlib.nullcontext,
                      ) -> tuple[list[losses.DatumLossInput], list[TopK]]:
     """Each datum's logprobs of its targets (and optionally the top-k alternatives), with
     the datum's loss inputs on ``device`` (where the outputs are).
@@ -707,7 +693,7 @@ def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             part, values, ids = HeadLogprobs.apply(
                 torch.cat([outputs[d][at] for d, at, _ in group]), head.weight,
-                torch.cat([index for _, _, index in group]), grad_dtype, top_k)
+                torch.cat([index for _, _, index in group]), autocast, top_k)
         offset = 0
         for d, at, _ in group:
             count = at.shape[0]
