@@ -232,3 +232,18 @@ def test_expired_links_are_re_signed(server_factory, tmp_path):
         p = _download(server, ck.ref, tmp_path / "cli", proxy.url, "--parallel", "1")
     assert p.returncode == 0, p.stderr
     assert _tree(tmp_path / "cli") == ck.expected
+
+
+def test_a_ctrl_c_while_the_workers_start_settles_without_joining_unstarted_ones():
+    """CI saw "cannot join thread before it is started" (exit 1, not 130) when the Ctrl-C landed
+    while download_files was starting its workers: _settle joined one that never ran."""
+    import threading
+    from types import SimpleNamespace
+
+    from baseten_loops_cli.api import download
+
+    shared = SimpleNamespace(cancel=threading.Event())
+    started = threading.Thread(target=shared.cancel.wait)
+    started.start()
+    download._settle(shared, [started, threading.Thread(target=lambda: None)], wait_s=1.0)
+    assert shared.cancel.is_set() and not started.is_alive()

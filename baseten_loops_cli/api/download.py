@@ -497,6 +497,8 @@ def _settle(shared: _Shared, threads: list[threading.Thread], wait_s: float = 1.
     shared.cancel.set()
     deadline = time.monotonic() + wait_s
     for t in threads:
+        if t.ident is None:  # a Ctrl-C while the workers were being started: never ran
+            continue
         t.join(timeout=max(deadline - time.monotonic(), 0))
 
 
