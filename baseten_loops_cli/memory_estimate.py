@@ -23,8 +23,8 @@ ACTIVATION_BYTES_PER_WIDTH = {"bfloat16": 14, "float32": 23}
 # their forward again in the backward, the fewest k that keeps the estimate under the budget.
 # The peak is then about the runtime and weights plus the budget. 1 GiB: an 8k SmolLM2 row
 # recomputes every layer either way (its kept inputs alone are 0.8 GiB), and 1k rows recompute
-# none; a 2k row recomputes 12 layers instead of 24 with 512 MiB (in-process, bf16: 2k SFT
-# 192 -> 205 tokens/s; 223 with none, at 3.1 GiB).
+# none; a 2k row recomputes 15 layers instead of 24 with 512 MiB (in-process, bf16: 2k SFT
+# 192 -> 200 tokens/s; 223 with none, at 3.1 GiB).
 ACTIVATION_BUDGET_BYTES = 1024 * 2**20
 # The server's activation_checkpointing option: "auto" (past the budget), "on" (every decoder
 # layer of every backward), "off" (never).

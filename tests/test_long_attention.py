@@ -13,9 +13,9 @@ pytest.importorskip("peft")
 from baseten_loops_cli.local.engine import attention, model_zoo, precision, registry  # noqa: E402
 from baseten_loops_cli.local.engine import trainer as trainer_module  # noqa: E402
 from baseten_loops_cli.local.engine.trainer import LoraTrainer  # noqa: E402
+from tests.test_engine import TEXT, sft_datum  # noqa: E402
 
 BF16 = precision.Precision("bfloat16", "cpu", "test")
-TEXT = list(b"The quick brown fox jumps over the lazy dog. ")
 
 
 def _qkv(dtype: torch.dtype, length: int = 96, heads: int = 6, kv_heads: int = 2):
@@ -63,12 +63,7 @@ def test_checkpointed_long_rows_reuse_the_forwards_attention(bf16_base, monkeypa
     real = attention._FLASH
     monkeypatch.setattr(attention, "_FLASH",
                         lambda *a, **k: kernel_calls.append(a[0].shape[2]) or real(*a, **k))
-    tokens = (TEXT * 4)[:150]
-    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
-             "loss_fn_inputs": {
-                 "target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [149]},
-                 "weights": {"data": [0.0] * 60 + [1.0] * 89, "dtype": "float32",
-                             "shape": [149]}}}
+    datum = sft_datum((TEXT * 4)[:150], [0.0] * 60 + [1.0] * 89)
     layers = bf16_base.module.config.num_hidden_layers
     outputs, grads = {}, {}
     for mode in ("off", "on"):
@@ -100,12 +95,8 @@ def test_short_rows_keep_float32_sdpa(bf16_base, monkeypatch) -> None:
                         lambda *a: calls.append(a) or pytest.fail("long-row path on a short row"))
     trainer = LoraTrainer(bf16_base, "short", 4, seed=5)
     try:
-        tokens = TEXT[:40]
-        datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
-                 "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64",
-                                                      "shape": [39]}}}
         with precision.using(BF16):
-            out = trainer.forward_backward([datum])
+            out = trainer.forward_backward([sft_datum(TEXT[:40])])
     finally:
         trainer.release()
     assert out["metrics"]["loss:sum"] > 0 and not calls

@@ -255,10 +255,11 @@ def _stream_event(line: str) -> dict | None:
 
 
 # How long a training run (its loop, judges, teachers) waits for one /sample answer (the
-# client's default is 300 s). A dedicated sampler answers synchronously, and a training batch's requests are generated
-# together: 4 groups of 4 replies of 256 SmolLM2 tokens took over 300 s on a busy 2-core
-# machine, which failed the run (issue 44's example). A read timeout is never retried, since a
-# retry restarts the generation; this bound is only there for a sampler that stopped answering.
+# client's default is 300 s). A dedicated sampler answers synchronously, and a training
+# batch's requests are generated together: 4 groups of 4 replies of 256 SmolLM2 tokens took
+# over 300 s on a busy 2-core machine, which failed the run (issue 44's example). A read
+# timeout is never retried, since a retry restarts the generation; this bound is only there
+# for a sampler that stopped answering.
 TRAINING_SAMPLE_TIMEOUT_S = 1800.0
 
 

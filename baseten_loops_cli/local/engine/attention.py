@@ -1,16 +1,17 @@
 """The attention a bf16 base runs on CPU (transformers' AttentionInterface name
 :data:`FLOAT32_ATTENTION`), and what a recomputed decoder layer keeps of it.
 
-- The forward is SDPA in float32 (q, k, v cast up, autocast off): torch's CPU flash kernel
-  is no faster in bf16 at any length we measured, and float32 keeps logprobs as exact as the
-  rest of the bf16 policy allows (precision.py).
+- The forward is SDPA in float32 (q, k, v cast up, autocast off): torch's CPU flash kernel's
+  forward is hardly faster in bf16 (one SmolLM2 layer: 41 against 44 ms at 2k) and slower at
+  length (649 against 551 ms at 8k), and float32 keeps logprobs as exact as the rest of the
+  bf16 policy allows (precision.py).
 - Grouped key/value heads go to the kernel as they are (``enable_gqa``; transformers repeats
   them): identical outputs, and the backward keeps k and v at their own head count.
 - A datum of :data:`BF16_BACKWARD_MIN_TOKENS` or more that trains runs
-  :func:`causal_attention`, whose backward is bf16: the kernel's backward is faster in bf16 from ~512 tokens (one
-  SmolLM2 layer, 9 heads of 64: 39 -> 29 ms at 1k, 142 -> 96 ms at 2k, 475 -> 343 ms at 4k,
-  1.80 -> 1.47 s at 8k; slower below: 2.5 -> 5.3 ms for 8 rows of 64), and the tensors the
-  backward keeps (q, k, v, the output) are half the bytes. The gradients' relative error
+  :func:`causal_attention`, whose backward is bf16: the kernel's backward is faster in bf16
+  from ~512 tokens (one SmolLM2 layer, 9 heads of 64: 39 -> 29 ms at 1k, 142 -> 96 ms at 2k,
+  475 -> 343 ms at 4k, 1.80 -> 1.47 s at 8k; slower below: 2.5 -> 5.3 ms for 8 rows of 64),
+  and the tensors the backward keeps (q, k, v, the output) are half the bytes. The gradients' relative error
   against the float32 backward is 0.5-0.8%, what every bf16 matmul of the backward already
   has. The forward stays float32, and its output is returned in bf16: the bf16 o_proj that
   reads it rounds it so, so every loss and logprob is unchanged.
