@@ -32,8 +32,9 @@ CHECKPOINTING_MODES = ("auto", "on", "off")
 # Besides weights and activations, a local server process holds the interpreter, torch and its
 # allocator's slack: measured with SmolLM2 loaded in bf16, ~0.9 GiB over its weight bytes.
 RUNTIME_BYTES = 900 * 2**20
-# The trainer's LM head runs over 64 rows at a time (trainer.HEAD_CHUNK_ROWS).
-HEAD_CHUNK_ROWS = 64
+# The trainer's LM head runs over 160 rows at a time (trainer.HEAD_CHUNK_ROWS): their float32
+# logits, a bf16 copy of their softmax and of the head's weight for the gradient's product.
+HEAD_CHUNK_ROWS = 160
 
 
 def _int(config: Any, name: str) -> int:
@@ -107,5 +108,5 @@ def training_peak_bytes(config: Any, tokens: int, dtype: str = "float32",
     activations = ((layers - recomputed) * per_layer
                    + recomputed * tokens * recomputed_layer_bytes_per_token(config)
                    + (per_layer if recomputed else 0))
-    head = 3 * HEAD_CHUNK_ROWS * vocab * 4 + tokens * hidden * 4 * 2
+    head = HEAD_CHUNK_ROWS * vocab * (4 + 2) + vocab * hidden * 2 + tokens * hidden * 4 * 2
     return RUNTIME_BYTES + weights + activations + head

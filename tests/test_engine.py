@@ -702,6 +702,48 @@ def test_lm_head_runs_only_where_outputs_are_read(make_trainer, base, monkeypatc
         assert (a.grad - b.grad).abs().max() <= 1e-5 * b.grad.abs().max(), (a.grad - b.grad).abs().max()
 
 
+def test_lm_head_gradient_under_bf16_keeps_its_direction_near_a_memorized_token() -> None:
+    """Under bf16 autocast the head's gradient product runs in bf16 (issue 41) in difference
+    form, (p - e_t) @ W: even where p_t is ~1, the gradient of log p_t stays within bf16
+    rounding of float32 autograd's. p @ W rounded to bf16 alone would not (near a memorized
+    token the gradient is the small difference W[t] - p @ W), and the logprobs stay float32.
+    Rows span more than one head chunk and slice."""
+    import functools
+
+    from baseten_loops_cli.local.engine import trainer as trainer_module
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, width = 4096, 64
+    rows = trainer_module.HEAD_CHUNK_ROWS + trainer_module.HEAD_SLICE_ROWS + 3
+    weight = torch.randn(vocab, width, generator=generator)
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    # hidden states pointing at their target: p_t from ~0.01 to ~1 - 3e-6 (past that float32
+    # itself cannot tell 1 - p_t, in autograd's reference as in ours)
+    scale = torch.linspace(0.1, 0.3, rows).unsqueeze(-1)
+    hidden = (scale * weight[targets] + 0.1 * torch.randn(rows, width, generator=generator))
+    upstream = torch.rand(rows, generator=generator) + 0.5
+    bf16 = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+
+    ours_hidden = hidden.clone().requires_grad_()
+    ours, _, _ = trainer_module.HeadLogprobs.apply(ours_hidden, weight, targets, bf16, 0)
+    (ours * upstream).sum().backward()
+    reference_hidden = hidden.clone().requires_grad_()
+    reference = torch.log_softmax(reference_hidden @ weight.T, -1).gather(
+        -1, targets[:, None])[:, 0]
+    (reference * upstream).sum().backward()
+
+    assert reference.exp().max() > 1 - 1e-5 and reference.exp().min() < 0.1
+    assert (ours - reference).abs().max() <= 1e-5  # float32 logprobs
+    got, want = ours_hidden.grad, reference_hidden.grad
+    # per row, relative to that row's own (small, near p_t = 1) gradient: bf16 rounding only
+    error = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert error.max() <= 5e-2, error.max()
+    # the naive product would fail this: p @ W rounded to bf16, then W[t] - p @ W
+    probs = torch.softmax(hidden @ weight.T, -1)
+    naive = upstream[:, None] * (weight[targets] - (probs.bfloat16() @ weight.bfloat16()).float())
+    assert ((naive - want).norm(dim=-1) / want.norm(dim=-1)).max() > 10
+
+
 def test_bf16_matmul_weights_stored_once_give_autocasts_results(make_trainer, base, tmp_path) -> None:
     """A base loaded under a bf16 policy keeps its frozen Linear weights in bf16 (autocast
     would cast them again at every use, issue 33; the LM head stays float32, issue 43): the trainer's logprobs, loss and

@@ -556,8 +556,13 @@ UNMASKED_ROW_TOKENS = 1024
 
 TopK = tuple[torch.Tensor, torch.Tensor]  # (logprobs, token ids), each (N, k)
 
-# Rows of (rows, V) logits alive at once in :class:`HeadLogprobs` (SmolLM2: 64 x 49,152 floats).
-HEAD_CHUNK_ROWS = 64
+# Rows of (rows, V) float32 logits alive at once in :class:`HeadLogprobs` (SmolLM2: 160 x
+# 49,152 floats, 31 MB, and their bf16 copy for the gradient's product), and the rows of them
+# each softmax pass walks at a time. The float32 product runs ~25% faster on 160 rows than on
+# 64 (this CPU, 2 cores); the elementwise passes over 32 rows (6 MB) stay in cache, where the
+# passes over a whole 160-row block went to memory once per pass.
+HEAD_CHUNK_ROWS = 160
+HEAD_SLICE_ROWS = 32
 
 
 class HeadLogprobs(torch.autograd.Function):
@@ -566,42 +571,72 @@ class HeadLogprobs(torch.autograd.Function):
 
     The gradient of a target's logprob with respect to its hidden state is ``W[t] - p @ W``
     (``p`` the row's softmax), times the upstream gradient, a scalar per (row, target). So the
-    forward keeps ``S = p @ W`` (P, H) per row, computed while the chunk's logits are at hand,
-    and the backward is ``g * W[t] - g * S``: the same FLOPs as autograd's (P, V) x (V, H)
-    product, without keeping (P, V) tensors. Autograd kept the logits, their float32 copy and
-    the softmax of every trained position until the backward: about 10 bytes x 49,152 per
-    token on SmolLM2, as much as all 30 layers' activations (issue 33: "a fused or chunked LM
-    head"). Its matmuls run in float32, as the model's own head does (precision.float32_linear_class).
+    forward keeps a (P, H) product per row, computed while the chunk's softmax is at hand, and
+    the backward scales it: the same FLOPs as autograd's (P, V) x (V, H) product, without
+    keeping (P, V) tensors. Autograd kept the logits, their float32 copy and the softmax of
+    every trained position until the backward: about 10 bytes x 49,152 per token on SmolLM2,
+    as much as all 30 layers' activations (issue 33: "a fused or chunked LM head").
+
+    The logits are float32 whatever the autocast, as the model's own head computes them
+    (precision.float32_linear_class): logprobs are not bf16-coarse (issue 43). The gradient's
+    product runs in the forward pass's compute dtype: under bf16 autocast a bf16 (rows, V) x
+    (V, H) product is ~2x faster than float32's on CPU (issue 41: the float32 head had cost
+    the SFT bench 15% of its speed), and the rest of the backward is bf16 anyway. With one
+    target per row it is kept in difference form, ``(p - e_t) @ W``, so bf16 rounds it
+    relatively: ``p @ W`` alone in bf16 did not train, since near a memorized token
+    ``p @ W ~ W[t]`` and its rounding, relative to ``|W[t]|``, swamped the difference. Several
+    targets per row (``(P, K)``) keep ``p @ W`` in float32.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor,
                 autocast: Any, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grad = ctx.needs_input_grad[0]
+        device = hidden.device.type
+        with autocast():
+            grad_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                          else torch.float32)
+        single = index.dim() == 1
+        if not single:
+            grad_dtype = torch.float32
+        weight32 = weight.float()
+        weight_for_grad = weight.to(grad_dtype) if grad else weight32
         picked, s_rows, top_values, top_ids = [], [], [], []
-        for start in range(0, hidden.shape[0], HEAD_CHUNK_ROWS):
-            rows = hidden[start: start + HEAD_CHUNK_ROWS]
-            at = index[start: start + HEAD_CHUNK_ROWS]
-            # float32 logits whatever the autocast (the model's own head computes so too:
-            # precision.float32_linear_class), so logprobs are not bf16-coarse (issue 43)
-            with torch.autocast(rows.device.type, enabled=False):
-                logits = torch.nn.functional.linear(rows.float(), weight.float())
-            ctx.compute_dtype = logits.dtype
-            normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-            target = at if at.dim() == 2 else at.unsqueeze(-1)
-            chosen = logits.gather(-1, target) - normalizer
-            picked.append(chosen if at.dim() == 2 else chosen.squeeze(-1))
-            if top_k:
-                values, ids = logits.topk(top_k, dim=-1)
-                top_values.append(values - normalizer)
-                top_ids.append(ids)
-            if grad:
-                probs = logits.sub_(normalizer).exp_()  # in place: the logits are spent
-                with torch.autocast(probs.device.type, enabled=False):
-                    s_rows.append(probs @ weight.float())
-            del logits
+        with torch.autocast(device, enabled=False):
+            for start in range(0, hidden.shape[0], HEAD_CHUNK_ROWS):
+                logits = torch.nn.functional.linear(
+                    hidden[start: start + HEAD_CHUNK_ROWS].float(), weight32)
+                probs = torch.empty_like(logits, dtype=grad_dtype) if grad else None
+                for offset in range(0, logits.shape[0], HEAD_SLICE_ROWS):
+                    block = logits[offset: offset + HEAD_SLICE_ROWS]
+                    at = index[start + offset: start + offset + block.shape[0]]
+                    target = at if not single else at.unsqueeze(-1)
+                    chosen = block.gather(-1, target)
+                    if top_k:
+                        values, ids = block.topk(top_k, dim=-1)
+                    # log-sum-exp by hand, the exponentials computed once and kept for p
+                    peak = block.amax(-1, keepdim=True)
+                    block.sub_(peak).exp_()
+                    total = block.sum(-1, keepdim=True)
+                    normalizer = peak + total.log()
+                    picked.append((chosen - normalizer).squeeze(-1) if single
+                                  else chosen - normalizer)
+                    if top_k:
+                        top_values.append(values - normalizer)
+                        top_ids.append(ids)
+                    if probs is not None:
+                        block.div_(total)
+                        if single and grad_dtype != torch.float32:
+                            block.scatter_add_(-1, target, torch.full_like(
+                                target, -1, dtype=block.dtype))
+                        probs[offset: offset + block.shape[0]].copy_(block)
+                del logits
+                if probs is not None:
+                    s_rows.append(probs @ weight_for_grad)
+                    del probs
         if grad:
             ctx.hidden_dtype = hidden.dtype
+            ctx.difference = single and grad_dtype != torch.float32
             ctx.save_for_backward(weight, index, torch.cat(s_rows))
         empty = hidden.new_zeros((hidden.shape[0], 0), dtype=torch.float32)
         return (torch.cat(picked),
@@ -611,11 +646,15 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         weight, index, s_rows = ctx.saved_tensors
-        rows = weight[index].to(ctx.compute_dtype).float()
-        if index.dim() == 1:
-            grad_hidden = grad.unsqueeze(-1) * (rows - s_rows)
-        else:
-            grad_hidden = (grad.unsqueeze(-1) * rows).sum(1) - grad.sum(1, keepdim=True) * s_rows
+        if ctx.difference:  # s_rows: (p - e_t) @ W, minus the gradient of log p_t
+            grad_hidden = -grad.unsqueeze(-1) * s_rows.float()
+        else:  # s_rows: p @ W, in float32
+            rows = weight[index].float()
+            if index.dim() == 1:
+                grad_hidden = grad.unsqueeze(-1) * (rows - s_rows)
+            else:
+                grad_hidden = ((grad.unsqueeze(-1) * rows).sum(1)
+                               - grad.sum(1, keepdim=True) * s_rows)
         return grad_hidden.to(ctx.hidden_dtype), None, None, None, None
 
 
