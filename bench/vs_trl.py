@@ -35,7 +35,7 @@ stderr, since the same curve is the evidence of the same work:
   Sampling is random on both sides: the rewards are printed to show the same task, not the
   same curve.
 - **RL at 256-token replies** (s/step, target TRL / loops >= 1.0, one row per preset):
-  ``examples/smol-math-rl.yaml`` (4 prompts x 4 replies of up to 256 tokens, two-digit additions
+  ``examples/smol-math-rl.yaml`` (4 prompts x 4 replies of up to 256 tokens, one-digit additions
   with reasoning, ``math_answer``) with ``algorithm: dr_grpo`` and ``algorithm: dapo`` (dynamic
   sampling and overlong shaping off: TRL has neither) against ``GRPOTrainer`` with
   ``loss_type="dr_grpo"`` (``scale_rewards="none"``) and ``loss_type="dapo"``
@@ -531,7 +531,8 @@ def main() -> None:
                                         args.rounds or (1 if args.quick else 3))),
             ("dpo", lambda: compare_dpo(args, args.steps or (1 if args.quick else 4))),
             ("grpo", lambda: compare_grpo(args, args.steps or (1 if args.quick else 3))),
-            ("rl256", lambda: compare_rl256(args, args.steps or (1 if args.quick else 3))),
+            # rl256: 2 timed steps, since TRL's are ~85 s each in each of 4 configurations
+            ("rl256", lambda: compare_rl256(args, args.steps or (1 if args.quick else 2))),
             ("mfu", lambda: compare_mfu(args, sft_stats))]
     for name, job in jobs:
         if name not in only:
