@@ -118,7 +118,9 @@ def test_server_killed_under_loops_train_then_restart_and_resume(server_factory,
 
     server = server_factory()
     config = sft_config(tmp_path, steps=8, save_every=2, seed=13)
-    env = cli_env(server)
+    # The run gives up on its unreachable trainer after 5 s instead of the default 45 s
+    # (LOOPS_UNREACHABLE_TIMEOUT): what is tested is how it stops, not how long it waits.
+    env = cli_env(server, LOOPS_UNREACHABLE_TIMEOUT="5")
     clean = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "clean")], env, tmp_path)
     assert clean.returncode == 0, clean.stderr
 
@@ -161,6 +163,10 @@ def test_server_killed_under_loops_train_then_restart_and_resume(server_factory,
     assert cps_after == cps_before and cps_after, (cps_before, cps_after)
     assert metrics.read_text() == metrics_before  # the client's metrics are untouched
 
+    # A bad value is refused before anything is created, naming the variable and the fix.
+    bad = loops(["train", "resume", str(run_dir)], {**env, "LOOPS_UNREACHABLE_TIMEOUT": "soon"}, tmp_path)
+    assert bad.returncode == 2 and "LOOPS_UNREACHABLE_TIMEOUT='soon'" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and metrics.read_text() == metrics_before
     resumed = loops(["train", "resume", str(run_dir)], env, tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     steps, rid, name = run_dir_result(run_dir)

@@ -8,6 +8,7 @@ The loops (training/kinds) know nothing about the CLI; they take a ``TrainingSes
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -151,6 +152,29 @@ def run_name(name: str, resumed_from: str | None = None) -> str:
     return name[: 255 - len(suffix)] + suffix
 
 
+# How long a run keeps retrying a trainer it cannot reach before it stops with the resume
+# command (seconds; default the worker client's 45 s, long enough to ride out a gateway's
+# restart). A script that would rather fail fast, or a test, sets it lower.
+UNREACHABLE_TIMEOUT_ENV = "LOOPS_UNREACHABLE_TIMEOUT"
+
+
+def _unreachable_timeout() -> float:
+    from baseten_loops_cli.errors import UsageError
+    from baseten_loops_cli.workers.trainer import DEFAULT_UNREACHABLE_TIMEOUT
+
+    raw = os.environ.get(UNREACHABLE_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_UNREACHABLE_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{UNREACHABLE_TIMEOUT_ENV}={raw!r} is not a number of seconds above 0; "
+                         f"unset it for the default ({DEFAULT_UNREACHABLE_TIMEOUT:.0f}).")
+    return value
+
+
 def _create_run(client: Any, config: CommonConfig, resumed_from: str | None = None) -> Any:
     """Create the run in a session of its own. Creating is not idempotent: the client never
     re-sends it blindly but looks for it in this session after a lost answer, and deactivates
@@ -177,6 +201,7 @@ def open_session(
     """Create the run (or, on resume, reattach to it or start a new one from the last checkpoint)."""
     from baseten_loops_cli.workers.trainer import TrainerClient
 
+    unreachable_timeout = _unreachable_timeout()  # before anything is created
     client = backend.client
     config = loaded.config
     state = rundir.read_state()
@@ -214,7 +239,8 @@ def open_session(
                      f"(state.json records resumed_from).")
     else:
         announce(f"Reattached to run {run.id}.")
-    trainer = TrainerClient(run.base_url, api_key=backend.api_key, run_id=run.id, base_model=config.base_model)
+    trainer = TrainerClient(run.base_url, api_key=backend.api_key, run_id=run.id, base_model=config.base_model,
+                            unreachable_timeout=unreachable_timeout)
     start_step = 0
     if checkpoint is not None:
         # Loading the trainer state rolls the adapter, optimizer and step back to the checkpoint,
