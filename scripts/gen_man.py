@@ -45,6 +45,7 @@ ENVIRONMENT: list[tuple[str, str]] = [
     ("LOOPS_DEBUG", "Set to 1 to print tracebacks and an HTTP debug log (API keys redacted); same as --debug."),
     ("LOOPS_KEYRING_DISABLED", "Set to 1 to never use the system keyring; keys go to the 0600 credentials file."),
     ("LOOPS_NO_AUTOSTART", "Set to 1 to not start the local server automatically when a command needs it."),
+    ("LOOPS_UNREACHABLE_TIMEOUT", "Seconds loops train run keeps retrying a trainer it cannot reach before it stops with the resume command (default 45)."),
     ("LOOPS_DTYPE", "The local server's compute dtype when `loops server start --dtype` is not given: auto (the default: bfloat16 where the hardware has it, else float32), float32 or bfloat16."),
     ("LOOPS_DEVICE", "The local server's compute device when `loops server start --device` is not given: auto (the default), cpu or cuda."),
     ("LOOPS_ACTIVATION_CHECKPOINTING", "The local trainer's per-layer activation checkpointing: auto (the default: recompute the fewest decoder layers that keep a long sequence's activations within the engine's budget), on (every layer) or off."),
