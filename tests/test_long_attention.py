@@ -24,10 +24,14 @@ def _qkv(dtype: torch.dtype, length: int = 96, heads: int = 6, kv_heads: int = 2
     return [torch.randn(s, generator=g).to(dtype).requires_grad_(True) for s in shapes]
 
 
+@pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_causal_attention_is_float32_sdpa_forward_and_a_close_backward(dtype) -> None:
+def test_causal_attention_is_float32_sdpa_forward_and_a_close_backward(dtype, balanced,
+                                                                       monkeypatch) -> None:
     """The op's output is float32 SDPA's (causal, grouped kv heads) rounded to bf16, bit for
-    bit; its gradients are within bf16's rounding of float32 autograd's."""
+    bit; its gradients are within bf16's rounding of float32 autograd's, with the kernel's
+    backward called once or as the two balanced calls of long rows."""
+    monkeypatch.setattr(attention, "BALANCED_BACKWARD_MIN_TOKENS", 64 if balanced else 10**9)
     ours_in, ref_in = _qkv(dtype), _qkv(dtype)
     scale = 32 ** -0.5
     out, logsumexp = attention.causal_attention(*ours_in, scale)
@@ -42,6 +46,23 @@ def test_causal_attention_is_float32_sdpa_forward_and_a_close_backward(dtype) ->
         assert ours.grad.dtype == dtype
         error = (ours.grad.float() - theirs.grad.float()).norm() / theirs.grad.float().norm()
         assert 0 < error < 0.02, error  # bf16 arithmetic, not float32's, and not far from it
+
+
+@pytest.mark.parametrize("length", [96, 101, 4])
+def test_balanced_backward_is_the_kernels_backward(length) -> None:
+    """The two balanced kernel calls (squares and a rectangle of the causal triangle, the row
+    padded to a multiple of 4) give the one call's gradients, in float32 to 1e-5: an exact
+    rearrangement, not an approximation."""
+    query, key, value = (t.detach() for t in _qkv(torch.float32, length=length, kv_heads=6))
+    scale = 32 ** -0.5
+    out, logsumexp = attention._FLASH(query, key, value, 0.0, True, scale=scale)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    whole = attention._FLASH_BACKWARD(grad, query, key, value, out, logsumexp, 0.0, True, scale=scale)
+    balanced = attention._balanced_backward(grad, query, key, value, out, logsumexp, scale)
+    for ours, theirs in zip(balanced, whole):
+        assert ours.shape == theirs.shape
+        assert float((ours - theirs).abs().max()) < 1e-5 * max(1.0, float(theirs.abs().max()))
+        assert float(theirs.abs().max()) > 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@
   forward is hardly faster in bf16 (one SmolLM2 layer: 41 against 44 ms at 2k) and slower at
   length (649 against 551 ms at 8k), and float32 keeps logprobs as exact as the rest of the
   bf16 policy allows (precision.py).
-- Grouped key/value heads go to the kernel as they are (``enable_gqa``; transformers repeats
-  them): identical outputs, and the backward keeps k and v at their own head count.
+- Grouped key/value heads: the backward keeps k and v at their own head count; a long row's
+  kernels get them repeated to the query's heads (:func:`_heads_of`, faster), short rows' SDPA
+  takes them grouped (``enable_gqa``; transformers repeats them): identical outputs.
 - A datum of :data:`BF16_BACKWARD_MIN_TOKENS` or more that trains runs
   :func:`causal_attention`, whose backward is bf16: the kernel's backward is faster in bf16
   from ~512 tokens (one SmolLM2 layer, 9 heads of 64: 39 -> 29 ms at 1k, 142 -> 96 ms at 2k,
@@ -36,13 +37,36 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+# Query length from which the bf16 backward runs as two balanced kernel calls
+# (:func:`_balanced_backward`).
+BALANCED_BACKWARD_MIN_TOKENS = 6144
+
+
+def _heads_of(query: torch.Tensor, key_or_value: torch.Tensor) -> torch.Tensor:
+    """Grouped key/value heads repeated to the query's head count. The kernel takes grouped
+    heads as they are, but then runs slower: one SmolLM2 layer at 8k (9 query heads, 3 key/value
+    heads), forward 0.58 -> 0.54 s and bf16 backward 1.28 -> 1.09 s with them repeated (4k:
+    backward 0.37 -> 0.30 s; 1k: 29 -> 28 ms)."""
+    repeats = query.shape[1] // key_or_value.shape[1]
+    return key_or_value if repeats == 1 else key_or_value.repeat_interleave(repeats, 1)
+
+
+def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """A gradient over repeated key/value heads summed back to ``heads`` grouped ones."""
+    if grad.shape[1] == heads:
+        return grad
+    return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2, dtype=torch.float32)
+
+
 @torch.library.custom_op("loops::causal_attention", mutates_args=())
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal, unmasked CPU flash attention in float32; the output in bf16 (the bf16 o_proj
     rounds it so anyway) and the softmax's logsumexp. An op of its own, so a checkpointed
     layer's recompute can take both from its forward (:func:`keep_attention_outputs`)."""
-    out, logsumexp = _FLASH(query.float(), key.float(), value.float(), 0.0, True, scale=scale)
+    query = query.float()
+    out, logsumexp = _FLASH(query, _heads_of(query, key.float()), _heads_of(query, value.float()),
+                            0.0, True, scale=scale)
     return out.to(torch.bfloat16), logsumexp
 
 
@@ -55,9 +79,62 @@ def _keep_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _causal_attention_backward(ctx: Any, grad: torch.Tensor, _grad_logsumexp: Any) -> Any:
     query, key, value, out, logsumexp = ctx.saved_tensors
-    grads = _FLASH_BACKWARD(grad.to(torch.bfloat16), query, key, value, out, logsumexp,
-                            0.0, True, scale=ctx.scale)
+    kv_heads = key.shape[1]
+    tensors = (grad.to(torch.bfloat16), query, _heads_of(query, key), _heads_of(query, value),
+               out, logsumexp)
+    if query.shape[2] >= BALANCED_BACKWARD_MIN_TOKENS:
+        grads = _balanced_backward(*tensors, ctx.scale)
+    else:
+        grads = _FLASH_BACKWARD(*tensors, 0.0, True, scale=ctx.scale)
+    grads = (grads[0], _grouped(grads[1], kv_heads), _grouped(grads[2], kv_heads))
     return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None)
+
+
+def _balanced_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The causal backward as two kernel calls that keep every thread busy.
+
+    The kernel's backward gives each thread whole (batch, head) pairs: SmolLM2's 9 heads on
+    2 threads run as 5 then 4, one thread idle a ninth of the time. Given the forward's output
+    and logsumexp, the backward is a sum over key blocks, so with queries and keys cut in
+    halves, (Q1, K1) and (Q2, K2) are two causal squares (one call, stacked as a batch of 2)
+    and (Q2, K1) a full rectangle (a second call, its queries cut in two and stacked): twice
+    the (batch, head) pairs, the same work each. An 8k SmolLM2 layer: 1.09 -> 1.02 s; at 4k
+    and below the copies cost what the balance gains. A length not a multiple of 4 is padded
+    at the end with zero rows: no real query attends them (causal), and a zero output
+    gradient gives them no gradient to pass on."""
+    length = query.shape[2]
+    pad = -length % 4
+    if pad:
+        grad, query, key, value, out = (torch.nn.functional.pad(t, (0, 0, 0, pad))
+                                        for t in (grad, query, key, value, out))
+        logsumexp = torch.nn.functional.pad(logsumexp, (0, pad))
+    half = query.shape[2] // 2
+    quarter = half // 2
+
+    def squares(t: torch.Tensor) -> torch.Tensor:  # (Q1|K1, Q2|K2) as a batch of 2
+        return torch.cat([t[:, :, :half], t[:, :, half:]])
+
+    def rectangle_rows(t: torch.Tensor) -> torch.Tensor:  # Q2's two quarters as a batch of 2
+        return torch.cat([t[:, :, half:half + quarter], t[:, :, half + quarter:]])
+
+    def rectangle_keys(t: torch.Tensor) -> torch.Tensor:  # K1, for each of them
+        return torch.cat([t[:, :, :half]] * 2)
+
+    dq_sq, dk_sq, dv_sq = _FLASH_BACKWARD(*(squares(t) for t in (grad, query, key, value, out, logsumexp)),
+                                          0.0, True, scale=scale)
+    dq_re, dk_re, dv_re = _FLASH_BACKWARD(
+        rectangle_rows(grad), rectangle_rows(query), rectangle_keys(key), rectangle_keys(value),
+        rectangle_rows(out), rectangle_rows(logsumexp), 0.0, False, scale=scale)
+    dq = torch.cat([dq_sq[:1].float(), dq_sq[1:] + torch.cat([dq_re[:1], dq_re[1:]], 2).float()], 2)
+
+    def keys_grad(square: torch.Tensor, rectangle: torch.Tensor) -> torch.Tensor:
+        first = square[:1].float() + rectangle[:1].float() + rectangle[1:].float()
+        return torch.cat([first, square[1:].float()], 2)
+
+    return (dq[:, :, :length], keys_grad(dk_sq, dk_re)[:, :, :length],
+            keys_grad(dv_sq, dv_re)[:, :, :length])
 
 
 causal_attention.register_autograd(_causal_attention_backward, setup_context=_keep_for_backward)

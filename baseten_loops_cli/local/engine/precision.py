@@ -76,6 +76,13 @@ class Precision:
     def bf16(self) -> bool:
         return self.dtype == "bfloat16"
 
+    @property
+    def compute_dtype(self) -> Any:
+        """The ``torch`` dtype matmuls compute in under :meth:`autocast`."""
+        import torch
+
+        return torch.bfloat16 if self.bf16 else torch.float32
+
     def autocast(self) -> Any:
         """The context forward passes run in: bf16 autocast, or nothing in float32."""
         if not self.bf16:

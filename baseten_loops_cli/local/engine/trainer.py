@@ -157,7 +157,7 @@ class LoraTrainer:
                     outputs = _datum_outputs(model, [p.tokens for p in part], policy.device,
                                              hidden=head is not None)
                 chunk_inputs, chunk_top = _target_logprobs(outputs, part, top_k_logprobs,
-                                                           policy.device, head, policy.autocast)
+                                                           policy.device, head, policy.compute_dtype)
                 del outputs
                 chunk_result = losses.compute(loss_fn, chunk_inputs, config)
                 if backward:
@@ -590,15 +590,11 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor,
-                autocast: Any, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                compute_dtype: torch.dtype, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grad = ctx.needs_input_grad[0]
         device = hidden.device.type
-        with autocast():
-            grad_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                          else torch.float32)
         single = index.dim() == 1
-        if not single:
-            grad_dtype = torch.float32
+        grad_dtype = compute_dtype if single else torch.float32
         weight32 = weight.float()
         weight_for_grad = weight.to(grad_dtype) if grad else weight32
         picked, s_rows, top_values, top_ids = [], [], [], []
@@ -674,7 +670,7 @@ def _pick(logits: torch.Tensor, index: torch.Tensor, top_k: int
 
 def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top_k: int,
                      device: str = "cpu", head: Any = None,
-                     autocast: Callable[[], Any] = contextlib.nullcontext,
+                     compute_dtype: torch.dtype = torch.float32,
                      ) -> tuple[list[losses.DatumLossInput], list[TopK]]:
     """Each datum's logprobs of its targets (and optionally the top-k alternatives), with
     the datum's loss inputs on ``device`` (where the outputs are).
@@ -732,7 +728,7 @@ def _target_logprobs(outputs: list[torch.Tensor], parsed: list[ParsedDatum], top
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             part, values, ids = HeadLogprobs.apply(
                 torch.cat([outputs[d][at] for d, at, _ in group]), head.weight,
-                torch.cat([index for _, _, index in group]), autocast, top_k)
+                torch.cat([index for _, _, index in group]), compute_dtype, top_k)
         offset = 0
         for d, at, _ in group:
             count = at.shape[0]
