@@ -18,9 +18,9 @@ from tests.test_engine import TEXT, sft_datum  # noqa: E402
 BF16 = precision.Precision("bfloat16", "cpu", "test")
 
 
-def _qkv(dtype: torch.dtype, length: int = 96, heads: int = 6, kv_heads: int = 2):
+def _qkv(dtype: torch.dtype, length: int = 96, heads: int = 6, kv_heads: int = 2, batch: int = 1):
     g = torch.Generator().manual_seed(0)
-    shapes = [(1, heads, length, 32), (1, kv_heads, length, 32), (1, kv_heads, length, 32)]
+    shapes = [(batch, heads, length, 32), (batch, kv_heads, length, 32), (batch, kv_heads, length, 32)]
     return [torch.randn(s, generator=g).to(dtype).requires_grad_(True) for s in shapes]
 
 
@@ -48,12 +48,12 @@ def test_causal_attention_is_float32_sdpa_forward_and_a_close_backward(dtype, ba
         assert 0 < error < 0.02, error  # bf16 arithmetic, not float32's, and not far from it
 
 
-@pytest.mark.parametrize("length", [96, 101, 4])
-def test_balanced_backward_is_the_kernels_backward(length) -> None:
+@pytest.mark.parametrize(("length", "batch"), [(96, 1), (101, 1), (4, 1), (50, 2)])
+def test_balanced_backward_is_the_kernels_backward(length, batch) -> None:
     """The two balanced kernel calls (squares and a rectangle of the causal triangle, the row
     padded to a multiple of 4) give the one call's gradients, in float32 to 1e-5: an exact
     rearrangement, not an approximation."""
-    query, key, value = (t.detach() for t in _qkv(torch.float32, length=length, kv_heads=6))
+    query, key, value = (t.detach() for t in _qkv(torch.float32, length=length, kv_heads=6, batch=batch))
     scale = 32 ** -0.5
     out, logsumexp = attention._FLASH(query, key, value, 0.0, True, scale=scale)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))

@@ -112,6 +112,7 @@ def _balanced_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tenso
         logsumexp = torch.nn.functional.pad(logsumexp, (0, pad))
     half = query.shape[2] // 2
     quarter = half // 2
+    batch = query.shape[0]  # the stacked calls' first `batch` rows are the first half's
 
     def squares(t: torch.Tensor) -> torch.Tensor:  # (Q1|K1, Q2|K2) as a batch of 2
         return torch.cat([t[:, :, :half], t[:, :, half:]])
@@ -127,11 +128,12 @@ def _balanced_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     dq_re, dk_re, dv_re = _FLASH_BACKWARD(
         rectangle_rows(grad), rectangle_rows(query), rectangle_keys(key), rectangle_keys(value),
         rectangle_rows(out), rectangle_rows(logsumexp), 0.0, False, scale=scale)
-    dq = torch.cat([dq_sq[:1].float(), dq_sq[1:] + torch.cat([dq_re[:1], dq_re[1:]], 2).float()], 2)
+    dq = torch.cat([dq_sq[:batch].float(),
+                    dq_sq[batch:] + torch.cat([dq_re[:batch], dq_re[batch:]], 2).float()], 2)
 
     def keys_grad(square: torch.Tensor, rectangle: torch.Tensor) -> torch.Tensor:
-        first = square[:1].float() + rectangle[:1].float() + rectangle[1:].float()
-        return torch.cat([first, square[1:].float()], 2)
+        first = square[:batch].float() + rectangle[:batch].float() + rectangle[batch:].float()
+        return torch.cat([first, square[batch:].float()], 2)
 
     return (dq[:, :, :length], keys_grad(dk_sq, dk_re)[:, :, :length],
             keys_grad(dv_sq, dv_re)[:, :, :length])
