@@ -144,7 +144,11 @@ def loops_run(config: Path, steps: int, extra: list[str]) -> list[dict]:
     records and the timing."""
     import yaml
 
-    overlapped = int(yaml.safe_load(config.read_text()).get("max_steps_off_policy") or 0) > 0
+    off_policy = yaml.safe_load(config.read_text()).get("max_steps_off_policy")
+    for override in extra:  # an override of it wins, as in `loops train run --set`
+        if override.startswith("max_steps_off_policy="):
+            off_policy = yaml.safe_load(override.partition("=")[2])
+    overlapped = int(off_policy or 0) > 0
     with bench_server() as server, tempfile.TemporaryDirectory(prefix="loops-vs-trl-") as tmp:
         env = {**server.env, "LOOPS_NO_AUTOSTART": "1", "NO_COLOR": "1"}
         loops(env, "server", "pull-model", SMOLLM2)
