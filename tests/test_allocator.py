@@ -49,3 +49,56 @@ def test_freed_large_block_leaves_rss_with_the_engine_threshold() -> None:
     assert _kept_mib("default") > 12
     # ...with it the block had a mapping of its own, unmapped at free.
     assert _kept_mib("configured") < 4
+
+
+# A long step (allocator.long_step): blocks under LONG_STEP_MMAP_THRESHOLD_BYTES come from the
+# heap and stay resident when freed (the next layer reuses them without page faults), until
+# release_if_grown gives them back; the step's exit gives back what is free.
+LONG_STEP_CHILD = textwrap.dedent("""
+    import torch
+    from baseten_loops_cli.local.engine import allocator
+    def rss_mib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    MIB = 2**20
+    def churn():  # 16 blocks of 16 MiB, touched, then freed
+        blocks = [torch.ones(16 * MIB // 4) for _ in range(16)]
+        del blocks
+    assert allocator.configure_allocator()
+    hidden = torch.ones(8 * MIB // 4)
+    assert allocator.mapped_copies(hidden)[0] is hidden  # outside a long step: as it is
+    with allocator.long_step(4 * MIB):  # blocks under the threshold: the heap's anyway
+        assert allocator.mapped_copies(hidden)[0] is hidden
+    with allocator.long_step(16 * MIB):
+        before = rss_mib()
+        churn()
+        kept = rss_mib() - before
+        allocator.release_if_grown()  # under RELEASE_AFTER_GROWTH_BYTES: nothing given back
+        unreleased = rss_mib() - before
+        allocator.RELEASE_AFTER_GROWTH_BYTES = 64 * MIB
+        allocator.release_if_grown()
+        released = rss_mib() - before
+        (copy,) = allocator.mapped_copies(hidden)
+        small = torch.ones(16)
+        assert allocator.mapped_copies(small)[0] is small  # under KEPT_MAPPED_MIN_BYTES
+        churn()
+    after_step = rss_mib() - before
+    assert allocator.mapped_copies(hidden)[0] is hidden  # the step is over
+    assert copy is not hidden and copy.data_ptr() != hidden.data_ptr()
+    assert torch.equal(copy, hidden) and copy.shape == hidden.shape
+    mapped = any(line.split()[0] == f"{copy.data_ptr():x}-{copy.data_ptr() + 8 * MIB:x}"
+                 for line in open("/proc/self/maps"))
+    print(kept, unreleased, released, after_step, mapped)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_long_step_keeps_freed_blocks_until_released() -> None:
+    out = subprocess.run([sys.executable, "-c", LONG_STEP_CHILD], capture_output=True,
+                         text=True, check=True)
+    kept, unreleased, released, after_step, mapped = out.stdout.split()
+    assert float(kept) > 200 and float(unreleased) > 200  # freed, still resident in the heap
+    assert float(released) < 32  # given back
+    assert float(after_step) < 32  # the step's exit gives the heap back
+    assert mapped == "True"  # the kept copy is a mapping of its own, of its size

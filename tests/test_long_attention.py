@@ -10,7 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from baseten_loops_cli.local.engine import attention, model_zoo, precision, registry  # noqa: E402
+from baseten_loops_cli.local.engine import (  # noqa: E402
+    allocator,
+    attention,
+    model_zoo,
+    precision,
+    registry,
+)
 from baseten_loops_cli.local.engine import trainer as trainer_module  # noqa: E402
 from baseten_loops_cli.local.engine.trainer import LoraTrainer  # noqa: E402
 from tests.test_engine import TEXT, sft_datum  # noqa: E402
@@ -78,8 +84,21 @@ def test_checkpointed_long_rows_reuse_the_forwards_attention(bf16_base, monkeypa
     """A long row (here: past a lowered BF16_BACKWARD_MIN_TOKENS) runs causal_attention; with
     every layer checkpointed, the backward's recompute takes the attention outputs its forward
     kept (the kernel runs once a layer, not twice), and logprobs, loss and gradients equal the
-    unchecked trainer's to 1e-5."""
+    unchecked trainer's to 1e-5. The checkpointed step keeps the layers' outputs and the
+    attention's outputs in mappings of their own (allocator.long_step; here from any size)."""
     monkeypatch.setattr(attention, "BF16_BACKWARD_MIN_TOKENS", 64)
+    assert allocator.configure_allocator()  # what the server does when the engine loads
+    monkeypatch.setattr(allocator, "KEPT_MAPPED_MIN_BYTES", 0)
+    monkeypatch.setattr(allocator, "_threshold", 0)  # a long step from any row length
+    mapped = []
+    real_copies = allocator.mapped_copies
+
+    def copies(*tensors):
+        kept = real_copies(*tensors)
+        mapped.append([k is not t for k, t in zip(kept, tensors)])
+        return kept
+
+    monkeypatch.setattr(allocator, "mapped_copies", copies)
     kernel_calls = []
     real = attention._FLASH
     monkeypatch.setattr(attention, "_FLASH",
@@ -95,6 +114,10 @@ def test_checkpointed_long_rows_reuse_the_forwards_attention(bf16_base, monkeypa
             with precision.using(BF16):
                 outputs[mode] = trainer.forward_backward([datum])
             assert kernel_calls == [149] * layers, (mode, kernel_calls)
+            # on: each layer's output, and its attention's output and logsumexp, mapped
+            assert mapped == ([[True, True], [True]] * layers if mode == "on" else
+                              [[False, False]] * layers), (mode, mapped)
+            mapped.clear()
             grads[mode] = [p.grad.clone() for p in trainer._params]
         finally:
             trainer.release()

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from baseten_loops_cli.local.engine import allocator
+
 FLOAT32_ATTENTION = "loops_sdpa_float32"
 # Query length from which a grad-requiring attention runs its backward in bf16 (above).
 BF16_BACKWARD_MIN_TOKENS = 1024
@@ -67,7 +69,8 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query = query.float()
     out, logsumexp = _FLASH(query, _heads_of(query, key.float()), _heads_of(query, value.float()),
                             0.0, True, scale=scale)
-    return out.to(torch.bfloat16), logsumexp
+    out, logsumexp = allocator.mapped_copies(out.to(torch.bfloat16), logsumexp)
+    return out, logsumexp
 
 
 def _keep_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:

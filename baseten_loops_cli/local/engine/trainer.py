@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from baseten_loops_cli import memory_estimate
-from baseten_loops_cli.local.engine import attention, losses, precision
+from baseten_loops_cli.local.engine import allocator, attention, losses, precision
 from baseten_loops_cli.local.engine.datums import ParsedDatum, parse_data
 from baseten_loops_cli.local.engine.errors import EngineInputError
 from baseten_loops_cli.local.engine.registry import BaseModel
@@ -148,24 +148,28 @@ class LoraTrainer:
                 # A chunk past memory_estimate.ACTIVATION_BUDGET_BYTES (one long datum:
                 # chunks never split one) recomputes some decoder layers' activations in the
                 # backward instead of keeping them (checkpointed_layers).
+                tokens = sum(len(p.tokens) for p in part)
                 recompute = checkpoint_layer_count(
-                    self.base.module.config, policy.dtype, sum(len(p.tokens) for p in part)
-                ) if backward else 0
+                    self.base.module.config, policy.dtype, tokens) if backward else 0
                 most_recomputed = max(most_recomputed, recompute)
-                with policy.autocast(), checkpointed_layers(model, recompute):
-                    # the forward pass only: logprobs and losses in float32
-                    outputs = _datum_outputs(model, [p.tokens for p in part], policy.device,
-                                             hidden=head is not None)
-                chunk_inputs, chunk_top = _target_logprobs(outputs, part, top_k_logprobs,
-                                                           policy.device, head, policy.compute_dtype)
-                del outputs
-                chunk_result = losses.compute(loss_fn, chunk_inputs, config)
-                if backward:
-                    chunk_result.total.backward()
-                    chunk_result.total = chunk_result.total.detach()
-                    for datum in chunk_inputs:  # the graph is spent: keep values only
-                        datum.target_logprobs = datum.target_logprobs.detach()
-                    chunk_result.elementwise = [e.detach() for e in chunk_result.elementwise]
+                # A step that recomputes layers draws its blocks from malloc's heap
+                # (allocator.long_step: a fifth of an 8k step was page faults).
+                hidden_bytes = tokens * int(self.base.module.config.hidden_size) * 4
+                with allocator.long_step(hidden_bytes) if recompute else contextlib.nullcontext():
+                    with policy.autocast(), checkpointed_layers(model, recompute):
+                        # the forward pass only: logprobs and losses in float32
+                        outputs = _datum_outputs(model, [p.tokens for p in part],
+                                                 policy.device, hidden=head is not None)
+                    chunk_inputs, chunk_top = _target_logprobs(
+                        outputs, part, top_k_logprobs, policy.device, head, policy.compute_dtype)
+                    del outputs
+                    chunk_result = losses.compute(loss_fn, chunk_inputs, config)
+                    if backward:
+                        chunk_result.total.backward()
+                        chunk_result.total = chunk_result.total.detach()
+                        for datum in chunk_inputs:  # the graph is spent: keep values only
+                            datum.target_logprobs = datum.target_logprobs.detach()
+                        chunk_result.elementwise = [e.detach() for e in chunk_result.elementwise]
                 results.append(chunk_result)
                 for j, i in enumerate(chunk):
                     loss_inputs[i] = chunk_inputs[j]
@@ -377,8 +381,16 @@ def checkpointed_layers(model: Any, count: int) -> Iterator[None]:
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             # No dropout in the engine's models: the RNG state need not be replayed.
-            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
-                              context_fn=keep, **kwargs)
+            output = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
+                                context_fn=keep, **kwargs)
+            # The output is the next layer's input, kept until this backward: out of the heap
+            # (allocator.mapped_copies), which then gives back what it holds free.
+            if isinstance(output, torch.Tensor):
+                output = _KeptOutput.apply(output)
+            elif isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                output = (_KeptOutput.apply(output[0]), *output[1:])
+            allocator.release_if_grown()
+            return output
         return run
 
     saved = [layer.__dict__.get("forward") for layer in layers]
@@ -392,6 +404,22 @@ def checkpointed_layers(model: Any, count: int) -> Iterator[None]:
                 del layer.forward
             else:
                 layer.forward = before
+
+
+class _KeptOutput(torch.autograd.Function):
+    """A checkpointed layer's output, which the next layer keeps until its backward, moved out
+    of malloc's heap (allocator.mapped_copies); the gradient passes through, and each layer's
+    backward starts by letting the heap give back what it holds free
+    (allocator.release_if_grown)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor) -> torch.Tensor:
+        return allocator.mapped_copies(hidden)[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        allocator.release_if_grown()
+        return grad
 
 
 def backward_chunks(lengths: list[int], budget: int) -> list[list[int]]:
