@@ -97,7 +97,8 @@ def long_step(block_bytes: int) -> Iterator[None]:
     Does nothing where the blocks are under the process's threshold (they come from the heap
     anyway: a 2k-token SmolLM2 row ran 9.7 s a step without the policy, 10.6 with it, its
     releases re-faulting pages), or unless :func:`configure_allocator` set the policy. Not
-    reentrant: one training step runs at a time (the base's lock)."""
+    reentrant: one training step runs at a time on a base (its lock); a step on another base
+    that overlaps one under the policy runs under it as it is."""
     global _last_release_rss
     if _libc is None or _last_release_rss is not None or block_bytes < _threshold:
         yield
