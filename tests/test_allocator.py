@@ -10,10 +10,18 @@ import textwrap
 
 import pytest
 
+# The child processes' reading of their own RSS.
+RSS_MIB = textwrap.dedent("""
+    def rss_mib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+""")
+
 # In a child process of its own (the allocator setting is per process). A 24 MiB block freed
 # raises glibc's dynamic threshold to 24 MiB (it rises up to 32); a 16 MiB block is then carved
 # from the heap, and a small block after it keeps it from being trimmed when it is freed.
-CHILD = textwrap.dedent("""
+CHILD = RSS_MIB + textwrap.dedent("""
     import ctypes, sys
     from baseten_loops_cli.local.engine.allocator import configure_allocator
     if sys.argv[1] == "configured":
@@ -23,10 +31,6 @@ CHILD = textwrap.dedent("""
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-    def rss_mib():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
     MIB = 2**20
     big = libc.malloc(24 * MIB); libc.memset(big, 1, 24 * MIB); libc.free(big)
     before = rss_mib()
@@ -54,13 +58,9 @@ def test_freed_large_block_leaves_rss_with_the_engine_threshold() -> None:
 # A long step (allocator.long_step): blocks under LONG_STEP_MMAP_THRESHOLD_BYTES come from the
 # heap and stay resident when freed (the next layer reuses them without page faults), until
 # release_if_grown gives them back; the step's exit gives back what is free.
-LONG_STEP_CHILD = textwrap.dedent("""
+LONG_STEP_CHILD = RSS_MIB + textwrap.dedent("""
     import torch
     from baseten_loops_cli.local.engine import allocator
-    def rss_mib():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
     MIB = 2**20
     def churn():  # 16 blocks of 16 MiB, touched, then freed
         blocks = [torch.ones(16 * MIB // 4) for _ in range(16)]

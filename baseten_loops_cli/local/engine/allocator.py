@@ -140,11 +140,12 @@ def mapped_copies(*tensors: Any) -> tuple[Any, ...]:
     :data:`KEPT_MAPPED_MIN_BYTES`, the tensors themselves. For the blocks a backward keeps
     across decoder layers (see the module docstring): out of malloc's heap, they do not pin
     it, so the heap serves the layers' transient blocks again and again."""
+    if _last_release_rss is None:  # outside a long step (every short row's attention): as is
+        return tensors
     import torch
 
     sizes = [t.numel() * t.element_size() for t in tensors]
-    if (_last_release_rss is None or sum(sizes) < KEPT_MAPPED_MIN_BYTES
-            or any(t.device.type != "cpu" for t in tensors)):
+    if sum(sizes) < KEPT_MAPPED_MIN_BYTES or any(t.device.type != "cpu" for t in tensors):
         return tensors
     offsets = []
     end = 0
