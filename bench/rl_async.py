@@ -22,6 +22,16 @@ the twin without the trainer's cast hooks, and the tiny model trained in one bac
 0.75 run alone on a quiet machine, but 0.92 inside run_all at 13:00 UTC: a 6-second run
 swings by a second with the machine's load, so each mode is now timed three times, not twice).
 
+Traced again on 2026-12-06 (server jobs and client phases timestamped; the ratio had read
+0.856-0.96): asynchronous steps were bound by whichever of sampling and training ended last,
+and three things lengthened both beside each other. The training job started a few ms before
+the sample job and kept both cores beside it (forward_backward 201-273 ms against 112 alone):
+a running job now decides its threads again between decoder layers (engine/thread_budget.py).
+The 8 sample requests of a batch reached the busy server over up to 47 ms, so the 10 ms window
+split one batch in four into two engine calls, the second after the first: the window now
+restarts with each arrival (server/samplers.SampleBatcher). And each of the 64 rewards of a
+batch started a thread (14 ms a batch): they now reuse parked threads (rewards/isolation.py).
+
 A faster sampler moves this ratio the wrong way: both modes are CPU-bound on two cores, so
 what the engine saves shortens the synchronous run by all of it and the overlapped one by
 about half. Vectorised draws (one inverse-CDF step for every row instead of a multinomial per

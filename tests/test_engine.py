@@ -1062,3 +1062,43 @@ def test_long_sequences_attend_without_a_mask(make_trainer, monkeypatch) -> None
     scale = max(float(a.grad.abs().max()) for a in packed._params)  # summed, not yet normalized
     assert max(float((a.grad - b.grad).abs().max())
                for a, b in zip(packed._params, alone._params)) < 1e-5 * scale
+
+
+def test_thread_budget_checkpoints_run_per_layer_and_change_no_result(make_trainer, base) -> None:
+    """A lane may change its torch threads at the engine's checkpoints (engine/thread_budget.py):
+    one before each decoder layer's forward and one at each layer's output gradient in the
+    backward; one per layer per forward of a sampler. A decision that switches the thread count
+    at every one of them changes no logprob, loss or gradient."""
+    import torch
+
+    from baseten_loops_cli.local.engine import thread_budget
+
+    layers = len(registry.decoder_layers(base.module))
+    assert layers == base.module.config.num_hidden_layers
+    data = [sft_datum(TEXT[:30]), sft_datum(TEXT[:20])]
+    before = torch.get_num_threads()
+    calls: list[int] = []
+
+    def switch() -> None:
+        calls.append(1)
+        torch.set_num_threads(1 if len(calls) % 2 else 2)
+
+    plain, switched = make_trainer(seed=7), make_trainer(seed=7)
+    try:
+        reference = plain.forward_backward(data)
+        assert not calls  # outside a binding a checkpoint calls nothing
+        with thread_budget.deciding(switch):
+            result = switched.forward_backward(data)
+        assert len(calls) == 2 * layers  # each layer's forward, then its gradient
+        engine = SamplerEngine(base.twin)
+        calls.clear()
+        with thread_budget.deciding(switch):
+            engine.sample([SampleRequest(prompt=TEXT[:10], n=2, max_tokens=3, seed=1)])
+        assert len(calls) == 3 * layers  # the prefill and two decode steps
+    finally:
+        torch.set_num_threads(before)
+    assert result["metrics"]["loss:sum"] == pytest.approx(reference["metrics"]["loss:sum"], abs=1e-6)
+    assert logprobs_of(result) == pytest.approx(logprobs_of(reference), abs=1e-6)
+    pairs = list(zip(plain._params, switched._params))
+    assert max(float((a.grad - b.grad).abs().max()) for a, b in pairs) < 1e-6
+    assert max(float(a.grad.abs().max()) for a, _ in pairs) > 1e-4

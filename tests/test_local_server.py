@@ -681,6 +681,32 @@ def test_concurrent_samples_are_batched(client: httpx.Client, local_server: Loca
     assert stats["largest_batch"] > 1
 
 
+def test_requests_arriving_less_than_a_window_apart_go_in_one_batch(server_factory):
+    """The batching window restarts with each arrival (samplers.SampleBatcher): the requests
+    of an async RL batch reach a server that is training spread out, over more than one window
+    in all, and a window counted from the first request split them into two engine calls."""
+    server = server_factory(sample_batch_window_s=0.5)
+    with server.client() as client:
+        session = new_session(client)
+        sampler = client.post("/v1/loops/samplers", json={"session_id": session,
+                                                          "base_model": MODEL}).json()["sampler"]
+        path = f"/samplers/{sampler['id']}/sync/sample"
+        body = {"prompt": [3, 4, 5], "max_tokens": 2, "temperature": 0.0}
+        assert client.post(path, json=body).status_code == 200  # the engine and the model loaded
+        before = client.get("/v1/local/status").json()["sampling"][MODEL]["batches"]
+
+        def one(i: int) -> httpx.Response:
+            time.sleep(0.1 * i)  # 8 requests over 0.7 s, 0.1 s apart
+            with server.client() as c:
+                return c.post(path, json=body)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(one, range(8)))
+        assert all(r.status_code == 200 for r in responses)
+        stats = client.get("/v1/local/status").json()["sampling"][MODEL]
+        assert (stats["batches"] - before, stats["largest_batch"]) == (1, 8)
+
+
 def test_standalone_samplers_and_deactivate(client: httpx.Client, trained: Trainer):
     session = new_session(client)
     assert_error(client.post("/v1/loops/samplers", json={"session_id": session}), 400)

@@ -262,3 +262,46 @@ def test_only_one_lane_thread_keeps_an_openmp_pool(monkeypatch):
         assert worker.submit("train", parallel, compute.TRAIN).result(30).is_alive()
     finally:
         worker.stop(10)
+
+
+def test_a_running_job_halves_its_threads_when_the_other_lane_starts_and_takes_them_back(monkeypatch):
+    """The share is decided again at the engine's checkpoints (engine/thread_budget.py), not
+    only when a job starts: async RL's training job starts alone a few milliseconds before the
+    sample job it overlaps, and kept both cores beside it."""
+    import threading
+
+    from baseten_loops_cli.local.engine import thread_budget
+    from baseten_loops_cli.local.server import compute
+    from support import wait_for
+
+    monkeypatch.setattr(compute, "_process_threads", 2)
+    worker = compute.ModelWorker(compute.Engine(), "redecide-test")
+    sample_lane = worker._lanes[compute.SAMPLE]
+    try:
+        sampling, finish_sample = threading.Event(), threading.Event()
+        seen: list[int] = []
+
+        def sample() -> int:
+            sampling.set()
+            finish_sample.wait(30)
+            return _threads_now()[0]
+
+        def train() -> list[int]:
+            seen.append(_threads_now()[0])  # started alone
+            sample_job = worker.submit("sample", sample, compute.SAMPLE)
+            sampling.wait(30)
+            thread_budget.checkpoint()
+            seen.append(_threads_now()[0])  # beside the sampler
+            finish_sample.set()
+            seen.append(sample_job.result(30))
+            wait_for(lambda: not sample_lane.busy, timeout=10, interval=0.01, what="the sample lane to go idle")
+            thread_budget.checkpoint()
+            seen.append(_threads_now()[0])  # alone again
+            return seen
+
+        assert worker.submit("train", train, compute.TRAIN).result(30) == [2, 1, 1, 2]
+        # Outside a lane's job a checkpoint decides nothing.
+        thread_budget.checkpoint()
+    finally:
+        finish_sample.set()
+        worker.stop(10)

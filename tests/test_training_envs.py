@@ -298,3 +298,32 @@ def test_validate_names_a_missing_env_file_or_class(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "baseten_loops_cli", "train", "validate", str(tmp_path / "c.yaml"),
                                "--offline"], env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_user_code_threads_are_reused_but_never_one_a_hung_call_holds():
+    """Calls run on parked threads (training/rewards/isolation.py): a thread per call cost
+    14 ms a batch of rewards on every RL step. A call past its timeout keeps its thread, so the
+    next call runs on another one."""
+    import asyncio
+    import threading
+
+    from baseten_loops_cli.training.rewards.isolation import Isolated, RolloutFailed
+
+    release = threading.Event()
+
+    def hang() -> None:
+        release.wait(30)
+
+    async def main() -> list[int]:
+        isolated = Isolated(timeout_s=0.5, workers=2)
+        idents = [await isolated.call("reward", threading.get_ident) for _ in range(2)]
+        with pytest.raises(RolloutFailed, match="did not return"):
+            await isolated.call("reward", hang)  # on the parked thread, which it keeps
+        return [*idents, await isolated.call("reward", threading.get_ident)]
+
+    try:
+        first, second, after_hang = asyncio.run(main())
+    finally:
+        release.set()
+    assert first == second  # parked and reused
+    assert after_hang != first  # the hung call still holds that one

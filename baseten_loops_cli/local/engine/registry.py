@@ -27,14 +27,14 @@ import torch
 if TYPE_CHECKING:
     from torch.nn.modules.module import _IncompatibleKeys
 
-from baseten_loops_cli.local.engine import attention, precision
+from baseten_loops_cli.local.engine import attention, precision, thread_budget
 from baseten_loops_cli.local.engine.model_zoo import (
     ModelInfo,
     available_models,
     load_model,
 )
 
-__all__ = ["BaseModel", "ModelInfo", "available_models", "load_base"]
+__all__ = ["BaseModel", "ModelInfo", "available_models", "decoder_layers", "load_base"]
 
 
 class BaseModel:
@@ -247,6 +247,19 @@ _load_locks: dict[str, threading.Lock] = {}
 _registry_lock = threading.Lock()
 
 
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's decoder layers in order (``model.model.layers`` for the Llama-like
+    families, else the ModuleList holding ``num_hidden_layers`` modules); [] if none."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, torch.nn.ModuleList):
+        return list(layers)
+    count = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and count and len(module) == count:
+            return list(module)
+    return []
+
+
 def load_base(name: str) -> BaseModel:
     """The base model ``name``, loaded once per process (concurrent callers wait for the
     first load). Raises UnknownModelError (listing the names) or ModelUnavailableError."""
@@ -268,6 +281,8 @@ def load_base(name: str) -> BaseModel:
             base.store_matmul_weights_bf16()
             if policy.device == "cpu":
                 attention.use_float32_attention(module)
+        # Where a job may change its thread count mid-way (the twin copies the hooks).
+        thread_budget.install(decoder_layers(module))
         base.make_twin()
         with _registry_lock:
             _bases[name] = base

@@ -41,7 +41,7 @@ from baseten_loops_cli import memory_estimate
 from baseten_loops_cli.local.engine import allocator, attention, losses, precision
 from baseten_loops_cli.local.engine.datums import ParsedDatum, parse_data
 from baseten_loops_cli.local.engine.errors import EngineInputError
-from baseten_loops_cli.local.engine.registry import BaseModel
+from baseten_loops_cli.local.engine.registry import BaseModel, decoder_layers
 from baseten_loops_cli.memory_estimate import activation_bytes_per_token
 
 LORA_ALPHA = 32
@@ -348,19 +348,6 @@ def checkpoint_layer_count(config: Any, dtype: str, tokens: int) -> int:
     """How many decoder layers a backward over ``tokens`` tokens recomputes under the
     configured mode (memory_estimate.checkpoint_layer_count)."""
     return memory_estimate.checkpoint_layer_count(config, dtype, tokens, _checkpointing)
-
-
-def decoder_layers(model: Any) -> list[Any]:
-    """The model's decoder layers in order (``model.model.layers`` for the Llama-like
-    families, else the ModuleList holding ``num_hidden_layers`` modules); [] if none."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if isinstance(layers, torch.nn.ModuleList):
-        return list(layers)
-    count = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and count and len(module) == count:
-            return list(module)
-    return []
 
 
 @contextlib.contextmanager

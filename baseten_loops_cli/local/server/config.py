@@ -26,7 +26,8 @@ class ServerConfig:
     health_hold_s: float = 8.0
     # Presigned file links expire after this long.
     link_ttl_s: int = 3600
-    # /sample requests arriving within this window are batched into one engine call.
+    # /sample requests arriving less than this apart are batched into one engine call
+    # (samplers.SampleBatcher).
     sample_batch_window_s: float = 0.01
     max_sample_batch: int = 32
     # /sample with X-Min-Policy-Version holds this long for the adapter to catch up

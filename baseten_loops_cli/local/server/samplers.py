@@ -62,13 +62,23 @@ class Adapter:
 _STREAM_END = object()
 
 
+# A batch that keeps growing leaves at the latest this many windows after its first request.
+MAX_WAIT_WINDOWS = 5
+
+
 class SampleBatcher:
     """Collects concurrent requests for one base model into engine batches.
 
-    A batch leaves when the first request in it has waited ``window_s``, or at
-    ``max_batch`` requests. Only one batch per model is with the engine at a time: requests
-    arriving meanwhile wait and go together in the next batch, so under load batches grow
-    instead of queueing one by one behind each other on the model's thread.
+    A batch leaves once no request has joined it for ``window_s`` (at most
+    :data:`MAX_WAIT_WINDOWS` windows after its first request), or at ``max_batch`` requests.
+    The window restarts with each arrival because a burst reaches a busy server spread out:
+    the 8 requests of an async RL batch, sent together while the server trained, arrived over
+    up to 47 ms, so a window counted from the first request split one batch in two engine calls
+    in a step out of four, and the second waited for the first.
+
+    Only one batch per model is with the engine at a time: requests arriving meanwhile wait
+    and go together in the next batch, so under load batches grow instead of queueing one by
+    one behind each other on the model's thread.
     """
 
     def __init__(self, worker: ModelWorker, window_s: float, max_batch: int) -> None:
@@ -77,17 +87,25 @@ class SampleBatcher:
         self.max_batch = max_batch
         self._pending: list[tuple[SampleRequest, asyncio.Future]] = []
         self._flush_handle: asyncio.TimerHandle | None = None
+        self._opened_at = 0.0
         self._in_flight: asyncio.Task | None = None
         self.batches = 0
         self.largest_batch = 0
 
     async def submit(self, job: SampleRequest) -> SampleResult:
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._pending.append((job, future))
         if len(self._pending) >= self.max_batch:
             self._flush()
-        elif self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_later(self.window_s, self._flush)
+            return await future
+        now = loop.time()
+        if len(self._pending) == 1:
+            self._opened_at = now
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        leaves = min(now + self.window_s, self._opened_at + MAX_WAIT_WINDOWS * self.window_s)
+        self._flush_handle = loop.call_at(leaves, self._flush)
         return await future
 
     def _flush(self) -> None:
