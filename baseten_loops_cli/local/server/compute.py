@@ -443,16 +443,11 @@ class ModelWorker:
         alone with both cores and kept them beside the sampler. In one pair of async runs of the
         tiny RL example, its forward_backward beside the sampler took 273 ms on average without
         the re-decision and 209 ms with it (about 115 ms alone)."""
-        import torch
-
         from baseten_loops_cli.local.engine import thread_budget
 
         def decide() -> None:
-            want = self._share(lane)
-            if want != lane.threads:
-                lane.uses_threads(want)
-                torch.set_num_threads(want)
-                lane.threads = want
+            if self._share(lane) != lane.threads:
+                self.set_thread_budget(lane)
 
         return thread_budget.deciding(decide)
 
