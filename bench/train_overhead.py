@@ -120,10 +120,11 @@ def main() -> None:
             config, steps, target = CASES[model]
             steps = args.steps or steps
             runs = measure(server, config, steps, args.rounds)
-            wall, compute = min(runs, key=lambda run: run[0] / run[1] if run[1] else float("inf"))
-            ratio = wall / compute if compute else float("inf")
+            ratios = [wall / compute if compute else float("inf") for wall, compute in runs]
+            ratio = min(ratios)
+            wall, compute = runs[ratios.index(ratio)]
             leaves = f"the target leaves {compute * (target - 1):.2f}s" if target else "no target"
-            readings = ", ".join(f"{w / c:.3f}" for w, c in runs if c)
+            readings = ", ".join(f"{r:.3f}" for r in ratios if r != float("inf"))
             detail = (f"wall {wall:.2f}s vs trainer compute {compute:.2f}s over {steps} steps of "
                       f"{config.name} (best of {len(runs)}: {readings}); overhead {1.0 - compute / wall:.1%} "
                       f"({wall - compute:.2f}s; {leaves}, and a process that only starts Typer, pydantic, "
