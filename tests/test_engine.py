@@ -740,6 +740,30 @@ def test_lm_head_gradient_under_bf16_keeps_its_direction_near_a_memorized_token(
     assert ((naive - want).norm(dim=-1) / want.norm(dim=-1)).max() > 10
 
 
+def test_float32_linear_is_float32_exact_and_keeps_autograd() -> None:
+    """The LM head's product (precision.float32_linear: oneDNN on CPU, not MKL's sgemm) is a
+    float32 product: from bf16 or float32 inputs, under bf16 autocast too, within float32's
+    rounding of a float64 reference; where autograd must go through it, it does."""
+    from baseten_loops_cli.local.engine import precision
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 2, 64, generator=generator)
+    weight = torch.randn(1000, 64, generator=generator)
+    bias = torch.randn(1000, generator=generator)
+    reference = (x.double() @ weight.double().T + bias.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = precision.float32_linear(x, weight, bias)
+        from_bf16 = precision.float32_linear(x.bfloat16(), weight)
+    assert got.dtype == torch.float32 and got.shape == (37, 2, 1000)
+    assert (got.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+    # bf16 inputs are cast up, not rounded further: the product of their exact values
+    exact = x.bfloat16().double() @ weight.double().T
+    assert (from_bf16.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    tracked = x.clone().requires_grad_()
+    precision.float32_linear(tracked, weight, bias).sum().backward()
+    torch.testing.assert_close(tracked.grad, weight.sum(0).expand_as(x), rtol=1e-5, atol=1e-4)
+
+
 def test_bf16_matmul_weights_stored_once_give_autocasts_results(make_trainer, base, tmp_path) -> None:
     """A base loaded under a bf16 policy keeps its frozen Linear weights in bf16 (autocast
     would cast them again at every use, issue 33; the LM head stays float32, issue 43): the trainer's logprobs, loss and

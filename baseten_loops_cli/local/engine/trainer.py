@@ -615,8 +615,8 @@ class HeadLogprobs(torch.autograd.Function):
         picked, s_rows, top_values, top_ids = [], [], [], []
         with torch.autocast(device, enabled=False):
             for start in range(0, hidden.shape[0], HEAD_CHUNK_ROWS):
-                logits = torch.nn.functional.linear(
-                    hidden[start: start + HEAD_CHUNK_ROWS].float(), weight32)
+                logits = precision.float32_linear(hidden[start: start + HEAD_CHUNK_ROWS],
+                                                  weight32)
                 probs = torch.empty_like(logits, dtype=grad_dtype) if grad else None
                 for offset in range(0, logits.shape[0], HEAD_SLICE_ROWS):
                     block = logits[offset: offset + HEAD_SLICE_ROWS]
