@@ -258,8 +258,9 @@ def float32_linear(x: Any, weight: Any, bias: Any = None) -> Any:
     head chunk (160 x 576 by 49,152 x 576) took 80-100 ms there against 50 ms through oneDNN,
     both float32 throughout (max error against a float64 product: 1.4e-4 and 6.1e-5 on logits
     of |x| ~100, float32's rounding either way); at the sampler's 1-8 rows a decode step's head
-    6-9 ms against 12-29 ms (the RL benches' dr_grpo and dapo: 1.18 and 1.36 -> 1.57 and 1.55
-    against TRL, run_all 2026-12-07 06:18 UTC)."""
+    6-9 ms against 12-29 ms (the run_all of 2026-12-07 06:18 UTC, with the trainer's head on
+    it too: the RL benches' dr_grpo and dapo read 1.57 and 1.55 against TRL, 1.18 and 1.36 in
+    the run before)."""
     import torch
 
     x, weight = x.float(), weight.float()
