@@ -741,8 +741,8 @@ def test_lm_head_gradient_under_bf16_keeps_its_direction_near_a_memorized_token(
 
 
 def test_float32_linear_is_float32_exact_and_keeps_autograd() -> None:
-    """The LM head's product (precision.float32_linear: oneDNN on CPU, not MKL's sgemm) is a
-    float32 product: from bf16 or float32 inputs, under bf16 autocast too, within float32's
+    """The sampler's LM head product (precision.float32_linear: oneDNN on CPU, not MKL's
+    sgemm; trainer.HeadLogprobs keeps torch's) is a float32 product: from bf16 or float32 inputs, under bf16 autocast too, within float32's
     rounding of a float64 reference; where autograd must go through it, it does."""
     from baseten_loops_cli.local.engine import precision
 
@@ -750,7 +750,7 @@ def test_float32_linear_is_float32_exact_and_keeps_autograd() -> None:
     x = torch.randn(37, 2, 64, generator=generator)
     weight = torch.randn(1000, 64, generator=generator)
     bias = torch.randn(1000, generator=generator)
-    reference = (x.double() @ weight.double().T + bias.double())
+    reference = x.double() @ weight.double().T + bias.double()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = precision.float32_linear(x, weight, bias)
         from_bf16 = precision.float32_linear(x.bfloat16(), weight)
