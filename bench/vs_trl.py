@@ -194,11 +194,13 @@ def trl_common(out: str, steps: int, bf16: bool, lr: float, batch: int) -> dict:
                 dataloader_num_workers=0, disable_tqdm=True, seed=SEED)
 
 
-def run_trl(make_trainer: Callable[[str, Any], Any]) -> tuple[float, list[dict]]:
-    """Train; (seconds from the end of the warm-up step to the end of the last, log history)."""
+def run_trl(make_trainer: Callable[[str, Any], Any],
+            marks: list[float] | None = None) -> tuple[float, list[dict]]:
+    """Train; (seconds from the end of the warm-up step to the end of the last, log history).
+    ``marks``, when given, receives the clock's reading at the end of each step."""
     from transformers import TrainerCallback
 
-    marks: list[float] = []
+    marks = [] if marks is None else marks
 
     class Clock(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
