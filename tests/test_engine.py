@@ -742,8 +742,9 @@ def test_lm_head_gradient_under_bf16_keeps_its_direction_near_a_memorized_token(
 
 def test_float32_linear_is_float32_exact_and_keeps_autograd() -> None:
     """The sampler's LM head product (precision.float32_linear: oneDNN on CPU, not MKL's
-    sgemm; trainer.HeadLogprobs keeps torch's) is a float32 product: from bf16 or float32 inputs, under bf16 autocast too, within float32's
-    rounding of a float64 reference; where autograd must go through it, it does."""
+    sgemm; trainer.HeadLogprobs keeps torch's) is a float32 product: from bf16 or float32
+    inputs, under bf16 autocast too, within float32's rounding of a float64 reference; where
+    autograd must go through it, it does."""
     from baseten_loops_cli.local.engine import precision
 
     generator = torch.Generator().manual_seed(0)

@@ -616,8 +616,11 @@ class HeadLogprobs(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             for start in range(0, hidden.shape[0], HEAD_CHUNK_ROWS):
                 # torch's float32 product (MKL), not precision.float32_linear's oneDNN one:
-                # that made a 2k step 5% faster, but the server's peak RSS at 8k went from
-                # 2.82-2.85 to 3.04-3.18 GiB (over issue 40's 3 GiB), not yet explained.
+                # with it the server's peak RSS at 8k went from 2.82-2.85 to 3.04-3.18 GiB
+                # (over issue 40's 3 GiB); in process under the server's allocator policy an
+                # 8k step peaked at 2.66 against 2.42 GiB (which allocation, not yet known),
+                # and a 2k step gained 5% in one in-process reading, nothing beyond the noise
+                # in a later A/B (four steps each, 2026-12-07).
                 logits = torch.nn.functional.linear(
                     hidden[start: start + HEAD_CHUNK_ROWS].float(), weight32)
                 probs = torch.empty_like(logits, dtype=grad_dtype) if grad else None
