@@ -6,7 +6,10 @@ A backward pass keeps every decoder layer's activations until it runs. Measured 
 layer and per unit of ``hidden_size + intermediate_size`` (torch.autograd.graph
 .saved_tensors_hooks over one forward_backward, frozen weights left out): SmolLM2 866 KB a token
 in bf16 (13.7; 1069 before precision.share_input_casts and grouped kv heads in float32
-attention), 1420 in float32 (22.4); the tiny model 16 in bf16. Past
+attention), 1420 in float32 (22.4); the tiny model 16 in bf16. Since the MLP's activation and
+product and the attention output's copy are rebuilt in the backward (local/engine/
+derived_saves.py), 0.69x that: 9.6 in bf16, 15.5 in float32 (the saved tensors of a 2,000-token
+SmolLM2 row, 23.5 -> 16.1 KB a token a layer in bf16, 40.0 -> 27.7 in float32). Past
 :data:`ACTIVATION_BUDGET_BYTES`, the trainer recomputes the first k decoder layers in the
 backward (:func:`checkpoint_layer_count`), which then keep only their float32 input and their
 attention's output (:func:`recomputed_layer_bytes_per_token`).
@@ -16,15 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-ACTIVATION_BYTES_PER_WIDTH = {"bfloat16": 14, "float32": 23}
+ACTIVATION_BYTES_PER_WIDTH = {"bfloat16": 9.7, "float32": 15.6}
 # Activation checkpointing (issue 40; trainer.checkpointed_layers). Without it an 8k-token
 # SmolLM2 row held ~7 GB of activations and the server peaked at 10.95 GiB. Past this budget
 # the first k decoder layers keep only their input and attention output and run the rest of
 # their forward again in the backward, the fewest k that keeps the estimate under the budget.
 # The peak is then about the runtime and weights plus the budget. 1 GiB: an 8k SmolLM2 row
 # recomputes every layer either way (its kept inputs alone are 0.8 GiB), and 1k rows recompute
-# none; a 2k row recomputes 15 layers instead of 24 with 512 MiB (in-process, bf16: 2k SFT
-# 192 -> 200 tokens/s; 223 with none, at 3.1 GiB).
+# none; a 2k row recomputes 6 layers (15 before derived_saves; 24 with 512 MiB: in-process,
+# bf16, 2k SFT 192 -> 200 tokens/s; 223 with none, at 3.1 GiB).
 ACTIVATION_BUDGET_BYTES = 1024 * 2**20
 # The server's activation_checkpointing option: "auto" (past the budget), "on" (every decoder
 # layer of every backward), "off" (never).
@@ -47,7 +50,7 @@ def activation_bytes_per_token(config: Any, dtype: str) -> int:
     transformers config or its config.json as a dict) computing in ``dtype``."""
     width = _int(config, "hidden_size") + _int(config, "intermediate_size")
     per_width = ACTIVATION_BYTES_PER_WIDTH.get(dtype, ACTIVATION_BYTES_PER_WIDTH["float32"])
-    return max(1, _int(config, "num_hidden_layers") * width * per_width)
+    return max(1, int(_int(config, "num_hidden_layers") * width * per_width))
 
 
 def recomputed_layer_bytes_per_token(config: Any) -> int:

@@ -1127,3 +1127,41 @@ def test_thread_budget_checkpoints_run_per_layer_and_change_no_result(make_train
     pairs = list(zip(plain._params, switched._params))
     assert max(float((a.grad - b.grad).abs().max()) for a, b in pairs) < 1e-6
     assert max(float(a.grad.abs().max()) for a, _ in pairs) > 1e-4
+
+
+def test_derived_saves_in_float32_rebuild_the_mlps_tensors_exactly(make_trainer, monkeypatch) -> None:
+    """Under the float32 policy (no autocast) the backward keeps each MLP's act(g) and
+    act(g) * u as recipes (derived_saves; two a layer), and the gradients are bit-identical to
+    the step that keeps the tensors (LoRA B nonzero, so LoRA A's gradients read them)."""
+    import contextlib
+
+    import torch
+
+    from baseten_loops_cli.local.engine import derived_saves
+
+    data = [sft_datum((TEXT * 4)[:150], [0.0] * 60 + [1.0] * 89)]
+    packed: list[tuple] = []
+    real = derived_saves._pack
+
+    def pack(x):
+        kept = real(x)
+        if not isinstance(kept, torch.Tensor):
+            packed.append(tuple(x.shape))
+        return kept
+
+    monkeypatch.setattr(derived_saves, "_pack", pack)
+    grads = []
+    for derived in (True, False):
+        if not derived:
+            monkeypatch.setattr(derived_saves, "packing", contextlib.nullcontext)
+        trainer = make_trainer(seed=5)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in trainer._params:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        trainer.forward_backward(data)
+        grads.append([p.grad.clone() for p in trainer._params])
+    config = trainer.base.module.config
+    assert len(packed) == 2 * config.num_hidden_layers
+    assert {shape[-1] for shape in packed} == {config.intermediate_size}
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -5,6 +5,8 @@ the kernel again. Checked against plain SDPA and against the unchecked trainer."
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,6 +15,7 @@ pytest.importorskip("peft")
 from baseten_loops_cli.local.engine import (  # noqa: E402
     allocator,
     attention,
+    derived_saves,
     model_zoo,
     precision,
     registry,
@@ -144,3 +147,56 @@ def test_short_rows_keep_float32_sdpa(bf16_base, monkeypatch) -> None:
     finally:
         trainer.release()
     assert out["metrics"]["loss:sum"] > 0 and not calls
+
+
+def _packing_counted(monkeypatch, packed: list) -> None:
+    real = derived_saves._pack
+
+    def pack(x):
+        kept = real(x)
+        if isinstance(kept, torch.Tensor):
+            return kept
+        packed.append(x.untyped_storage().nbytes())
+        return kept
+
+    monkeypatch.setattr(derived_saves, "_pack", pack)
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "on"])
+def test_derived_saves_rebuild_bit_identical_gradients(bf16_base, monkeypatch, checkpointing) -> None:
+    """The backward keeps the MLP's act(g) and act(g) * u and o_proj's copy of the attention
+    output as recipes over tensors it keeps anyway (derived_saves), three a layer, and the
+    gradients, logprobs and loss equal the step that keeps the tensors themselves, bit for bit.
+    Inside checkpointed layers nothing is packed (their graphs keep nothing)."""
+    monkeypatch.setattr(attention, "BF16_BACKWARD_MIN_TOKENS", 64)  # the long-row attention
+    monkeypatch.setattr(trainer_module, "_checkpointing", checkpointing)
+    datum = sft_datum((TEXT * 4)[:150], [0.0] * 60 + [1.0] * 89)
+    layers = bf16_base.module.config.num_hidden_layers
+    packed: list[int] = []
+    _packing_counted(monkeypatch, packed)
+    results = {}
+    for derived in (True, False):
+        if not derived:
+            monkeypatch.setattr(derived_saves, "packing", contextlib.nullcontext)
+        trainer = LoraTrainer(bf16_base, f"derived-{derived}-{checkpointing}", 4, seed=5)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # LoRA B nonzero, so LoRA A's gradients read their inputs
+            for p in trainer._params:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        try:
+            with precision.using(BF16):
+                output = trainer.forward_backward([datum])
+            results[derived] = (output, [p.grad.clone() for p in trainer._params])
+        finally:
+            trainer.release()
+    hidden, inner = bf16_base.module.config.hidden_size, bf16_base.module.config.intermediate_size
+    if checkpointing == "off":  # a, h (bf16, 149 x intermediate) and the copy (149 x hidden)
+        assert sorted(packed) == sorted([149 * inner * 2] * 2 * layers + [149 * hidden * 2] * layers)
+    else:
+        assert packed == []
+    (ours, our_grads), (theirs, their_grads) = results[True], results[False]
+    assert ours["metrics"]["loss:sum"] == theirs["metrics"]["loss:sum"]
+    assert (ours["loss_fn_outputs"][0]["logprobs"]["data"]
+            == theirs["loss_fn_outputs"][0]["logprobs"]["data"])
+    assert all(torch.equal(a, b) for a, b in zip(our_grads, their_grads))
+    assert max(float(g.abs().max()) for g in their_grads) > 1e-4  # the gradients are not 0

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from baseten_loops_cli.local.engine import allocator
+from baseten_loops_cli.local.engine import allocator, derived_saves
 
 FLOAT32_ATTENTION = "loops_sdpa_float32"
 # Query length from which a grad-requiring attention runs its backward in bf16 (above).
@@ -145,6 +145,10 @@ def _balanced_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tenso
 causal_attention.register_autograd(_causal_attention_backward, setup_context=_keep_for_backward)
 
 
+def _transposed(output: torch.Tensor) -> torch.Tensor:
+    return output.transpose(1, 2).contiguous()
+
+
 def use_float32_attention(module: Any) -> None:
     """Run ``module``'s SDPA attention in float32 while autocast is on (see the module
     docstring); unchanged without autocast. For models using ``sdpa`` (others are left)."""
@@ -184,7 +188,8 @@ def _register() -> None:
                     query.float(), key.float(), value.float(), attn_mask=attention_mask,
                     dropout_p=dropout, scale=scaling, is_causal=bool(causal),
                     enable_gqa=query.shape[1] != key.shape[1])
-        return output.transpose(1, 2).contiguous(), None
+        # o_proj's LoRA A keeps this copy for its backward; the kernel keeps ``output``.
+        return derived_saves.derive(output.transpose(1, 2).contiguous(), _transposed, output), None
 
     AttentionInterface.register(FLOAT32_ATTENTION, float32_sdpa)
     AttentionMaskInterface.register(FLOAT32_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

@@ -327,6 +327,11 @@ def share_input_casts(module: Any) -> None:
     for layer in module.modules():
         if not isinstance(layer, BaseTunerLayer):
             continue
+        # PEFT casts a bf16 input (o_proj's, down_proj's) up to the LoRA weights' float32
+        # before LoRA A, and autocast casts that back down: two copies of equal values, the
+        # bf16 one kept for the backward (SmolLM2: 4.2 KB a token a layer). LoRA A takes the
+        # input itself instead, whose bytes the backward can then rebuild (derived_saves).
+        layer.cast_input_dtype_enabled = False  # type: ignore[attr-defined]
         inner = [layer.get_base_layer(), *getattr(layer, "lora_A", {}).values()]
         for linear in inner:
             if (isinstance(linear, torch.nn.Linear)

@@ -27,7 +27,7 @@ import torch
 if TYPE_CHECKING:
     from torch.nn.modules.module import _IncompatibleKeys
 
-from baseten_loops_cli.local.engine import attention, precision, thread_budget
+from baseten_loops_cli.local.engine import attention, derived_saves, precision, thread_budget
 from baseten_loops_cli.local.engine.model_zoo import (
     ModelInfo,
     available_models,
@@ -126,6 +126,8 @@ class BaseModel:
                 self._peft.add_adapter(safe, config)
             if self.bf16_weights and self.trains:  # a backward pass keeps the copies
                 precision.share_input_casts(self.module)
+            if self.trains:
+                derived_saves.install(self.module)
             self._adapter_names[name] = safe
 
     def load_adapter(self, name: str, path: str | Path) -> None:

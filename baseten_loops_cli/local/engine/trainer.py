@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from baseten_loops_cli import memory_estimate
-from baseten_loops_cli.local.engine import allocator, attention, losses, precision
+from baseten_loops_cli.local.engine import allocator, attention, derived_saves, losses, precision
 from baseten_loops_cli.local.engine.datums import ParsedDatum, parse_data
 from baseten_loops_cli.local.engine.errors import EngineInputError
 from baseten_loops_cli.local.engine.registry import BaseModel, decoder_layers
@@ -156,7 +156,8 @@ class LoraTrainer:
                 # (allocator.long_step: a fifth of an 8k step was page faults).
                 hidden_bytes = tokens * int(self.base.module.config.hidden_size) * 4
                 with allocator.long_step(hidden_bytes) if recompute else contextlib.nullcontext():
-                    with policy.autocast(), checkpointed_layers(model, recompute):
+                    with (policy.autocast(), checkpointed_layers(model, recompute),
+                          derived_saves.packing() if backward else contextlib.nullcontext()):
                         # the forward pass only: logprobs and losses in float32
                         outputs = _datum_outputs(model, [p.tokens for p in part],
                                                  policy.device, hidden=head is not None)
@@ -368,8 +369,9 @@ def checkpointed_layers(model: Any, count: int) -> Iterator[None]:
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             # No dropout in the engine's models: the RNG state need not be replayed.
-            output = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
-                                context_fn=keep, **kwargs)
+            with derived_saves.suspended():
+                output = checkpoint(forward, *args, use_reentrant=False,
+                                    preserve_rng_state=False, context_fn=keep, **kwargs)
             # The output is the next layer's input, kept until this backward: out of the heap
             # (allocator.mapped_copies), which then gives back what it holds free.
             if isinstance(output, torch.Tensor):
