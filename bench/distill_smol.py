@@ -18,7 +18,7 @@ from pathlib import Path
 from _common import ROOT, loops, print_ratio
 from train_throughput import SMOLLM2, bench_server
 
-TARGET = 0.4  # held-out accuracy after distillation; the base model starts at 0 (0.47 measured 2026-12-04)
+TARGET = 0.4  # held-out accuracy after distillation; the base model starts at 0 (0.56 after 16 steps, 2026-12-07)
 
 
 def main() -> int:
