@@ -85,7 +85,9 @@ def derive(tensor: torch.Tensor, rebuild: Callable[..., torch.Tensor],
 
 def _pack(x: torch.Tensor) -> Any:
     marked = getattr(_marked, "tensors", None)
-    recipe = marked.get(x.untyped_storage().data_ptr()) if marked else None
+    if not marked or x.layout is not torch.strided:
+        return x
+    recipe = marked.get(x.untyped_storage().data_ptr())
     if recipe is None or not recipe.rebuilds(x):
         return x
     return _Packed(recipe, x)
