@@ -319,7 +319,10 @@ class LoraTrainer:
 # stay large). The budget is in bytes, not tokens, because a token's activations scale with
 # the model: 256 SmolLM2 tokens hold as much as ~10,000 of the tiny model's, whose batches
 # chunked by tokens ran 30% slower (bench/train_throughput.py: 0.92 -> 1.28 of plain PEFT).
-BACKWARD_CHUNK_BYTES = 272 * 2**20
+# 188 MiB since derived_saves (0.69x the bytes a token): the same ~320 SmolLM2 tokens a pass
+# as 272 MiB before it (the run_all of ea5c98d, whose passes took 1.45x the tokens, read the RL
+# example's peak 3.04x its weights, against 2.86, and SFT vs TRL 1.19 against 1.56).
+BACKWARD_CHUNK_BYTES = 188 * 2**20
 
 
 def backward_chunk_tokens(config: Any, dtype: str) -> int:
