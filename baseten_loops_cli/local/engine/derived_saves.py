@@ -104,26 +104,27 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def packing() -> Iterator[None]:
-    """Keep marked tensors (:func:`derive`) as their recipes in the graphs built in the block."""
-    _marked.tensors = {}
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-            yield
-    finally:
-        _marked.tensors = None
-
-
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """Mark nothing in the block (a checkpointed layer's forward, whose graph keeps nothing:
-    recipes would only hold their sources)."""
-    marked = getattr(_marked, "tensors", None)
-    _marked.tensors = None
+def _marking(tensors: dict[int, _Recipe] | None) -> Iterator[None]:
+    """This thread's marks go to ``tensors`` (None: nothing is marked) in the block."""
+    before = getattr(_marked, "tensors", None)
+    _marked.tensors = tensors
     try:
         yield
     finally:
-        _marked.tensors = marked
+        _marked.tensors = before
+
+
+@contextlib.contextmanager
+def packing() -> Iterator[None]:
+    """Keep marked tensors (:func:`derive`) as their recipes in the graphs built in the block."""
+    with _marking({}), torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        yield
+
+
+def suspended() -> contextlib.AbstractContextManager[None]:
+    """Mark nothing in the block (a checkpointed layer's forward, whose graph keeps nothing:
+    recipes would only hold their sources)."""
+    return _marking(None)
 
 
 def install(module: Any) -> None:
