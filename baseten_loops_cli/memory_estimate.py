@@ -8,7 +8,7 @@ layer and per unit of ``hidden_size + intermediate_size`` (torch.autograd.graph
 in bf16 (13.7; 1069 before precision.share_input_casts and grouped kv heads in float32
 attention), 1420 in float32 (22.4); the tiny model 16 in bf16. Since the MLP's activation and
 product and the attention output's copy are rebuilt in the backward (local/engine/
-derived_saves.py), 0.69x that: 9.6 in bf16, 15.5 in float32 (the saved tensors of a 2,000-token
+derived_saves.py), 0.69x that: 9.7 in bf16, 15.6 in float32 (the saved tensors of a 2,000-token
 SmolLM2 row, 23.5 -> 16.1 KB a token a layer in bf16, 40.0 -> 27.7 in float32). Past
 :data:`ACTIVATION_BUDGET_BYTES`, the trainer recomputes the first k decoder layers in the
 backward (:func:`checkpoint_layer_count`), which then keep only their float32 input and their

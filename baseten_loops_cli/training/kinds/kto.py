@@ -4,8 +4,8 @@
 Rows come from the data layer in any format and source it reads (JSONL, JSON, CSV, Parquet,
 Arrow, folders, hub datasets; ``data.columns``, mixtures, ``eval: {from_train: ...}``) as its
 ``unpaired`` rows, through :func:`read_examples` (the one place this kind reads data;
-``kto_data``'s row checks). Each example's KL sequence (its prompt with
-another example's completion, ``kto_data.kl_examples``) gives the batch's KL estimate ``z0``.
+``kto_rows``' row checks). Each example's KL sequence (its prompt with
+another example's completion, ``kto_rows.kl_examples``) gives the batch's KL estimate ``z0``.
 
 Before step 1 the reference scores every example and KL sequence of both splits once, as DPO's
 sequences (``preference.reference_scores``: kept in ``reference_logprobs.jsonl``, reused on resume).

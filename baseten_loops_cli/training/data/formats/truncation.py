@@ -1,6 +1,6 @@
 """``data.truncation``: what a row longer than ``max_seq_len`` becomes. Pure functions over
 token id lists (and their per-token weights); the loaders in ``training/data/datums.py`` and
-``kto_data.py`` call them on every rendered row, so every kind honours one policy.
+``kto_rows.py`` call them on every rendered row, so every kind honours one policy.
 
 - ``error`` (default): the row is refused, with its file and line.
 - ``drop``: the row is skipped and counted (a data note of the plan).
