@@ -54,8 +54,12 @@ _parked_lock = threading.Lock()
 MAX_PARKED = 64
 
 
-def _start(job: Callable[[], None]) -> None:
-    """Run ``job`` on a parked thread, or on a new one when none is parked."""
+def _start(job: Callable[[], Callable[[], None]]) -> None:
+    """Run ``job`` on a parked thread, or on a new one when none is parked.
+
+    ``job`` returns what delivers its result; the thread parks itself *before* it delivers, so
+    a caller that starts its next call as soon as it has the result finds this thread parked
+    (delivering first raced the re-park and started a new thread now and then)."""
     with _parked_lock:
         inbox = _parked.pop() if _parked else None
     if inbox is None:
@@ -66,11 +70,14 @@ def _start(job: Callable[[], None]) -> None:
 
 def _serve(inbox: queue.SimpleQueue) -> None:
     while True:
-        inbox.get()()
+        deliver = inbox.get()()
         with _parked_lock:
-            if len(_parked) >= MAX_PARKED:
-                return
-            _parked.append(inbox)
+            park = len(_parked) < MAX_PARKED
+            if park:
+                _parked.append(inbox)
+        deliver()
+        if not park:
+            return
 
 
 class Isolated:
@@ -92,22 +99,21 @@ class Isolated:
             if not done.done():
                 (done.set_result if ok else done.set_exception)(payload)
 
-        def work() -> None:
+        def work() -> Callable[[], None]:
             threading.current_thread().name = f"loops-user-code:{what}"
             try:
-                value = _call(fn, args)
+                outcome: tuple[bool, Any] = (True, _call(fn, args))
             except BaseException as exc:  # the user's code: everything it raises is its failure
                 text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-                failure = RolloutFailed(f"{what} raised {type(exc).__name__}: {exc}", text)
+                outcome = (False, RolloutFailed(f"{what} raised {type(exc).__name__}: {exc}", text))
+
+            def deliver() -> None:
                 try:
-                    loop.call_soon_threadsafe(settle, False, failure)
+                    loop.call_soon_threadsafe(settle, *outcome)
                 except RuntimeError:
                     pass  # the loop is gone (the call was abandoned)
-                return
-            try:
-                loop.call_soon_threadsafe(settle, True, value)
-            except RuntimeError:
-                pass
+
+            return deliver
 
         async with self._slots:
             _start(work)
