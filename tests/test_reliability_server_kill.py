@@ -56,8 +56,9 @@ def test_server_sigkill_mid_run_then_restart_and_resume(server_factory):
 
     # The victim: 3 steps (checkpoint step-2 saved), then a step in flight when the server dies.
     # (Short budgets: the worker client's defaults retry a vanished server for 10 min, as the
-    # SDK does; `loops train` is tested for a prompt exit in the CLI kill tests.)
-    with _client(server, victim, submit_timeout=10, result_timeout=10) as tc:
+    # SDK does; `loops train` is tested for a prompt exit in the CLI kill tests. The submit
+    # budget is what the step after the kill waits out.)
+    with _client(server, victim, submit_timeout=3, result_timeout=10) as tc:
         _steps(tc, 0, 3)
         tc.forward_backward(BATCHES[3])
         with server.client() as c:
@@ -118,9 +119,9 @@ def test_server_killed_under_loops_train_then_restart_and_resume(server_factory,
 
     server = server_factory()
     config = sft_config(tmp_path, steps=8, save_every=2, seed=13)
-    # The run gives up on its unreachable trainer after 5 s instead of the default 45 s
+    # The run gives up on its unreachable trainer after 2 s instead of the default 45 s
     # (LOOPS_UNREACHABLE_TIMEOUT): what is tested is how it stops, not how long it waits.
-    env = cli_env(server, LOOPS_UNREACHABLE_TIMEOUT="5")
+    env = cli_env(server, LOOPS_UNREACHABLE_TIMEOUT="2")
     clean = loops(["train", "run", str(config), "--run-dir", str(tmp_path / "clean")], env, tmp_path)
     assert clean.returncode == 0, clean.stderr
 
