@@ -260,7 +260,9 @@ def test_an_installed_wheel_puts_the_man_pages_where_man_looks(tmp_path):
     prefix = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(prefix)], check=True, timeout=120)
     wheel = next((tmp_path / "dist").glob("*.whl"))
-    installed = subprocess.run([*pip, "install", "-q", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel)],
+    # --ignore-installed: with --prefix alone pip uninstalled this checkout's own (editable)
+    # install from the running venv first, and every later `python -m baseten_loops_cli` failed.
+    installed = subprocess.run([*pip, "install", "-q", "--no-deps", "--no-index", "--ignore-installed", "--prefix", str(prefix), str(wheel)],
                                capture_output=True, text=True, timeout=300)
     assert installed.returncode == 0, installed.stderr[-2000:]
     shipped = sorted(p.name for p in MAN.glob("*.1"))

@@ -5,6 +5,7 @@ torch, and completion runs on every TAB); no synchronous command imports asyncio
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -43,13 +44,12 @@ def run(tmp_path):
     for name in ("CONFIG", "STATE", "DATA", "CACHE"):
         base[f"LOOPS_{name}_DIR"] = str(tmp_path / name.lower())
     base["LOOPS_NO_AUTOSTART"] = "1"
-    out = tmp_path / "modules.json"
-    base["LOOPS_TEST_MODULES_OUT"] = str(out)
+    calls = itertools.count()
 
     def _run(*args: str, **extra_env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-        if out.exists():
-            out.unlink()
-        result = subprocess.run([sys.executable, "-c", WRAPPER, *args], env={**base, **extra_env},
+        out = tmp_path / f"modules-{next(calls)}.json"  # a file per call: calls may overlap
+        env = {**base, "LOOPS_TEST_MODULES_OUT": str(out), **extra_env}
+        result = subprocess.run([sys.executable, "-c", WRAPPER, *args], env=env,
                                 capture_output=True, text=True, timeout=120)
         assert out.exists(), f"the wrapper did not report (rc {result.returncode}): {result.stderr}"
         return result, json.loads(out.read_text())
@@ -99,22 +99,27 @@ def test_synchronous_commands_do_not_import_asyncio(run, args):
 
 
 def test_every_command_help_imports_nothing_heavy(run):
-    """Each group's and command's --help: catches a heavy import at the top of any cli module."""
+    """Each group's and command's --help: catches a heavy import at the top of any cli module.
+    (The processes run a few at a time: one after another they took 10 s of CI.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
     import typer.main
 
     from baseten_loops_cli.cli.main import app
 
-    offenders = {}
+    commands: list[list[str]] = []
 
     def walk(cmd, path):
         for name, sub in getattr(cmd, "commands", {}).items():
-            args = [*path, name]
-            result, loaded = run(*args, "--help")
-            if result.returncode != 0 or loaded:
-                offenders[" ".join(args)] = loaded or result.stderr.strip()[-200:]
-            walk(sub, args)
+            commands.append([*path, name])
+            walk(sub, [*path, name])
 
     walk(typer.main.get_command(app), [])
+    assert len(commands) > 20, commands
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda args: run(*args, "--help"), commands))
+    offenders = {" ".join(args): loaded or result.stderr.strip()[-200:]
+                 for args, (result, loaded) in zip(commands, results) if result.returncode != 0 or loaded}
     assert not offenders, f"--help of these commands imported heavy modules or failed: {offenders}"
 
 
