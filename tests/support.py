@@ -117,6 +117,17 @@ def cli_env(server: Any = None, **overrides: str | None) -> dict[str, str]:
 # ── waiting and killing ──────────────────────────────────────────────────────────────────
 
 
+def pull_events(client: Any, model: str) -> list[dict]:
+    """``POST /v1/local/models/pull`` of ``model`` through ``client`` (an httpx.Client on a
+    server): the NDJSON events its stream carried, after checking it is one."""
+    import json
+
+    with client.stream("POST", "/v1/local/models/pull", json={"model": model}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith(
+            "application/x-ndjson")
+        return [json.loads(line) for line in resp.iter_lines() if line.strip()]
+
+
 def wait_for(condition: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.2, what: str | None = None) -> T:
     """Ask ``condition`` every ``interval`` seconds until it returns something truthy (which is
     returned); after ``timeout`` seconds fail, naming ``what`` and the last answer. The polling

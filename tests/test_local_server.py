@@ -26,7 +26,7 @@ import pytest
 
 from conftest import LocalServer
 
-from tests.support import cli_env, ctrl_c_as_a_terminal_sends, kill, wait_for
+from tests.support import cli_env, ctrl_c_as_a_terminal_sends, kill, pull_events, wait_for
 
 pytest.importorskip("torch")
 
@@ -1089,15 +1089,8 @@ def test_server_stops_when_its_owner_exits(tmp_path: Path):
 # ── pull-model: the server fetches/converts, streaming progress (issues 12, 14) ──
 
 
-def _pull_events(client: httpx.Client, model: str) -> list[dict]:
-    with client.stream("POST", "/v1/local/models/pull", json={"model": model}) as resp:
-        assert resp.status_code == 200 and resp.headers["content-type"].startswith(
-            "application/x-ndjson")
-        return [json.loads(line) for line in resp.iter_lines() if line.strip()]
-
-
 def test_pull_model_route_streams_progress(client: httpx.Client):
-    events = _pull_events(client, "loops-local/tiny")
+    events = pull_events(client, "loops-local/tiny")
     assert events[0] == {"event": "start", "model": "loops-local/tiny", "elapsed_s": 0.0}
     assert events[-1]["event"] == "done" and events[-1]["path"] is None  # built in code
     assert_error(client.post("/v1/local/models/pull", json={"model": "nope/none"}), 400,
