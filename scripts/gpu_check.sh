@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from baseten_loops_cli.local.engine import model_zoo, precision, registry
+from baseten_loops_cli.local.engine import attention, model_zoo, precision, registry
 from baseten_loops_cli.local.engine.sample_types import SampleRequest
 from baseten_loops_cli.local.engine.sampler import SamplerEngine
 from baseten_loops_cli.local.engine.trainer import LoraTrainer
@@ -106,7 +106,7 @@ for model, path in CASES:
             trainer.save_sampler_weights(tmp)
             plain = model_zoo.load_model(model)[0]
             if policy.bf16 and policy.device == "cpu":  # as the engine's bf16 bases on CPU
-                precision.use_float32_attention(plain)
+                attention.use_cpu_attention(plain)
             reference = PeftModel.from_pretrained(plain, tmp).to(device)
             with torch.no_grad(), policy.autocast():
                 logits = reference(input_ids=torch.tensor([sequences[0][:-1]], device=device)).logits[0].float()

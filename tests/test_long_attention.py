@@ -1,7 +1,8 @@
-"""The attention of long training rows under a bf16 policy on CPU (local/engine/attention.py,
-issue 40): a float32 forward whose output the bf16 o_proj reads unchanged, a bf16 backward,
-and a checkpointed layer's recompute that reuses the forward's attention instead of running
-the kernel again. Checked against plain SDPA and against the unchecked trainer."""
+"""The attention of training rows under a bf16 policy on CPU (local/engine/attention.py,
+issue 40): a float32 forward (bf16 on a CPU with AMX) whose output the bf16 o_proj reads
+unchanged, a bf16 backward for long rows and a float32 one for short rows, and a checkpointed
+layer's recompute that reuses the forward's attention instead of running the kernel again.
+Checked against plain SDPA and against the unchecked trainer, with either forward."""
 
 from __future__ import annotations
 
@@ -33,21 +34,27 @@ def _qkv(dtype: torch.dtype, length: int = 96, heads: int = 6, kv_heads: int = 2
     return [torch.randn(s, generator=g).to(dtype).requires_grad_(True) for s in shapes]
 
 
+@pytest.mark.parametrize("bf16_forward", [False, True])
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_causal_attention_is_float32_sdpa_forward_and_a_close_backward(dtype, balanced,
-                                                                       monkeypatch) -> None:
-    """The op's output is float32 SDPA's (causal, grouped kv heads) rounded to bf16, bit for
-    bit; its gradients are within bf16's rounding of float32 autograd's, with the kernel's
-    backward called once or as the two balanced calls of long rows."""
+def test_long_rows_attention_is_sdpas_forward_and_a_close_backward(dtype, balanced, bf16_forward,
+                                                                   monkeypatch) -> None:
+    """A long row's op output is SDPA's (causal, grouped kv heads) in the forward's dtype
+    rounded to bf16, bit for bit; its gradients are within bf16's rounding of float32
+    autograd's, with the kernel's backward called once or as the two balanced calls of long
+    rows."""
     monkeypatch.setattr(attention, "BALANCED_BACKWARD_MIN_TOKENS", 64 if balanced else 10**9)
+    monkeypatch.setattr(attention, "BF16_BACKWARD_MIN_TOKENS", 64)
     ours_in, ref_in = _qkv(dtype), _qkv(dtype)
     scale = 32 ** -0.5
-    out, logsumexp = attention.causal_attention(*ours_in, scale)
+    out, logsumexp = attention.cpu_attention(*ours_in, None, scale, True, bf16_forward)
+    forward = torch.bfloat16 if bf16_forward else torch.float32
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.detach().to(forward) for t in ref_in), is_causal=True, scale=scale, enable_gqa=True)
+    assert out.dtype == torch.bfloat16 and logsumexp.dtype == torch.float32
+    assert torch.equal(out, expected.to(torch.bfloat16))
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(t.float() for t in ref_in), is_causal=True, scale=scale, enable_gqa=True)
-    assert out.dtype == torch.bfloat16 and logsumexp.dtype == torch.float32
-    assert torch.equal(out, ref.to(torch.bfloat16))
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     out.backward(grad.to(torch.bfloat16))
     ref.backward(grad)
@@ -55,6 +62,40 @@ def test_causal_attention_is_float32_sdpa_forward_and_a_close_backward(dtype, ba
         assert ours.grad.dtype == dtype
         error = (ours.grad.float() - theirs.grad.float()).norm() / theirs.grad.float().norm()
         assert 0 < error < 0.02, error  # bf16 arithmetic, not float32's, and not far from it
+
+
+@pytest.mark.parametrize("bf16_forward", [False, True])
+def test_short_packed_rows_attention_has_a_float32_backward(bf16_forward) -> None:
+    """A short row (under BF16_BACKWARD_MIN_TOKENS) under a packing mask: the op's forward is
+    SDPA's in its dtype, bit for bit; the backward runs in float32, so with a float32 forward
+    the gradients are torch's SDPA autograd's to float32 rounding, and with a bf16 one within
+    the bf16 forward's rounding."""
+    query, key, value = _qkv(torch.float32, length=40)
+    ref_in = [t.detach().clone().requires_grad_(True) for t in (query, key, value)]
+    segment = torch.tensor([0] * 15 + [1] * 20 + [2] * 5)
+    mask = ((segment[:, None] == segment[None, :]) & torch.ones(40, 40, dtype=torch.bool).tril())[None, None]
+    scale = 32 ** -0.5
+    out, _ = attention.cpu_attention(query, key, value, mask, scale, False, bf16_forward)
+    forward = torch.bfloat16 if bf16_forward else torch.float32
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.detach().to(forward) for t in ref_in), attn_mask=mask, scale=scale, enable_gqa=True)
+    assert out.dtype == forward and torch.equal(out, expected)
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, attn_mask=mask, scale=scale,
+                                                           enable_gqa=True)
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(grad.to(out.dtype))
+    ref.backward(grad)
+    bound = 0.02 if bf16_forward else 1e-6
+    for ours, theirs in zip((query, key, value), ref_in):
+        error = (ours.grad - theirs.grad).norm() / theirs.grad.norm()
+        assert error < bound, error
+        assert float(theirs.grad.abs().max()) > 1e-3
+
+
+def test_the_attention_forward_is_bf16_only_where_the_cpu_has_amx() -> None:
+    assert attention.cpu_forward_dtype(["amx_bf16", "avx512_bf16"]) == torch.bfloat16
+    assert attention.cpu_forward_dtype(["avx512_bf16"]) == torch.float32
+    assert attention.cpu_forward_dtype([]) == torch.float32
 
 
 @pytest.mark.parametrize(("length", "batch"), [(96, 1), (101, 1), (4, 1), (50, 2)])
@@ -74,18 +115,18 @@ def test_balanced_backward_is_the_kernels_backward(length, batch) -> None:
         assert float(theirs.abs().max()) > 1e-3
 
 
-@pytest.fixture(scope="module")
-def bf16_base() -> registry.BaseModel:
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["f32-forward", "bf16-forward"])
+def bf16_base(request) -> registry.BaseModel:
     module, info = model_zoo.load_model(model_zoo.TINY)
     base = registry.BaseModel(model_zoo.TINY, info, module)
     base.store_matmul_weights_bf16()
-    attention.use_float32_attention(module)
+    attention.use_cpu_attention(module, request.param)
     return base
 
 
 def test_checkpointed_long_rows_reuse_the_forwards_attention(bf16_base, monkeypatch) -> None:
-    """A long row (here: past a lowered BF16_BACKWARD_MIN_TOKENS) runs causal_attention; with
-    every layer checkpointed, the backward's recompute takes the attention outputs its forward
+    """A long row (here: past a lowered BF16_BACKWARD_MIN_TOKENS) runs cpu_attention with a bf16
+    backward; with every layer checkpointed, the backward's recompute takes the attention outputs its forward
     kept (the kernel runs once a layer, not twice), and logprobs, loss and gradients equal the
     unchecked trainer's to 1e-5. The checkpointed step keeps the layers' outputs and the
     attention's outputs in mappings of their own (allocator.long_step; here from any size)."""
@@ -134,19 +175,27 @@ def test_checkpointed_long_rows_reuse_the_forwards_attention(bf16_base, monkeypa
     assert max(float(g.abs().max()) for g in grads["off"]) > 1e-4  # the gradients are not 0
 
 
-def test_short_rows_keep_float32_sdpa(bf16_base, monkeypatch) -> None:
-    """Below BF16_BACKWARD_MIN_TOKENS a training row's attention stays torch's float32 SDPA
-    (its backward is faster in float32 there): the op is not called."""
-    calls = []
-    monkeypatch.setattr(attention, "causal_attention",
-                        lambda *a: calls.append(a) or pytest.fail("long-row path on a short row"))
+def test_short_rows_run_the_float32_backward(bf16_base, monkeypatch) -> None:
+    """Below BF16_BACKWARD_MIN_TOKENS a training row's attention backward runs in float32 (the
+    kernel's bf16 backward is slower there: 8 rows of 64 SmolLM2 tokens, 1.9 -> 7.5 ms a layer
+    on the AMX Xeon), whatever the forward's dtype; a long row's in bf16."""
+    dtypes = []
+    real = attention._FLASH_BACKWARD
+    monkeypatch.setattr(attention, "_FLASH_BACKWARD",
+                        lambda *a, **k: dtypes.append(a[1].dtype) or real(*a, **k))
     trainer = LoraTrainer(bf16_base, "short", 4, seed=5)
+    layers = bf16_base.module.config.num_hidden_layers
     try:
         with precision.using(BF16):
-            out = trainer.forward_backward([sft_datum(TEXT[:40])])
+            out = trainer.forward_backward([sft_datum(TEXT[:40]), sft_datum(TEXT[5:30])])
+            assert dtypes == [torch.float32] * layers  # the two rows packed in one
+            dtypes.clear()
+            monkeypatch.setattr(attention, "BF16_BACKWARD_MIN_TOKENS", 32)
+            trainer.forward_backward([sft_datum(TEXT[:40])])
+            assert dtypes == [torch.bfloat16] * layers
     finally:
         trainer.release()
-    assert out["metrics"]["loss:sum"] > 0 and not calls
+    assert out["metrics"]["loss:sum"] > 0
 
 
 def _packing_counted(monkeypatch, packed: list) -> None:

@@ -1,26 +1,31 @@
-"""The attention a bf16 base runs on CPU (transformers' AttentionInterface name
-:data:`FLOAT32_ATTENTION`), and what a recomputed decoder layer keeps of it.
+"""The attention a bf16 base runs on CPU (transformers' AttentionInterface names
+:data:`FLOAT32_ATTENTION` and :data:`BF16_ATTENTION`), and what a recomputed decoder layer keeps
+of it.
 
-- The forward is SDPA in float32 (q, k, v cast up, autocast off): torch's CPU flash kernel's
-  forward is hardly faster in bf16 (one SmolLM2 layer: 41 against 44 ms at 2k) and slower at
-  length (649 against 551 ms at 8k), and float32 keeps logprobs as exact as the rest of the
-  bf16 policy allows (precision.py).
-- Grouped key/value heads: the backward keeps k and v at their own head count; a long row's
-  kernels get them repeated to the query's heads (:func:`_heads_of`, faster), short rows' SDPA
-  takes them grouped (``enable_gqa``; transformers repeats them): identical outputs.
-- A datum of :data:`BF16_BACKWARD_MIN_TOKENS` or more that trains runs
-  :func:`causal_attention`, whose backward is bf16: the kernel's backward is faster in bf16
-  from ~512 tokens (one SmolLM2 layer, 9 heads of 64: 39 -> 29 ms at 1k, 142 -> 96 ms at 2k,
-  475 -> 343 ms at 4k, 1.80 -> 1.47 s at 8k; slower below: 2.5 -> 5.3 ms for 8 rows of 64),
-  and the tensors the backward keeps (q, k, v, the output) are half the bytes. The gradients' relative error
-  against the float32 backward is 0.5-0.8%, what every bf16 matmul of the backward already
-  has. The forward stays float32, and its output is returned in bf16: the bf16 o_proj that
-  reads it rounds it so, so every loss and logprob is unchanged.
+- The forward runs in the dtype this CPU's flash kernel is fastest in (:func:`cpu_forward_dtype`,
+  chosen when the base loads; q, k, v cast to it, autocast off): bf16 on a CPU with AMX, whose
+  tiles multiply bf16 (a SmolLM2 layer, 9 heads of 64, float32 -> bf16: 34.5 -> 11.7 ms at 2k,
+  400 -> 132 ms at 8k on the 2-core Xeon), float32 elsewhere (the 2-core AVX512-BF16 EPYC:
+  44 -> 41 ms at 2k but 551 -> 649 ms at 8k). Every path of a base (training, scoring, the
+  sampler's prefill and decode) runs the same forward, so sampler and trainer logprobs agree
+  as closely in either (precision.BF16_LOGPROB_TOLERANCE).
+- A training row's attention is the :func:`cpu_attention` op, whose backward runs in the dtype
+  faster at the row's length: bf16 from :data:`BF16_BACKWARD_MIN_TOKENS` (one SmolLM2 layer on
+  the EPYC: 39 -> 29 ms at 1k, 142 -> 96 ms at 2k, 475 -> 343 ms at 4k, 1.80 -> 1.47 s at 8k),
+  float32 below (8 rows of 64: 2.5 -> 5.3 ms in bf16 on the EPYC, 1.9 -> 7.5 ms on the Xeon).
+  A long row's op keeps q, k, v and its output in bf16 (half the bytes) and returns the output
+  in bf16: the bf16 o_proj that reads it rounds it so, so every loss and logprob is unchanged.
+  The gradients' relative error against float32 autograd is 0.5-0.8% in bf16, what every bf16
+  matmul of the backward already has.
+- Grouped key/value heads: the backward keeps k and v at their own head count; the kernels get
+  them repeated to the query's heads (:func:`_heads_of`, faster); torch's SDPA, where the op
+  is not used (no gradient), takes them grouped (``enable_gqa``; transformers repeats them):
+  identical outputs.
 - Under activation checkpointing the layer's recompute takes the attention output the
   forward saved (:func:`keep_attention_outputs`, torch's selective checkpointing) instead of
   running the kernel again: attention is most of a long row's FLOPs (an 8k SmolLM2 row: the
-  forward kernel 0.55 s of a layer's ~0.75 s), and its output is one bf16 hidden_size vector
-  a token.
+  float32 forward kernel 0.55 s of a layer's ~0.75 s on the EPYC), and its output is one bf16
+  hidden_size vector a token.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import torch
 from baseten_loops_cli.local.engine import allocator, derived_saves
 
 FLOAT32_ATTENTION = "loops_sdpa_float32"
-# Query length from which a grad-requiring attention runs its backward in bf16 (above).
+BF16_ATTENTION = "loops_sdpa_bf16"
+# Query length from which a training row's attention runs its backward in bf16 (above).
 BF16_BACKWARD_MIN_TOKENS = 1024
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -60,37 +66,61 @@ def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
     return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2, dtype=torch.float32)
 
 
-@torch.library.custom_op("loops::causal_attention", mutates_args=())
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal, unmasked CPU flash attention in float32; the output in bf16 (the bf16 o_proj
-    rounds it so anyway) and the softmax's logsumexp. An op of its own, so a checkpointed
-    layer's recompute can take both from its forward (:func:`keep_attention_outputs`)."""
-    query = query.float()
-    out, logsumexp = _FLASH(query, _heads_of(query, key.float()), _heads_of(query, value.float()),
-                            0.0, True, scale=scale)
-    out, logsumexp = allocator.mapped_copies(out.to(torch.bfloat16), logsumexp)
-    return out, logsumexp
+@torch.library.custom_op("loops::cpu_attention", mutates_args=())
+def cpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  mask: torch.Tensor | None, scale: float, causal: bool,
+                  bf16_forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention of a training row (causal, or under ``mask``: transformers' boolean
+    one, True where a query attends), its forward in bf16 or float32 (``bf16_forward``,
+    :func:`cpu_forward_dtype`); the output and the softmax's logsumexp (float32). The output of
+    a long row (:data:`BF16_BACKWARD_MIN_TOKENS`) is bf16, which the bf16 o_proj rounds it to
+    anyway; a short row's is the forward's dtype. An op of its own, so its backward can run in
+    the dtype that is faster at the row's length, and a checkpointed layer's recompute can take
+    both outputs from its forward (:func:`keep_attention_outputs`)."""
+    dtype = torch.bfloat16 if bf16_forward else torch.float32
+    query = query.to(dtype)
+    out, logsumexp = _FLASH(query, _heads_of(query, key.to(dtype)), _heads_of(query, value.to(dtype)),
+                            0.0, causal, attn_mask=_additive(mask, dtype), scale=scale)
+    if query.shape[2] >= BF16_BACKWARD_MIN_TOKENS:
+        return allocator.mapped_copies(out.to(torch.bfloat16), logsumexp.float())
+    return out, logsumexp.float()
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the kernel takes it: 0 where a query attends, -inf elsewhere (what
+    torch's SDPA makes of one)."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+
+
+def _backward_dtype(length: int) -> torch.dtype:
+    return torch.bfloat16 if length >= BF16_BACKWARD_MIN_TOKENS else torch.float32
 
 
 def _keep_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
-    query, key, value, scale = inputs
-    ctx.scale = scale
+    query, key, value, mask, scale, causal, _bf16_forward = inputs
+    ctx.scale, ctx.causal = scale, causal
     ctx.dtypes = (query.dtype, key.dtype, value.dtype)
-    ctx.save_for_backward(*(t.to(torch.bfloat16) for t in (query, key, value)), *output)
+    backward = _backward_dtype(query.shape[2])
+    ctx.save_for_backward(*(t.to(backward) for t in (query, key, value)), mask, *output)
 
 
-def _causal_attention_backward(ctx: Any, grad: torch.Tensor, _grad_logsumexp: Any) -> Any:
-    query, key, value, out, logsumexp = ctx.saved_tensors
+def _cpu_attention_backward(ctx: Any, grad: torch.Tensor, _grad_logsumexp: Any) -> Any:
+    query, key, value, mask, out, logsumexp = ctx.saved_tensors
     kv_heads = key.shape[1]
-    tensors = (grad.to(torch.bfloat16), query, _heads_of(query, key), _heads_of(query, value),
-               out, logsumexp)
-    if query.shape[2] >= BALANCED_BACKWARD_MIN_TOKENS:
+    dtype = _backward_dtype(query.shape[2])
+    tensors = (grad.to(dtype), query, _heads_of(query, key), _heads_of(query, value),
+               out.to(dtype), logsumexp)
+    if ctx.causal and mask is None and query.shape[2] >= BALANCED_BACKWARD_MIN_TOKENS:
         grads = _balanced_backward(*tensors, ctx.scale)
     else:
-        grads = _FLASH_BACKWARD(*tensors, 0.0, True, scale=ctx.scale)
+        grads = _FLASH_BACKWARD(*tensors, 0.0, ctx.causal, attn_mask=_additive(mask, dtype),
+                                scale=ctx.scale)
     grads = (grads[0], _grouped(grads[1], kv_heads), _grouped(grads[2], kv_heads))
-    return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None)
+    return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None)
 
 
 def _balanced_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -142,20 +172,35 @@ def _balanced_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tenso
             keys_grad(dv_sq, dv_re)[:, :, :length])
 
 
-causal_attention.register_autograd(_causal_attention_backward, setup_context=_keep_for_backward)
+cpu_attention.register_autograd(_cpu_attention_backward, setup_context=_keep_for_backward)
 
 
 def _transposed(output: torch.Tensor) -> torch.Tensor:
     return output.transpose(1, 2).contiguous()
 
 
-def use_float32_attention(module: Any) -> None:
-    """Run ``module``'s SDPA attention in float32 while autocast is on (see the module
-    docstring); unchanged without autocast. For models using ``sdpa`` (others are left)."""
-    if getattr(module.config, "_attn_implementation", None) != "sdpa":
+def cpu_forward_dtype(flags: list[str] | None = None) -> torch.dtype:
+    """The dtype a bf16 base's attention forward runs in on this CPU: bf16 where the CPU has
+    AMX (``amx_bf16``), float32 elsewhere. Measured per layer of SmolLM2 (9 heads of 64),
+    the kernel's causal forward float32 -> bf16: on a 2-core Xeon with AMX 34.5 -> 11.7 ms at
+    2k and 400 -> 132 ms at 8k (AMX multiplies bf16 tiles; its float32 runs on AVX-512); on
+    the 2-core AVX512-BF16 EPYC 44 -> 41 ms at 2k and 551 -> 649 ms at 8k."""
+    from baseten_loops_cli.local.engine import precision
+
+    chosen = precision.cpu_bf16_flags() if flags is None else flags
+    return torch.bfloat16 if "amx_bf16" in chosen else torch.float32
+
+
+def use_cpu_attention(module: Any, forward_dtype: torch.dtype | None = None) -> None:
+    """Run ``module``'s SDPA attention with its forward in ``forward_dtype`` (default
+    :func:`cpu_forward_dtype`) while autocast is on (see the module docstring); unchanged
+    without autocast. For models using ``sdpa`` (others are left)."""
+    if getattr(module.config, "_attn_implementation", None) not in ("sdpa", FLOAT32_ATTENTION,
+                                                                     BF16_ATTENTION):
         return
     _register()
-    module.set_attn_implementation(FLOAT32_ATTENTION)
+    dtype = cpu_forward_dtype() if forward_dtype is None else forward_dtype
+    module.set_attn_implementation(BF16_ATTENTION if dtype == torch.bfloat16 else FLOAT32_ATTENTION)
 
 
 def _register() -> None:
@@ -163,36 +208,52 @@ def _register() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    def float32_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+    def sdpa_in(dtype: torch.dtype) -> Any:
+        bf16_forward = dtype == torch.bfloat16
+
+        def cpu_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
                      dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs: Any) -> Any:
-        device = query.device.type
-        options = dict(dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-        if not torch.is_autocast_enabled(device):
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **options)
-        q_length = query.shape[2]
-        causal = q_length > 1 and attention_mask is None and (
-            is_causal if is_causal is not None else getattr(module, "is_causal", True))
-        if (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-                or (causal and key.shape[2] != q_length)):  # cases transformers adapts
+            device = query.device.type
+            options = dict(dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+            if not torch.is_autocast_enabled(device):
+                return sdpa_attention_forward(module, query, key, value, attention_mask, **options)
+            q_length = query.shape[2]
+            causal = q_length > 1 and attention_mask is None and (
+                is_causal if is_causal is not None else getattr(module, "is_causal", True))
+            if (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+                    or (causal and key.shape[2] != q_length)):  # cases transformers adapts
+                with torch.autocast(device, enabled=False):
+                    return sdpa_attention_forward(module, query.to(dtype), key.to(dtype),
+                                                  value.to(dtype), attention_mask, **options)
             with torch.autocast(device, enabled=False):
-                return sdpa_attention_forward(module, query.float(), key.float(), value.float(),
-                                              attention_mask, **options)
-        with torch.autocast(device, enabled=False):
-            if (causal and not dropout and device == "cpu" and torch.is_grad_enabled()
-                    and q_length >= BF16_BACKWARD_MIN_TOKENS):
-                scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-                output, _ = causal_attention(query, key, value, scale)
-            else:
-                output = torch.nn.functional.scaled_dot_product_attention(
-                    query.float(), key.float(), value.float(), attn_mask=attention_mask,
-                    dropout_p=dropout, scale=scaling, is_causal=bool(causal),
-                    enable_gqa=query.shape[1] != key.shape[1])
-        # o_proj's LoRA A keeps this copy for its backward; the kernel keeps ``output``.
-        return derived_saves.derive(output.transpose(1, 2).contiguous(), _transposed, output), None
+                if not dropout and device == "cpu" and torch.is_grad_enabled() and (
+                        causal or attention_mask is not None):
+                    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+                    mask = None if causal else attention_mask
+                    output, _ = cpu_attention(query, key, value, mask, scale, causal, bf16_forward)
+                else:
+                    output = torch.nn.functional.scaled_dot_product_attention(
+                        query.to(dtype), key.to(dtype), value.to(dtype),
+                        attn_mask=_mask_for(attention_mask, dtype), dropout_p=dropout,
+                        scale=scaling, is_causal=bool(causal),
+                        enable_gqa=query.shape[1] != key.shape[1])
+            # o_proj's LoRA A keeps this copy for its backward; the kernel keeps ``output``.
+            return derived_saves.derive(output.transpose(1, 2).contiguous(), _transposed, output), None
 
-    AttentionInterface.register(FLOAT32_ATTENTION, float32_sdpa)
-    AttentionMaskInterface.register(FLOAT32_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        return cpu_sdpa
+
+    for name, dtype in ((FLOAT32_ATTENTION, torch.float32), (BF16_ATTENTION, torch.bfloat16)):
+        AttentionInterface.register(name, sdpa_in(dtype))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def _mask_for(mask: Any, dtype: torch.dtype) -> Any:
+    """An additive float mask in the kernel's dtype (SDPA wants the query's); a boolean one
+    as it is."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return mask.to(dtype)
 
 
 def keep_attention_outputs() -> Any:
@@ -204,7 +265,7 @@ def keep_attention_outputs() -> Any:
 
     aten = torch.ops.aten
     saved = {aten._scaled_dot_product_flash_attention_for_cpu.default,
-             torch.ops.loops.causal_attention.default}
+             torch.ops.loops.cpu_attention.default}
     flash_cuda = getattr(aten, "_scaled_dot_product_flash_attention", None)
     if flash_cuda is not None:
         saved.add(flash_cuda.default)

@@ -15,16 +15,18 @@ auto|float32|bfloat16 --device auto|cpu|cuda``).
   float32 weights and computes in float32 (:func:`float32_linear_class`), so every logprob
   (sampling, echo, ``/forward``, RL) comes from float32 logits; a tied head shares the
   embedding's float32 weight.
-- On CPU, such a base computes attention in float32 (attention.use_float32_attention: q, k, v
-  cast up, autocast off around SDPA): torch's CPU flash-attention kernel is slower in bf16
-  than in float32 (SmolLM2 SFT step: its backward 174 ms in bf16 against 45 ms in float32;
-  the step 12% faster with attention in float32). It is no less exact: SmolLM2 logprobs on 8
-  SFT rows against float32, max |error| 0.16 against 0.24 with bf16 attention, mean 0.037
-  against 0.034. Plain PEFT compared with such a base runs the same attention
-  (scripts/gpu_check.sh).
-  That attention calls SDPA with grouped key/value heads (``enable_gqa``) where transformers
-  would repeat them: identical outputs, 92 KB less per trained SmolLM2 token. From 1k tokens
-  its backward runs in bf16 (attention.py: faster there, and half the kept bytes).
+- On CPU, such a base computes attention's forward in the dtype its CPU's flash kernel is
+  fastest in (attention.use_cpu_attention: q, k, v cast to it, autocast off around SDPA):
+  float32 on the AVX512-BF16 EPYC, where the kernel is slower in bf16 (SmolLM2 SFT step: its
+  backward 174 ms in bf16 against 45 ms in float32; the step 12% faster with attention in
+  float32), bf16 on a CPU with AMX (attention.cpu_forward_dtype: 3x faster at 2k-8k tokens).
+  float32 is no less exact: SmolLM2 logprobs on 8 SFT rows against float32, max |error| 0.16
+  against 0.24 with bf16 attention, mean 0.037 against 0.034. Plain PEFT compared with such a
+  base runs the same attention (scripts/gpu_check.sh).
+  Short rows' SDPA takes grouped key/value heads (``enable_gqa``) where transformers would
+  repeat them: identical outputs, 92 KB less per trained SmolLM2 token. A training row's
+  backward runs in float32, from 1k tokens in bf16 (attention.py: faster there, and half the
+  kept bytes).
 - The Linear layers inside a bf16 base's LoRA layers share one bf16 copy of each input
   (:func:`share_input_casts`): autocast made one per layer, and autograd kept the LoRA A
   ones (SmolLM2: 213 KB per trained token). Bit-identical results.

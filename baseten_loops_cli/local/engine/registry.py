@@ -282,7 +282,7 @@ def load_base(name: str) -> BaseModel:
         if policy.bf16:  # frozen matmul weights in bf16 once; CPU attention in float32
             base.store_matmul_weights_bf16()
             if policy.device == "cpu":
-                attention.use_float32_attention(module)
+                attention.use_cpu_attention(module)
         # Where a job may change its thread count mid-way (the twin copies the hooks).
         thread_budget.install(decoder_layers(module))
         base.make_twin()

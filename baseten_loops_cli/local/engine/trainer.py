@@ -469,7 +469,7 @@ def _packable(model: Any) -> bool:
     config = getattr(model, "config", None)
     return (getattr(config, "model_type", None) in _PACKABLE_MODEL_TYPES
             and getattr(config, "_attn_implementation", None) in (
-                "sdpa", "eager", attention.FLOAT32_ATTENTION))
+                "sdpa", "eager", attention.FLOAT32_ATTENTION, attention.BF16_ATTENTION))
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
