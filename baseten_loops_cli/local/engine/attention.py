@@ -87,8 +87,8 @@ def cpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask as the kernel takes it: 0 where a query attends, -inf elsewhere (what
-    torch's SDPA makes of one)."""
+    """A mask as the kernels take it, in their dtype: a boolean one as 0 where a query attends
+    and -inf elsewhere (what torch's SDPA makes of one), a float one cast."""
     if mask is None:
         return None
     if mask.dtype != torch.bool:
@@ -235,7 +235,7 @@ def _register() -> None:
                 else:
                     output = torch.nn.functional.scaled_dot_product_attention(
                         query.to(dtype), key.to(dtype), value.to(dtype),
-                        attn_mask=_mask_for(attention_mask, dtype), dropout_p=dropout,
+                        attn_mask=_additive(attention_mask, dtype), dropout_p=dropout,
                         scale=scaling, is_causal=bool(causal),
                         enable_gqa=query.shape[1] != key.shape[1])
             # o_proj's LoRA A keeps this copy for its backward; the kernel keeps ``output``.
@@ -247,13 +247,6 @@ def _register() -> None:
         AttentionInterface.register(name, sdpa_in(dtype))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
-
-def _mask_for(mask: Any, dtype: torch.dtype) -> Any:
-    """An additive float mask in the kernel's dtype (SDPA wants the query's); a boolean one
-    as it is."""
-    if mask is None or mask.dtype == torch.bool:
-        return mask
-    return mask.to(dtype)
 
 
 def keep_attention_outputs() -> Any:

@@ -279,7 +279,7 @@ def load_base(name: str) -> BaseModel:
         if policy.device != "cpu":  # the twin shares the weights there
             module = module.to(policy.device)
         base = BaseModel(name, info, module)
-        if policy.bf16:  # frozen matmul weights in bf16 once; CPU attention in float32
+        if policy.bf16:  # frozen matmul weights in bf16 once; CPU attention in the CPU's dtype
             base.store_matmul_weights_bf16()
             if policy.device == "cpu":
                 attention.use_cpu_attention(module)
