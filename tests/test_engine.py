@@ -526,6 +526,48 @@ def test_a_full_sampler_refills_its_oldest_adapter_with_a_new_version(make_train
         fresh.unload_adapter("last")
 
 
+def test_an_adapter_family_shares_two_slots(make_trainer, base, tmp_path, monkeypatch) -> None:
+    """An RL run's live adapter, republished every step (one adapter_family): from the third
+    version on each takes over the family's least recently used slot (no PEFT add; FAMILY_SLOTS
+    sets of weights held, not one a version) and samples as a fresh load does; an adapter
+    outside the family keeps its slot."""
+    from baseten_loops_cli.local.engine import sampler as sampler_module
+
+    assert sampler_module.FAMILY_SLOTS == 2
+    trainer = make_trainer(seed=4)
+    versions = []
+    for v in range(4):
+        trainer.forward_backward([sft_datum(TEXT[: 10 + v])])
+        trainer.optim_step({"learning_rate": 1e-2})
+        trainer.save_sampler_weights(tmp_path / f"v{v}")
+        versions.append(tmp_path / f"v{v}")
+    engine, fresh = SamplerEngine(base.twin), SamplerEngine(base.twin)
+    added: list[str] = []
+    add = base.twin.load_adapter
+    monkeypatch.setattr(base.twin, "load_adapter", lambda name, path: added.append(name) or add(name, path))
+    request = dict(prompt=TEXT[:5], n=2, max_tokens=6, seed=3)
+    try:
+        engine.load_adapter("other", versions[0])
+        slots = {}
+        for v, path in enumerate(versions):
+            [ours] = engine.sample([SampleRequest(**request, adapter=f"v{v}", adapter_path=path,
+                                                  adapter_family="live:s")])
+            slots[v] = engine._adapters[f"v{v}"]
+        assert len(added) == 3  # "other", v0, v1: v2 and v3 refilled
+        assert engine.loaded_adapters == ["other", "v2", "v3"]
+        assert (slots[2], slots[3]) == (slots[0], slots[1])
+        [theirs] = fresh.sample([SampleRequest(**request, adapter="last", adapter_path=versions[-1])])
+        assert [(s.tokens, s.logprobs) for s in ours.sequences] == [
+            (s.tokens, s.logprobs) for s in theirs.sequences]
+        engine.unload_adapter("v3")  # forgets its family: the next version takes a new slot
+        engine.load_adapter("v4", versions[0], "live:s")
+        assert engine.loaded_adapters == ["other", "v2", "v4"] and len(added) == 5
+    finally:
+        for key in engine.loaded_adapters:
+            engine.unload_adapter(key)
+        fresh.unload_adapter("last")
+
+
 def test_sampler_stops_and_greedy_base(base) -> None:
     engine = SamplerEngine(base)
     greedy = SampleRequest(prompt=TEXT[:5], max_tokens=8, temperature=0.0)

@@ -742,6 +742,27 @@ def _sampler_adapters(client: httpx.Client) -> list[str]:
     return [key for m in models for key in m["sampler_adapters_in_memory"]]
 
 
+def test_a_runs_live_adapter_versions_share_two_engine_slots(client: httpx.Client):
+    """Each save_weights_for_sampler of an RL run republishes its paired sampler's adapter:
+    the engine holds the last two versions (sampler.FAMILY_SLOTS), refilling their layers in
+    place, not a slot per version up to its LRU's eight."""
+    trainer = new_run(client, route="/v1/loops/runs")
+    run_id = trainer.run["id"]
+    sampler = client.get(f"/v1/loops/runs/{run_id}").json()["run"]["sampler"]
+    for step in range(4):
+        trainer.do("forward_backward", {"data": DATA, "loss_fn": "cross_entropy"})
+        trainer.do("optim_step", {"adam_params": {"learning_rate": 0.05}})
+        trainer.do("save_weights_for_sampler", {"name": f"v{step}", "bump_version": True})
+        sample = client.post(f"/samplers/{sampler['id']}/sync/sample",
+                             json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert sample.status_code == 200
+        assert sample.headers["x-trainers-policy-version"] == str(step + 1)
+    pks = {c["id"] for c in client.get("/v1/loops/checkpoints",
+                                        params={"run_id": run_id}).json()["checkpoints"]}
+    assert len(pks) == 4
+    assert len([key for key in _sampler_adapters(client) if key.split("@")[0] in pks]) == 2
+
+
 def test_scale_to_zero_and_wake(client: httpx.Client):
     # 2 s: long enough that the checks right after sampling see the adapter loaded.
     trainer = new_run(client, route="/v1/loops/runs", scale_down_delay_seconds=2)

@@ -42,6 +42,10 @@ class SampleRequest:
     # whenever the files do, so engine-side caches never serve stale weights.
     adapter: str | None = None
     adapter_path: str | Path | None = None
+    # The versions of one adapter that replace each other (a paired sampler's live adapter,
+    # republished at every save_weights_for_sampler of its run): they share
+    # sampler.FAMILY_SLOTS engine slots instead of taking one each. None: a slot of its own.
+    adapter_family: str | None = None
     # k > 0: each generated token's k most likely alternatives too (SampledSequence.top_logprobs).
     top_logprobs: int = 0
     # Streaming: called on the generating thread after every decoded token, before the next

@@ -201,7 +201,8 @@ def sample_job(sampling: Sampling, prompt: list[int], max_len: int, stop_ids: li
         prompt=prompt, n=sampling.n, max_tokens=max_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
         stop_token_ids=stop_ids, stop=sampling.stop, prompt_logprobs=None,
-        adapter=adapter.key if adapter else None, adapter_path=adapter.path if adapter else None)
+        adapter=adapter.key if adapter else None, adapter_path=adapter.path if adapter else None,
+        adapter_family=adapter.family if adapter else None)
 
 
 def reject_unsupported(body: dict, implemented: frozenset[str]) -> None:

@@ -207,7 +207,7 @@ async def sample(request: Request) -> Response:
         sampler, request.headers.get("x-checkpoint-path") or None,
         _header_int(request, "x-min-policy-version"))
     if adapter is not None:
-        job.adapter, job.adapter_path = adapter.key, adapter.path
+        job.adapter, job.adapter_path, job.adapter_family = adapter.key, adapter.path, adapter.family
     model = adapter.name if adapter else sampler.base_model
     want_logprobs = body.get("logprobs") is not None
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -57,6 +57,8 @@ class Adapter:
     path: Path
     version: int
     key: str
+    # A paired sampler's live adapter: its versions share engine slots (SampleRequest.adapter_family).
+    family: str | None = None
 
 
 _STREAM_END = object()
@@ -385,7 +387,11 @@ class SamplerService:
         if sampler.run_id is not None and sampler.policy_version == 0:
             return None  # version 0: nothing trained yet, the base model serves
         cp = self.store.get_checkpoint(sampler.live_checkpoint_pk)
-        return self.adapter(cp) if cp is not None else None
+        if cp is None:
+            return None
+        # Each save_weights_for_sampler of the run republishes it: a new version replaces the
+        # last in the engine rather than taking a slot of its own.
+        return replace(self.adapter(cp), family=f"live:{sampler.id}")
 
     def _pinned(self, sampler: st.SamplerRow, pin: str) -> tuple[Adapter | None, int]:
         ref = parse_bt_path(pin)
