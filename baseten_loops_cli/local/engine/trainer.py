@@ -322,6 +322,16 @@ class LoraTrainer:
 # 188 MiB since derived_saves (0.69x the bytes a token): the same ~320 SmolLM2 tokens a pass
 # as 272 MiB before it (the run_all of ea5c98d, whose passes took 1.45x the tokens, read the RL
 # example's peak 3.04x its weights, against 2.86, and SFT vs TRL 1.19 against 1.56).
+#
+# Tried and not kept (2026-12-08, SmolLM2 bf16 on the AMX Xeon, the RL example's 32 datums,
+# 1,520 tokens): one pass recomputing every layer instead of five passes (kept bytes ~186 MiB,
+# under this budget) trained 16-20% faster in process (5.55 -> 4.65 s; two passes of 760
+# tokens, 5.7 s: the (760 x 1536) x (1536 x 576) product runs at ~970 GFLOP/s, at 1,520 rows
+# ~1,500), but the server's peak under the example rose from 1,406 to 1,550-1,585 MiB (3.02x
+# the weights, over bench/memory.py's 3.0): the pass's live bytes peaked 283 MiB over the
+# step's start and its RSS 485, the rest free heap among its blocks (not the kept inputs:
+# mapped apart, 472); with every block over 1 MiB mapped apart the RSS followed (+320 MiB) but
+# the step took 8.3 s of page faults.
 BACKWARD_CHUNK_BYTES = 188 * 2**20
 
 
