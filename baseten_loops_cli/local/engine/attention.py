@@ -248,7 +248,6 @@ def _register() -> None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
-
 def keep_attention_outputs() -> Any:
     """A ``context_fn`` for ``torch.utils.checkpoint``: the recompute of a checkpointed layer
     reuses the flash kernels' outputs its forward saved (see the module docstring)."""

@@ -148,11 +148,17 @@ class SamplerEngine:
             self._adapters.move_to_end(key)
             return
         kin = [k for k in self._adapters if family is not None and self._families.get(k) == family]
-        if len(kin) >= FAMILY_SLOTS and self._refill(kin[0], key, path, family):
-            return
-        if len(self._adapters) >= MAX_LOADED_ADAPTERS and self._refill(
-                next(iter(self._adapters)), key, path, family):
-            return
+        refilled = ((len(kin) >= FAMILY_SLOTS and self._refill(kin[0], key, path))
+                    or (len(self._adapters) >= MAX_LOADED_ADAPTERS
+                        and self._refill(next(iter(self._adapters)), key, path)))
+        if not refilled:
+            self._add(key, path)
+        if family is not None:
+            self._families[key] = family
+
+    def _add(self, key: str, path: str | Path) -> None:
+        """Load ``path`` into a new slot on the base (PEFT wraps every layer again), making
+        room in the LRU first."""
         while len(self._adapters) >= MAX_LOADED_ADAPTERS:
             self.unload_adapter(next(iter(self._adapters)))
         self._slots += 1
@@ -164,10 +170,8 @@ class SamplerEngine:
             raise EngineInputError(f"Cannot load the adapter at {path}: {exc}",
                                    "InvalidCheckpoint") from exc
         self._adapters[key] = name
-        if family is not None:
-            self._families[key] = family
 
-    def _refill(self, oldest: str, key: str, path: str | Path, family: str | None) -> bool:
+    def _refill(self, oldest: str, key: str, path: str | Path) -> bool:
         """Give adapter ``oldest``'s layers the weights at ``path`` under ``key`` if their
         shapes match (an RL run's successive versions): no PEFT layer surgery. False if they
         do not (nothing changed)."""
@@ -182,8 +186,6 @@ class SamplerEngine:
         del self._adapters[oldest]
         self._families.pop(oldest, None)
         self._adapters[key] = name
-        if family is not None:
-            self._families[key] = family
         return True
 
     def unload_adapter(self, key: str) -> None:
